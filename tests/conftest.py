@@ -1,0 +1,31 @@
+"""Shared test set-up: deterministic hypothesis profiles and seeded torch/numpy."""
+
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+# CI profile: no deadline (a loaded 2-core machine is slow), a bounded example count, and a fixed
+# example sequence (derandomize) so that a run's pass never depends on luck or wall-clock time.
+settings.register_profile(
+    "ci",
+    deadline=None,
+    max_examples=60,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile("dev", deadline=None, max_examples=300)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@pytest.fixture(autouse=True)
+def _seed_everything():
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+    yield
