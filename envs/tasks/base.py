@@ -1,0 +1,56 @@
+"""What a task is: a seeded prompt source plus the rewards that judge its completions."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+__all__ = ["Task"]
+
+
+class Task:
+    """Base class for prompt sources.
+
+    A task draws prompts with :meth:`sample` from a ``numpy.random.Generator`` (so an env seeded with
+    ``reset(seed=...)`` replays the same prompts) and names its default rewards.
+
+    Each sample is a dict with ``"prompt"`` (str) and optional task fields: ``"solution"`` (a reference
+    completion, used for supervised warm starts and preference pairs), ``"answer"`` and anything else the
+    rewards need. Every sample of a task carries the same keys.
+
+    Attributes:
+        name: short name used in logs.
+        stop_strings: texts that end an episode when generated (matched on token ids), besides EOS.
+        step_delimiter: text that ends one reasoning step (``"\\n"``); ``None`` when the task has no steps.
+        max_prompt_chars: upper bound on prompt length in characters (sizes the env's prompt buffer).
+        default_max_new_tokens: generation budget when the env is not given one.
+    """
+
+    name: str = "task"
+    stop_strings: tuple[str, ...] = ()
+    step_delimiter: str | None = None
+    max_prompt_chars: int = 64
+    default_max_new_tokens: int = 32
+
+    def sample(self, rng: np.random.Generator) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def reward(self) -> Callable:
+        """The default outcome reward: ``(prompts, completions, **fields) -> list[float]``."""
+        raise NotImplementedError
+
+    def process_reward(self) -> Callable | None:
+        """The default process reward ``(prompts, steps, **fields) -> list[list[float]]``, or ``None``."""
+        return None
+
+    def on_seed(self, seed: int | None) -> None:
+        """Hook the environment calls on ``reset(seed=...)``, before sampling with the re-seeded generator.
+
+        Stateless tasks ignore it; tasks that walk a stream of rows (e.g. ``DatasetTask``) restart the
+        stream, so that re-seeding the env replays the same prompts.
+        """
+
+    def batch(self, rng: np.random.Generator, n: int) -> list[dict[str, Any]]:
+        """``n`` samples drawn in order from ``rng``."""
+        return [self.sample(rng) for _ in range(n)]

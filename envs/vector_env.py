@@ -1,0 +1,460 @@
+"""``TokenVectorEnv``: N token-level generation episodes as tensors on one device.
+
+Layout of one row of the token buffer (``obs["tokens"][i]``, length ``L = P + M``)::
+
+    [ <pad> ... <pad> <bos> p r o m p t | g e n e r a t e d <pad> ... ]
+      <------- P = max_prompt_len ----->  <---- M = max_new_tokens ---->
+
+Prompts are **left-padded** into the first ``P`` slots, so every row's generation starts at column ``P``
+and a lockstep batch writes each new token into the same column: the layout a KV-cached policy wants.
+``obs["mask"]`` is ``True`` on real tokens (prompt and generated), ``False`` on padding.
+
+Per step, each active slot appends its action. A slot **terminates** when it emits a stop token (EOS,
+or the last token of a task/user stop string, matched on token ids) and is **truncated** when it
+reaches ``M`` generated tokens. Rewards are per token: a process reward (PRM) score lands on the token
+that ends a reasoning step, the outcome reward on the episode's last token; ``step`` returns the sum
+for the token just emitted, and the env keeps the full per-token record (:attr:`rewards`,
+:attr:`process_rewards`, :attr:`step_end`, :attr:`outcome`) for agents to read after the episode.
+
+Autoreset modes (``metadata["autoreset_mode"]``):
+
+* ``DISABLED`` (default, the agents' fast path): a batch of episodes runs in lockstep. Finished slots
+  are masked: their actions are ignored, their reward is 0 and their ``terminated``/``truncated`` flags
+  stay set until the next ``reset()``, which starts the next batch (``options={"reset_mask": m}``
+  resets only whole groups marked in ``m``). Stepping when every slot has finished is an error.
+* ``NEXT_STEP`` (what generic Gymnasium loops expect): the step after a slot finishes resets that slot
+  with a new prompt, ignoring its action and returning reward 0 and flags ``False``. Needs
+  ``group_size=1`` (a GRPO group must start together; use ``DISABLED`` for groups).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+from gymnasium import spaces
+from gymnasium.vector import AutoresetMode, VectorEnv
+from gymnasium.vector.utils import batch_space
+
+from tokengym.envs.tasks.base import Task
+from tokengym.envs.tokenizer import load_tokenizer
+from tokengym.rewards.protocols import score_outcome, score_process
+
+__all__ = ["TokenVectorEnv", "resolve_task"]
+
+
+def resolve_task(task: str | Task, **task_kwargs: Any) -> Task:
+    """A :class:`Task` from a name (``"arithmetic"``, ``"reverse"``, ``"dataset"``, ``"reasoning_gym"``) or instance."""
+    if isinstance(task, Task):
+        if task_kwargs:
+            raise TypeError(f"got a Task instance and extra task arguments {sorted(task_kwargs)}; pass one or the other")
+        return task
+    from tokengym.envs import tasks as T
+
+    named = {
+        "arithmetic": T.ArithmeticTask,
+        "reverse": T.ReverseTask,
+        "dataset": T.DatasetTask,
+        "reasoning_gym": T.ReasoningGymTask,
+    }
+    if not isinstance(task, str) or task not in named:
+        raise ValueError(f"unknown task {task!r}; choose one of {sorted(named)} or pass a Task instance")
+    return named[task](**task_kwargs)
+
+
+def _parse_mode(mode: Any) -> AutoresetMode:
+    if isinstance(mode, AutoresetMode):
+        return mode
+    by_name = {m.name.lower(): m for m in AutoresetMode} | {m.value.lower(): m for m in AutoresetMode}
+    key = str(mode).lower().replace("-", "_")
+    if key not in by_name or by_name[key] is AutoresetMode.SAME_STEP:
+        raise ValueError(f"autoreset_mode {mode!r} is not supported; use 'disabled' or 'next_step'")
+    return by_name[key]
+
+
+class TokenVectorEnv(VectorEnv):
+    """N token-generation episodes held as torch tensors on ``device``.
+
+    Args:
+        num_envs: number of slots N (a multiple of ``group_size``).
+        task: a :class:`Task` or a task name; ``**task_kwargs`` go to the task's constructor.
+        tokenizer: ``None``/``"char"`` for the bundled char tokenizer, a local folder, or a tokenizer object.
+        reward: outcome reward replacing the task's verifier.
+        process_reward: ``None`` (off), ``True`` (the task's PRM) or a process-reward callable.
+        max_new_tokens: generation budget M (default: the task's).
+        max_prompt_len: prompt buffer P in tokens (default: the task's longest prompt in characters + 2).
+        stop_strings: texts that end an episode (default: the task's), matched on their token ids.
+        group_size: G; each prompt fills G contiguous slots (``info["group_id"]``), for GRPO.
+        device: where every buffer and returned tensor lives.
+        autoreset_mode: ``"disabled"`` (default) or ``"next_step"``; see the module docstring.
+
+    Example:
+        >>> import torch
+        >>> env = TokenVectorEnv(4, "arithmetic", group_size=2)
+        >>> obs, info = env.reset(seed=0)
+        >>> obs["tokens"].shape == (4, env.max_prompt_len + env.max_new_tokens)
+        True
+        >>> eos = torch.full((4,), env.tokenizer.eos_token_id)
+        >>> obs, reward, terminated, truncated, info = env.step(eos)
+        >>> bool(terminated.all()), reward.shape
+        (True, torch.Size([4]))
+    """
+
+    def __init__(
+        self,
+        num_envs: int = 1,
+        task: str | Task = "arithmetic",
+        *,
+        tokenizer: Any = None,
+        reward: Callable | None = None,
+        process_reward: Callable | bool | None = None,
+        max_new_tokens: int | None = None,
+        max_prompt_len: int | None = None,
+        stop_strings: Sequence[str] | None = None,
+        group_size: int = 1,
+        device: str | torch.device = "cpu",
+        autoreset_mode: str | AutoresetMode = AutoresetMode.DISABLED,
+        render_mode: str | None = None,
+        **task_kwargs: Any,
+    ):
+        if not isinstance(num_envs, int) or num_envs < 1:
+            raise ValueError(f"num_envs must be a positive int, got {num_envs!r}")
+        if not isinstance(group_size, int) or group_size < 1 or num_envs % group_size:
+            raise ValueError(f"num_envs={num_envs} must be a positive multiple of group_size={group_size!r}")
+        self.task = resolve_task(task, **task_kwargs)
+        self.tokenizer = load_tokenizer(tokenizer)
+        self.reward_fn = reward if reward is not None else self.task.reward()
+        if process_reward is True:
+            process_reward = self.task.process_reward()
+            if process_reward is None:
+                raise ValueError(f"task {self.task.name!r} has no process reward; pass a callable")
+        self.process_reward_fn = process_reward or None
+        self.num_envs, self.group_size, self.n_groups = num_envs, group_size, num_envs // group_size
+        self.device = torch.device(device)
+        self.max_new_tokens = int(max_new_tokens or self.task.default_max_new_tokens)
+        self.max_prompt_len = int(max_prompt_len or self.task.max_prompt_chars + 2)
+        if self.max_new_tokens < 1 or self.max_prompt_len < 1:
+            raise ValueError(f"max_new_tokens and max_prompt_len must be >= 1, got {self.max_new_tokens}, {self.max_prompt_len}")
+        mode = _parse_mode(autoreset_mode)
+        if mode is AutoresetMode.NEXT_STEP and group_size != 1:
+            raise ValueError("autoreset_mode='next_step' needs group_size=1: a group's G episodes must start together")
+        self.autoreset_mode = mode
+        self.metadata = {"autoreset_mode": mode, "render_modes": ["ansi"]}
+        self.render_mode = render_mode
+        self.vocab_size = len(self.tokenizer)
+        self.seq_len = self.max_prompt_len + self.max_new_tokens
+        self.pad_id = int(self.tokenizer.pad_token_id)
+
+        L, V = self.seq_len, self.vocab_size
+        self.single_action_space = spaces.Discrete(V)
+        self.single_observation_space = spaces.Dict(
+            {"tokens": spaces.Box(0, V - 1, (L,), np.int64), "mask": spaces.Box(0, 1, (L,), np.bool_)}
+        )
+        self.action_space = batch_space(self.single_action_space, num_envs)
+        self.observation_space = batch_space(self.single_observation_space, num_envs)
+
+        self._build_lookups(stop_strings if stop_strings is not None else self.task.stop_strings)
+        self._alloc()
+
+    # ------------------------------------------------------------------ set-up
+    def _build_lookups(self, stop_strings: Sequence[str]) -> None:
+        V, dev, tok = self.vocab_size, self.device, self.tokenizer
+        is_stop = torch.zeros(V, dtype=torch.bool)
+        eos = tok.eos_token_id
+        for i in eos if isinstance(eos, (list, tuple)) else [eos]:
+            is_stop[int(i)] = True
+        self.stop_sequences: list[torch.Tensor] = []
+        for s in stop_strings:
+            ids = tok(s, add_special_tokens=False)["input_ids"]
+            if not ids:
+                raise ValueError(f"stop string {s!r} encodes to no tokens")
+            if len(ids) == 1:
+                is_stop[ids[0]] = True
+            else:
+                self.stop_sequences.append(torch.tensor(ids, device=dev))
+        self._is_stop = is_stop.to(dev)
+        self._is_delim = None
+        delim = self.task.step_delimiter
+        if self.process_reward_fn is not None:
+            if not delim:
+                raise ValueError(f"task {self.task.name!r} has no step_delimiter, so a process reward cannot be placed")
+            texts = tok.convert_ids_to_tokens(list(range(V)))
+            pieces = [tok.convert_tokens_to_string([t]) if t is not None else "" for t in texts]
+            self._is_delim = torch.tensor([delim in p for p in pieces], dtype=torch.bool, device=dev)
+
+    def _alloc(self) -> None:
+        N, L, M, dev = self.num_envs, self.seq_len, self.max_new_tokens, self.device
+        self.tokens = torch.full((N, L), self.pad_id, dtype=torch.long, device=dev)
+        self.attention_mask = torch.zeros((N, L), dtype=torch.bool, device=dev)
+        self.gen_len = torch.zeros(N, dtype=torch.long, device=dev)
+        self.terminated = torch.zeros(N, dtype=torch.bool, device=dev)
+        self.truncated = torch.zeros(N, dtype=torch.bool, device=dev)
+        self.rewards = torch.zeros((N, M), dtype=torch.float32, device=dev)
+        self.process_rewards = torch.zeros((N, M), dtype=torch.float32, device=dev)
+        self.step_end = torch.zeros((N, M), dtype=torch.bool, device=dev)
+        self.outcome = torch.zeros(N, dtype=torch.float32, device=dev)
+        self.group_id = torch.zeros(N, dtype=torch.long, device=dev)
+        self._needs_reset = torch.zeros(N, dtype=torch.bool, device=dev)
+        self._arange_n = torch.arange(N, device=dev)
+        self.samples: list[dict[str, Any]] = [{} for _ in range(N)]
+        self.step_scores: list[list[float]] = [[] for _ in range(N)]
+        self.completions: list[str | None] = [None] * N
+        self.reward_components: list[dict[str, float]] = [{} for _ in range(N)]
+        self._next_group = 0
+        self._started = False
+
+    # ------------------------------------------------------------------ reset
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        """Start a new batch of episodes (or, with ``options["reset_mask"]``, only the masked groups).
+
+        Options:
+            samples: ``n_groups`` prompts to use instead of drawing from the task (each a str or a
+                dict with ``"prompt"`` and task fields); with ``reset_mask``, one per reset group.
+            reset_mask: bool ``[N]``; only these slots restart (whole groups only).
+        """
+        super().reset(seed=seed)
+        if seed is not None and hasattr(self.task, "on_seed"):
+            self.task.on_seed(seed)
+        options = dict(options or {})
+        unknown = set(options) - {"samples", "reset_mask"}
+        if unknown:
+            raise ValueError(f"unknown reset options {sorted(unknown)}; valid: ['reset_mask', 'samples']")
+        groups = list(range(self.n_groups))
+        if options.get("reset_mask") is not None:
+            m = torch.as_tensor(options["reset_mask"], dtype=torch.bool).reshape(-1).cpu()
+            if m.shape != (self.num_envs,):
+                raise ValueError(f"reset_mask must have shape ({self.num_envs},), got {tuple(m.shape)}")
+            g = m.view(self.n_groups, self.group_size)
+            if not bool((g.all(1) | ~g.any(1)).all()):
+                raise ValueError("reset_mask must cover whole groups (all G slots of a group or none)")
+            if not self._started and not bool(m.all()):
+                raise ValueError("the first reset must reset every slot")
+            groups = g.all(1).nonzero().flatten().tolist()
+        samples = options.get("samples")
+        if samples is None:
+            samples = self.task.batch(self.np_random, len(groups))
+        elif len(samples) != len(groups):
+            raise ValueError(f"options['samples'] has {len(samples)} prompts for {len(groups)} groups being reset")
+        samples = [s if isinstance(s, dict) else {"prompt": s} for s in samples]
+        slots = [gi * self.group_size + j for gi in groups for j in range(self.group_size)]
+        self._fill(slots, [s for s in samples for _ in range(self.group_size)], groups)
+        self._started = True
+        return self._obs(), self._info()
+
+    def _fill(self, slots: list[int], samples: list[dict[str, Any]], groups: list[int]) -> None:
+        """Write prompts into ``slots`` and clear those slots' episode state."""
+        if not slots:
+            return
+        P = self.max_prompt_len
+        for s in samples:
+            if not isinstance(s.get("prompt"), str):
+                raise ValueError(f"each sample needs a 'prompt' string, got {s!r:.80}")
+        enc = self.tokenizer([s["prompt"] for s in samples], add_special_tokens=True)["input_ids"]
+        longest = max(len(ids) for ids in enc)
+        if longest > P:
+            i = max(range(len(enc)), key=lambda k: len(enc[k]))
+            raise ValueError(
+                f"prompt of {longest} tokens exceeds max_prompt_len={P}: {samples[i]['prompt'][:60]!r}; "
+                "pass a larger max_prompt_len or shorten the prompt"
+            )
+        rows = torch.full((len(slots), P), self.pad_id, dtype=torch.long)
+        for r, ids in enumerate(enc):
+            rows[r, P - len(ids):] = torch.tensor(ids, dtype=torch.long)
+        idx = torch.tensor(slots, device=self.device)
+        rows = rows.to(self.device)
+        self.tokens[idx] = self.pad_id
+        self.tokens[idx, :P] = rows
+        self.attention_mask[idx] = False
+        self.attention_mask[idx, :P] = rows != self.pad_id
+        for buf in (self.gen_len, self.terminated, self.truncated, self.rewards, self.process_rewards,
+                    self.step_end, self.outcome, self._needs_reset):
+            buf[idx] = 0
+        gid = torch.tensor([self._next_group + g for g in groups], device=self.device)
+        self.group_id[idx] = gid.repeat_interleave(self.group_size)
+        self._next_group += self.n_groups
+        for s, sample in zip(slots, samples):
+            self.samples[s] = sample
+            self.step_scores[s] = []
+            self.completions[s] = None
+            self.reward_components[s] = {}
+
+    # ------------------------------------------------------------------ step
+    def _check_actions(self, actions: Any) -> torch.Tensor:
+        if isinstance(actions, torch.Tensor):
+            if actions.device != self.device:
+                raise ValueError(f"actions are on {actions.device} but the env is on {self.device}")
+        else:
+            actions = torch.as_tensor(np.asarray(actions), device=self.device)
+        if actions.shape != (self.num_envs,):
+            raise ValueError(f"actions must have shape ({self.num_envs},), got {tuple(actions.shape)}")
+        if actions.dtype.is_floating_point or actions.dtype in (torch.bool, torch.complex64, torch.complex128):
+            raise TypeError(f"actions must be integer token ids, got dtype {actions.dtype}")
+        return actions.long()
+
+    def step(self, actions: Any):
+        """Append one token per active slot. Returns ``(obs, reward[N], terminated[N], truncated[N], info)``."""
+        if not self._started:
+            raise RuntimeError("call reset() before step()")
+        a = self._check_actions(actions)
+        if self.autoreset_mode is AutoresetMode.NEXT_STEP:
+            resetting = self._needs_reset.clone()
+            active = ~resetting
+        else:
+            resetting = None
+            active = ~(self.terminated | self.truncated)
+        V, M, P = self.vocab_size, self.max_new_tokens, self.max_prompt_len
+        invalid = active & ((a < 0) | (a >= V))
+        a_safe = a.clamp(0, V - 1)
+        stop = self._is_stop[a_safe] | self._stop_sequence_hit(a_safe)
+        term_now = active & stop
+        trunc_now = active & ~stop & (self.gen_len + 1 >= M)
+        done_now = term_now | trunc_now
+        delim_now = active & self._is_delim[a_safe] if self._is_delim is not None else None
+        events = done_now if delim_now is None else done_now | delim_now
+        checks = [invalid.any(), active.any(), events.any()]
+        if resetting is not None:
+            checks.append(resetting.any())
+        flags = torch.stack(checks).tolist()  # the one host sync per step
+        if flags[0]:
+            bad = int(invalid.nonzero()[0])
+            raise ValueError(f"action {int(a[bad])} for env {bad} is outside the action space [0, {V})")
+        if not flags[1] and not (resetting is not None and flags[3]):
+            raise RuntimeError("step() called after every episode ended (terminated or truncated); call reset() first")
+
+        col = (self.gen_len + P).clamp(max=self.seq_len - 1).unsqueeze(1)
+        self.tokens.scatter_(1, col, torch.where(active, a, self.tokens.gather(1, col)[:, 0]).unsqueeze(1))
+        self.attention_mask.scatter_(1, col, (active | self.attention_mask.gather(1, col)[:, 0]).unsqueeze(1))
+        self.gen_len += active.long()
+        self.terminated |= term_now
+        self.truncated |= trunc_now
+
+        reward = torch.zeros(self.num_envs, dtype=torch.float32, device=self.device)
+        info: dict[str, Any] = {}
+        if flags[2]:
+            self._score_events(done_now, delim_now, reward, info)
+        if resetting is not None:
+            term_out, trunc_out = term_now, trunc_now
+            self._needs_reset = done_now
+            if flags[3]:
+                slots = resetting.nonzero().flatten().tolist()
+                self._fill(slots, self.task.batch(self.np_random, len(slots)), slots)
+        else:
+            term_out, trunc_out = self.terminated.clone(), self.truncated.clone()
+        info.update(self._info())
+        return self._obs(), reward, term_out, trunc_out, info
+
+    def _stop_sequence_hit(self, a: torch.Tensor) -> torch.Tensor:
+        hit = torch.zeros_like(a, dtype=torch.bool)
+        for seq in self.stop_sequences:
+            k = seq.numel()
+            cols = (self.gen_len + self.max_prompt_len).unsqueeze(1) + torch.arange(-(k - 1), 0, device=self.device)
+            prev = self.tokens.gather(1, cols.clamp(min=0))
+            hit |= (self.gen_len >= k - 1) & (prev == seq[:-1]).all(1) & (a == seq[-1])
+        return hit
+
+    # ------------------------------------------------------------------ rewards
+    def generated_ids(self, slots: Sequence[int]) -> list[list[int]]:
+        """Generated token ids of ``slots`` (host lists)."""
+        P = self.max_prompt_len
+        rows = self.tokens[torch.tensor(list(slots), device=self.device), P:].tolist()
+        lens = self.gen_len[torch.tensor(list(slots), device=self.device)].tolist()
+        return [r[:n] for r, n in zip(rows, lens)]
+
+    def _fields(self, slots: Sequence[int]) -> tuple[list[str], dict[str, list]]:
+        prompts = [self.samples[s]["prompt"] for s in slots]
+        keys = [k for k in self.samples[slots[0]] if k != "prompt"]
+        return prompts, {k: [self.samples[s].get(k) for s in slots] for k in keys}
+
+    def _score_events(self, done_now, delim_now, reward: torch.Tensor, info: dict[str, Any]) -> None:
+        """Score, in one batched call each, the slots that ended a step and those that ended an episode."""
+        events = done_now if delim_now is None else done_now | delim_now
+        slots = events.nonzero().flatten().tolist()
+        done_set = set(done_now.nonzero().flatten().tolist())
+        texts = self.tokenizer.batch_decode(self.generated_ids(slots), skip_special_tokens=True)
+        last = (self.gen_len - 1).clamp(min=0)
+        if self.process_reward_fn is not None:
+            self._score_steps(slots, texts, done_set, last, reward)
+        ended = [s for s in slots if s in done_set]
+        if ended:
+            by_slot = dict(zip(slots, texts))
+            completions = [by_slot[s] for s in ended]
+            prompts, fields = self._fields(ended)
+            total, comps = score_outcome(self.reward_fn, prompts, completions, fields)
+            idx = torch.tensor(ended, device=self.device)
+            total = total.to(self.device)
+            self.outcome[idx] = total
+            self.rewards[idx, last[idx]] += total
+            reward[idx] += total
+            for j, s in enumerate(ended):
+                self.completions[s] = completions[j]
+                self.reward_components[s] = {k: float(v[j]) for k, v in comps.items()}
+            mask = np.zeros(self.num_envs, dtype=bool)
+            mask[ended] = True
+            completion_arr = np.array([self.completions[i] for i in range(self.num_envs)], dtype=object)
+            info.update(
+                completion=completion_arr,
+                _completion=mask,
+                episode_return=self.rewards.sum(1),
+                _episode_return=mask,
+                reward_components={k: self._scatter(idx, v) for k, v in comps.items()},
+                _reward_components=mask,
+            )
+
+    def _scatter(self, idx: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(self.num_envs, dtype=torch.float32, device=self.device)
+        out[idx] = values.to(self.device)
+        return out
+
+    def _score_steps(self, slots, texts, done_set, last, reward) -> None:
+        delim = self.task.step_delimiter
+        todo, steps_todo, new_counts = [], [], []
+        for s, text in zip(slots, texts):
+            pieces = text.split(delim)
+            steps = [p for p in pieces[:-1] if p.strip()]
+            if s in done_set and pieces[-1].strip():
+                steps.append(pieces[-1])
+            if len(steps) > len(self.step_scores[s]):
+                todo.append(s)
+                steps_todo.append(steps)
+                new_counts.append(len(steps) - len(self.step_scores[s]))
+        if not todo:
+            return
+        prompts, fields = self._fields(todo)
+        scores = score_process(self.process_reward_fn, prompts, steps_todo, fields)
+        values = []
+        for s, row, k in zip(todo, scores, new_counts):
+            self.step_scores[s] = row
+            values.append(sum(row[-k:]))
+        idx = torch.tensor(todo, device=self.device)
+        v = torch.tensor(values, dtype=torch.float32, device=self.device)
+        pos = last[idx]
+        self.process_rewards[idx, pos] += v
+        self.rewards[idx, pos] += v
+        self.step_end[idx, pos] = True
+        reward[idx] += v
+
+    # ------------------------------------------------------------------ views
+    def _obs(self) -> dict[str, torch.Tensor]:
+        return {"tokens": self.tokens.clone(), "mask": self.attention_mask.clone()}
+
+    def _info(self) -> dict[str, Any]:
+        return {"group_id": self.group_id.clone()}
+
+    @property
+    def done(self) -> torch.Tensor:
+        """Bool ``[N]``: the slot's episode has ended (terminated or truncated)."""
+        return self.terminated | self.truncated
+
+    @property
+    def prompts(self) -> list[str]:
+        return [s.get("prompt", "") for s in self.samples]
+
+    def render(self) -> list[str] | None:
+        if self.render_mode != "ansi":
+            return None
+        texts = self.tokenizer.batch_decode(self.generated_ids(range(self.num_envs)), skip_special_tokens=True)
+        return [p + t for p, t in zip(self.prompts, texts)]
+
+    def close(self, **kwargs: Any) -> None:
+        pass

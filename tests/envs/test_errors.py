@@ -1,0 +1,108 @@
+"""Bad input: each gets a clear error that names the problem."""
+
+import math
+
+import pytest
+import torch
+
+from tokengym.envs import TokenEnv, TokenVectorEnv, char_tokenizer, load_tokenizer
+from tokengym.envs.tasks.toy import TargetTask
+
+EOS = char_tokenizer().eos_token_id
+
+
+@pytest.fixture
+def env():
+    e = TokenVectorEnv(2, TargetTask("ok"))
+    e.reset(seed=0)
+    return e
+
+
+def test_action_out_of_range(env):
+    with pytest.raises(ValueError, match=r"action 101 for env 1 is outside the action space \[0, 101\)"):
+        env.step(torch.tensor([5, 101]))
+    with pytest.raises(ValueError, match="outside the action space"):
+        env.step(torch.tensor([-1, 5]))
+    assert env.gen_len.tolist() == [0, 0], "a rejected step must not change the state"
+
+
+def test_action_wrong_shape_dtype_device(env):
+    with pytest.raises(ValueError, match=r"shape \(2,\), got \(3,\)"):
+        env.step(torch.tensor([5, 5, 5]))
+    with pytest.raises(TypeError, match="integer token ids, got dtype torch.float32"):
+        env.step(torch.tensor([5.0, 5.0]))
+    with pytest.raises(ValueError, match="actions are on meta but the env is on cpu"):
+        env.step(torch.empty(2, dtype=torch.long, device="meta"))
+
+
+def test_step_after_all_done_and_before_reset(env):
+    env.step(torch.tensor([EOS, EOS]))
+    with pytest.raises(RuntimeError, match=r"after every episode ended.*call reset\(\)"):
+        env.step(torch.tensor([5, 5]))
+    with pytest.raises(RuntimeError, match=r"call reset\(\) before step\(\)"):
+        TokenVectorEnv(1, TargetTask("ok")).step(torch.tensor([5]))
+    single = TokenEnv(TargetTask("ok"))
+    single.reset(seed=0)
+    single.step(EOS)
+    with pytest.raises(RuntimeError, match="call reset"):
+        single.step(5)
+
+
+def test_single_env_bad_action():
+    single = TokenEnv(TargetTask("ok"))
+    single.reset(seed=0)
+    with pytest.raises(ValueError, match="one integer token id"):
+        single.step(1.5)
+    with pytest.raises(ValueError, match="outside the action space"):
+        single.step(1000)
+
+
+def test_prompt_longer_than_budget():
+    env = TokenVectorEnv(1, TargetTask("ok"), max_prompt_len=4)
+    with pytest.raises(ValueError, match=r"prompt of 10 tokens exceeds max_prompt_len=4"):
+        env.reset(options={"samples": ["too long\n"]})
+
+
+def test_tokenizer_without_eos_or_pad():
+    tok = char_tokenizer()
+    tok.pad_token = None
+    with pytest.raises(ValueError, match="has no pad token"):
+        load_tokenizer(tok)
+    tok = char_tokenizer()
+    tok.eos_token = None
+    with pytest.raises(ValueError, match="has no EOS token"):
+        TokenVectorEnv(1, TargetTask("ok"), tokenizer=tok)
+    with pytest.raises(FileNotFoundError, match="not a local folder"):
+        load_tokenizer("no/such/folder")
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (lambda p, c, **_: [1.0], r"returned shape \(1,\) for 2 completions"),
+        (lambda p, c, **_: [math.nan] * len(c), "non-finite value"),
+        (lambda p, c, **_: ["x"] * len(c), "must return a list of floats"),
+    ],
+)
+def test_reward_returning_wrong_length_or_nan(bad, match):
+    env = TokenVectorEnv(2, TargetTask("ok"), reward=bad)
+    env.reset(seed=0)
+    with pytest.raises((ValueError, TypeError), match=match):
+        env.step(torch.tensor([EOS, EOS]))
+
+
+def test_construction_errors():
+    with pytest.raises(ValueError, match="multiple of group_size"):
+        TokenVectorEnv(5, TargetTask("ok"), group_size=2)
+    with pytest.raises(ValueError, match="needs group_size=1"):
+        TokenVectorEnv(4, TargetTask("ok"), group_size=2, autoreset_mode="next_step")
+    with pytest.raises(ValueError, match="not supported"):
+        TokenVectorEnv(1, TargetTask("ok"), autoreset_mode="same_step")
+    with pytest.raises(ValueError, match="unknown task 'nope'"):
+        TokenVectorEnv(1, "nope")
+    with pytest.raises(ValueError, match="no step_delimiter"):
+        TokenVectorEnv(1, TargetTask("ok"), process_reward=lambda p, s, **_: [[0.0] * len(x) for x in s])
+    with pytest.raises(TypeError, match="use gymnasium.make_vec"):
+        TokenEnv(TargetTask("ok"), num_envs=4)
+    with pytest.raises(ValueError, match="unknown reset options"):
+        TokenVectorEnv(1, TargetTask("ok")).reset(options={"prompt": "x"})
