@@ -11,6 +11,7 @@ ENV_IDS: dict[str, tuple[str, str]] = {
     "tokengym/Arithmetic-v0": ("arithmetic", "multi-step integer arithmetic, one step per line; verifier + rule-based PRM"),
     "tokengym/Reverse-v0": ("reverse", "reverse a string of letters; exact-match reward"),
     "tokengym/Dataset-v0": ("dataset", "prompts from JSONL / list / datasets.Dataset (data=...), any reward"),
+    "tokengym/Target-v0": ("target", "emit a fixed target string; the smallest learnable task, for agent smoke tests"),
     "tokengym/ReasoningGym-v0": ("reasoning_gym", "a reasoning-gym dataset (name=...), scored by its score_answer"),
 }
 

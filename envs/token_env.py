@@ -42,7 +42,7 @@ class TokenEnv(gym.Env):
         (True, '')
     """
 
-    metadata = {"render_modes": ["ansi"]}
+    metadata = {"render_modes": ["ansi"], "render_fps": 4}
 
     def __init__(self, task: Any = "arithmetic", render_mode: str | None = None, **kwargs: Any):
         for k in ("num_envs", "group_size", "device", "autoreset_mode"):

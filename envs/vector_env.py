@@ -45,22 +45,18 @@ __all__ = ["TokenVectorEnv", "resolve_task"]
 
 
 def resolve_task(task: str | Task, **task_kwargs: Any) -> Task:
-    """A :class:`Task` from a name (``"arithmetic"``, ``"reverse"``, ``"dataset"``, ``"reasoning_gym"``) or instance."""
+    """A :class:`Task` from a name (``"arithmetic"``, ``"reverse"``, ``"dataset"``, ``"reasoning_gym"``, ``"target"``) or instance."""
     if isinstance(task, Task):
         if task_kwargs:
             raise TypeError(f"got a Task instance and extra task arguments {sorted(task_kwargs)}; pass one or the other")
         return task
     from tokengym.envs import tasks as T
 
-    named = {
-        "arithmetic": T.ArithmeticTask,
-        "reverse": T.ReverseTask,
-        "dataset": T.DatasetTask,
-        "reasoning_gym": T.ReasoningGymTask,
-    }
+    named = {"arithmetic": "ArithmeticTask", "reverse": "ReverseTask", "dataset": "DatasetTask",
+             "reasoning_gym": "ReasoningGymTask", "target": "TargetTask"}
     if not isinstance(task, str) or task not in named:
         raise ValueError(f"unknown task {task!r}; choose one of {sorted(named)} or pass a Task instance")
-    return named[task](**task_kwargs)
+    return getattr(T, named[task])(**task_kwargs)
 
 
 def _parse_mode(mode: Any) -> AutoresetMode:

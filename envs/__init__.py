@@ -1,0 +1,28 @@
+"""Token-level Gymnasium environments: one emitted token = one action.
+
+Importing this package registers every ``tokengym/<Task>-v0`` id for ``gymnasium.make`` (a
+:class:`TokenEnv`) and ``gymnasium.make_vec(..., vectorization_mode="vector_entry_point")`` (a
+:class:`TokenVectorEnv`).
+"""
+
+from tokengym.envs.checker import check_vector_env
+from tokengym.envs.registration import ENV_IDS, register_envs
+from tokengym.envs.tasks.base import Task
+from tokengym.envs.token_env import TokenEnv
+from tokengym.envs.tokenizer import char_tokenizer, check_tokenizer, load_tokenizer
+from tokengym.envs.vector_env import TokenVectorEnv, resolve_task
+
+register_envs()
+
+__all__ = [
+    "ENV_IDS",
+    "Task",
+    "TokenEnv",
+    "TokenVectorEnv",
+    "char_tokenizer",
+    "check_tokenizer",
+    "check_vector_env",
+    "load_tokenizer",
+    "register_envs",
+    "resolve_task",
+]

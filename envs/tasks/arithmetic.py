@@ -1,0 +1,154 @@
+"""Multi-step integer arithmetic, small enough for a ~1M-parameter character-level model.
+
+Format (other code relies on it, keep it exact)::
+
+    prompt   "12+7+30\\n"                   expression without spaces, then a newline
+    solution "12+7=19\\n19+30=49\\nA: 49"     one reduction "a<op>b=c" per line, then "A: <answer>"
+
+Canonical order (see :mod:`tokengym.rewards.arithmetic_prm`): multiplications first, left to right,
+then ``+``/``-`` left to right; ``a`` and ``b`` are the current (already reduced) values, negative
+numbers are written ``-5``: ``"3-8+2\\n"`` -> ``"3-8=-5\\n-5+2=-3\\nA: -3"``.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, Callable
+
+import numpy as np
+
+from tokengym.rewards import arithmetic_correct, arithmetic_step_reward, solve_expression
+
+from .base import Task
+
+__all__ = ["ArithmeticTask"]
+
+_OPERATORS = "+-*"
+
+
+def _int_range(name: str, value: Any, minimum: int, maximum: int | None = None) -> tuple[int, int]:
+    """Validate an int or an inclusive ``(lo, hi)`` range and return ``(lo, hi)``."""
+
+    def is_int(x: Any) -> bool:
+        return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+    bounds = f">= {minimum}" + ("" if maximum is None else f" and <= {maximum}")
+    if is_int(value):
+        lo = hi = int(value)
+    elif isinstance(value, (tuple, list)) and len(value) == 2 and all(is_int(x) for x in value):
+        lo, hi = int(value[0]), int(value[1])
+        if lo > hi:
+            raise ValueError(f"{name} range must have min <= max, got {value!r}")
+    else:
+        raise ValueError(f"{name} must be an int or an inclusive (min, max) pair of ints, got {value!r}")
+    if lo < minimum or (maximum is not None and hi > maximum):
+        raise ValueError(f"{name} must be {bounds}, got {value!r}")
+    return lo, hi
+
+
+def _check_seed(seed: Any) -> int | None:
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0):
+        raise ValueError(f"seed must be None or an int >= 0, got {seed!r}")
+    return None if seed is None else int(seed)
+
+
+class ArithmeticTask(Task):
+    """Integer expressions such as ``"12+7*3\\n"`` solved one reduction per line.
+
+    Args:
+        n_operands: number of operands, an int or an inclusive ``(min, max)`` range (>= 2), drawn
+            uniformly per sample.
+        digits: number of digits ``d`` of an operand, an int or an inclusive ``(min, max)`` range
+            (1..18). Each operand draws ``d`` uniformly from the range, then its value uniformly from
+            ``[0, 10**d - 1]`` (so ``digits=2`` gives operands in ``[0, 99]``).
+        operators: the operators to draw from, a string of distinct characters from ``"+-*"``; each
+            operator slot draws one uniformly.
+        seed: seeds a private generator used only when :meth:`sample` gets no generator (environments
+            always pass theirs).
+
+    Samples: ``{"prompt": "12+7+30\\n", "solution": "12+7=19\\n19+30=49\\nA: 49", "answer": 49}``.
+
+    Attributes:
+        max_prompt_chars: the exact maximum prompt length, ``n_max * (d_max + 1)``.
+        max_solution_chars: an upper bound on the solution length (computed from the knobs).
+        default_max_new_tokens: ``max_solution_chars + 4`` (room for EOS with a character tokenizer).
+
+    Examples:
+        >>> task = ArithmeticTask(n_operands=3, digits=2, operators="+-")
+        >>> s = task.sample(np.random.default_rng(0))
+        >>> sorted(s), s["prompt"].endswith("\\n"), s["solution"].endswith(f"A: {s['answer']}")
+        (['answer', 'prompt', 'solution'], True, True)
+    """
+
+    name = "arithmetic"
+    stop_strings: tuple[str, ...] = ()
+    step_delimiter = "\n"
+
+    def __init__(self, n_operands: int | tuple[int, int] = (2, 3), digits: int | tuple[int, int] = 2, operators: str = "+-", seed: int | None = None):
+        self.n_operands = _int_range("n_operands", n_operands, 2)
+        self.digits = _int_range("digits", digits, 1, 18)
+        if not isinstance(operators, str) or not operators:
+            raise ValueError(f"operators must be a non-empty string of characters from {_OPERATORS!r}, got {operators!r}")
+        bad = sorted(set(operators) - set(_OPERATORS))
+        if bad:
+            raise ValueError(f"operators may only contain {_OPERATORS!r}, got {operators!r} (unknown: {''.join(bad)!r})")
+        if len(set(operators)) != len(operators):
+            raise ValueError(f"operators must not repeat a character, got {operators!r}")
+        self.operators = operators
+        self.seed = _check_seed(seed)
+        self._rng = np.random.default_rng(self.seed)
+
+        n, d = self.n_operands[1], self.digits[1]
+        self.max_prompt_chars = n * (d + 1)
+        self.max_solution_chars = self._solution_bound(n, d, operators)
+        self.default_max_new_tokens = self.max_solution_chars + 4
+
+    @staticmethod
+    def _solution_bound(n: int, d: int, operators: str) -> int:
+        """Upper bound on the solution length for ``n`` operands of at most ``d`` digits.
+
+        With ``M = 10**d - 1`` and one extra character for a minus sign when ``"-"`` is allowed:
+        without ``*``, step ``k`` (1-based) has ``|a| <= k*M``, ``0 <= b <= M``, ``|c| <= (k+1)*M``.
+        With ``*``, every value is a sum of products of operands; since ``M >= 9``, ``M**i + M**j <=
+        M**(i+j)``, so ``|a|, b <= M**(n-1)`` (they leave at least one operand out) and ``|c| <= M**n``.
+        """
+        m = 10**d - 1
+        sign = 1 if "-" in operators else 0
+
+        def width(x: int) -> int:
+            return len(str(x))
+
+        total = 0
+        if "*" in operators:
+            line = (width(m ** (n - 1)) + sign) + 1 + width(m ** (n - 1)) + 1 + (width(m**n) + sign) + 1
+            total = (n - 1) * line
+            biggest = width(m**n) + sign
+        else:
+            for k in range(1, n):
+                total += (width(k * m) + sign) + 1 + d + 1 + (width((k + 1) * m) + sign) + 1
+            biggest = width(n * m) + sign
+        return total + len("A: ") + biggest
+
+    def sample(self, rng: np.random.Generator | None = None) -> dict[str, Any]:
+        """One expression, its canonical solution and its value (deterministic given ``rng``)."""
+        rng = self._rng if rng is None else rng
+        n = int(rng.integers(self.n_operands[0], self.n_operands[1] + 1))
+        values = []
+        for _ in range(n):
+            d = int(rng.integers(self.digits[0], self.digits[1] + 1))
+            values.append(int(rng.integers(0, 10**d)))
+        ops = [self.operators[int(i)] for i in rng.integers(0, len(self.operators), size=n - 1)]
+        expression = str(values[0]) + "".join(f"{op}{v}" for op, v in zip(ops, values[1:]))
+        steps, answer = solve_expression(expression)
+        return {"prompt": expression + "\n", "solution": "\n".join([*steps, f"A: {answer}"]), "answer": answer}
+
+    def reward(self) -> Callable:
+        """:func:`tokengym.rewards.arithmetic_correct` (1.0 iff the final answer is right)."""
+        return arithmetic_correct
+
+    def process_reward(self) -> Callable:
+        """:data:`tokengym.rewards.arithmetic_step_reward` (rule-based 0/1 score per line)."""
+        return arithmetic_step_reward
+
+    def __repr__(self) -> str:
+        return f"ArithmeticTask(n_operands={self.n_operands}, digits={self.digits}, operators={self.operators!r})"

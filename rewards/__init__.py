@@ -1,0 +1,49 @@
+"""Rewards for tokengym: protocols, verifiers, a rule-based arithmetic PRM and reward combinators.
+
+Outcome reward: ``fn(prompts, completions, **task_fields) -> list[float] | Tensor[N]``.
+Process reward: ``fn(prompts, steps, **task_fields) -> list[list[float]]``.
+See :mod:`tokengym.rewards.protocols`.
+"""
+
+from .arithmetic_prm import ArithmeticStepReward, arithmetic_step_reward, next_reduction, parse_expression, solve_expression
+from .combinators import FormatReward, LengthPenalty, WeightedSum, format_reward, length_penalty, weighted_sum
+from .protocols import OutcomeReward, ProcessReward, reward_name, score_outcome, score_process
+from .verifiers import (
+    answer_match,
+    arithmetic_correct,
+    char_accuracy,
+    exact_match,
+    extract_answer,
+    extract_final_answer,
+    parse_int,
+)
+
+__all__ = [
+    # protocols
+    "OutcomeReward",
+    "ProcessReward",
+    "score_outcome",
+    "score_process",
+    "reward_name",
+    # verifiers
+    "parse_int",
+    "extract_final_answer",
+    "extract_answer",
+    "arithmetic_correct",
+    "exact_match",
+    "answer_match",
+    "char_accuracy",
+    # arithmetic process reward
+    "ArithmeticStepReward",
+    "arithmetic_step_reward",
+    "parse_expression",
+    "next_reduction",
+    "solve_expression",
+    # combinators
+    "WeightedSum",
+    "weighted_sum",
+    "FormatReward",
+    "format_reward",
+    "LengthPenalty",
+    "length_penalty",
+]

@@ -1,0 +1,70 @@
+"""Every registered id: gymnasium's check_env, make_vec + check_vector_env; stable-baselines3 interop."""
+
+import json
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from gymnasium.utils.env_checker import check_env
+
+import tokengym.envs
+from tokengym.envs import ENV_IDS, check_vector_env
+
+
+def extra_kwargs(env_id, tmp_path):
+    if env_id == "tokengym/Dataset-v0":
+        path = tmp_path / "data.jsonl"
+        rows = [{"prompt": f"What is {i}+{i}?\n", "answer": str(2 * i)} for i in range(5)]
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return {"data": str(path)}
+    if env_id == "tokengym/ReasoningGym-v0":
+        pytest.importorskip("reasoning_gym")
+        return {"name": "leg_counting", "size": 20, "max_new_tokens": 8}
+    return {}
+
+
+def test_all_ids_registered():
+    registered = {k for k in gym.registry if k.startswith("tokengym/")}
+    assert registered == set(ENV_IDS)
+    for spec in (gym.spec(k) for k in ENV_IDS):
+        assert spec.entry_point and spec.vector_entry_point
+
+
+@pytest.mark.parametrize("env_id", sorted(ENV_IDS))
+def test_check_env_and_check_vector_env(env_id, tmp_path):
+    kw = extra_kwargs(env_id, tmp_path)
+    env = gym.make(env_id, **kw)
+    assert isinstance(env.unwrapped, tokengym.envs.TokenEnv)
+    check_env(env.unwrapped)
+    for mode in ("disabled", "next_step"):
+        venv = gym.make_vec(env_id, num_envs=4, vectorization_mode="vector_entry_point", autoreset_mode=mode, **kw)
+        assert isinstance(venv, tokengym.envs.TokenVectorEnv)
+        assert venv.metadata["autoreset_mode"].name == mode.upper()
+        check_vector_env(venv)
+    venv = gym.make_vec(env_id, num_envs=4, vectorization_mode="vector_entry_point", group_size=2, **kw)
+    _, info = venv.reset(seed=0)
+    assert info["group_id"].tolist()[0] == info["group_id"].tolist()[1] != info["group_id"].tolist()[2]
+
+
+def test_arithmetic_kwargs_reach_the_task():
+    env = gym.make("tokengym/Arithmetic-v0", n_operands=2, digits=1, operators="*")
+    env.reset(seed=0)
+    prompt = env.unwrapped.venv.samples[0]["prompt"]
+    assert prompt.count("*") == 1 and len(prompt) == 4, prompt
+
+
+def test_stable_baselines3_check_env_and_ppo_interop():
+    sb3 = pytest.importorskip("stable_baselines3")
+    from stable_baselines3.common.env_checker import check_env as sb3_check_env
+    from stable_baselines3.common.monitor import Monitor
+
+    env = tokengym.envs.TokenEnv("reverse", length=(2, 3), max_new_tokens=6)
+    sb3_check_env(env, warn=False)
+    env = Monitor(env)
+    model = sb3.PPO("MultiInputPolicy", env, n_steps=64, batch_size=32, n_epochs=1, seed=0, device="cpu")
+    model.learn(total_timesteps=256)
+    assert model.num_timesteps >= 256
+    assert len(env.get_episode_rewards()) >= 256 // 7  # episodes of at most 6 tokens really ended
+    obs, _ = env.reset(seed=1)
+    action, _ = model.predict(obs, deterministic=True)
+    assert env.action_space.contains(int(action))
