@@ -29,6 +29,7 @@ Autoreset modes (``metadata["autoreset_mode"]``):
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -199,6 +200,8 @@ class TokenVectorEnv(VectorEnv):
         self.reward_components: list[dict[str, float]] = [{} for _ in range(N)]
         self._next_group = 0
         self._started = False
+        self.reward_seconds = 0.0  # wall time spent decoding and scoring (reward/PRM calls), cumulative
+        self.all_done = False  # every slot finished (a host bool, updated by step() at no extra sync)
 
     # ------------------------------------------------------------------ reset
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
@@ -236,6 +239,7 @@ class TokenVectorEnv(VectorEnv):
         slots = [gi * self.group_size + j for gi in groups for j in range(self.group_size)]
         self._fill(slots, [s for s in samples for _ in range(self.group_size)], groups)
         self._started = True
+        self.all_done = bool(self.done.all())
         return self._obs(), self._info()
 
     def _fill(self, slots: list[int], samples: list[dict[str, Any]], groups: list[int]) -> None:
@@ -308,14 +312,14 @@ class TokenVectorEnv(VectorEnv):
         done_now = term_now | trunc_now
         delim_now = active & self._is_delim[a_safe] if self._is_delim is not None else None
         events = done_now if delim_now is None else done_now | delim_now
-        checks = [invalid.any(), active.any(), events.any()]
+        checks = [invalid.any(), active.any(), events.any(), (active & ~done_now).any()]
         if resetting is not None:
             checks.append(resetting.any())
         flags = torch.stack(checks).tolist()  # the one host sync per step
         if flags[0]:
             bad = int(invalid.nonzero()[0])
             raise ValueError(f"action {int(a[bad])} for env {bad} is outside the action space [0, {V})")
-        if not flags[1] and not (resetting is not None and flags[3]):
+        if not flags[1] and not (resetting is not None and flags[4]):
             raise RuntimeError("step() called after every episode ended (terminated or truncated); call reset() first")
 
         col = (self.gen_len + P).clamp(max=self.seq_len - 1).unsqueeze(1)
@@ -324,15 +328,18 @@ class TokenVectorEnv(VectorEnv):
         self.gen_len += active.long()
         self.terminated |= term_now
         self.truncated |= trunc_now
+        self.all_done = not flags[3]
 
         reward = torch.zeros(self.num_envs, dtype=torch.float32, device=self.device)
         info: dict[str, Any] = {}
         if flags[2]:
+            t0 = time.perf_counter()
             self._score_events(done_now, delim_now, reward, info)
+            self.reward_seconds += time.perf_counter() - t0
         if resetting is not None:
             term_out, trunc_out = term_now, trunc_now
             self._needs_reset = done_now
-            if flags[3]:
+            if flags[4]:
                 slots = resetting.nonzero().flatten().tolist()
                 self._fill(slots, self.task.batch(self.np_random, len(slots)), slots)
         else:

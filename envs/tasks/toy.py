@@ -33,8 +33,8 @@ class TargetTask(Task):
             raise ValueError(f"target must be a non-empty string, got {target!r}")
         if not isinstance(n_prompts, int) or n_prompts < 1:
             raise ValueError(f"n_prompts must be a positive int, got {n_prompts!r}")
-        if max_new_tokens < len(target) + 1:
-            raise ValueError(f"max_new_tokens={max_new_tokens} cannot fit target {target!r} plus EOS")
+        if max_new_tokens < len(target):
+            raise ValueError(f"max_new_tokens={max_new_tokens} cannot fit target {target!r}")
         self.target, self.n_prompts, self.partial_credit = target, n_prompts, partial_credit
         self.max_prompt_chars = len(f"p{n_prompts - 1}\n")
         self.default_max_new_tokens = max_new_tokens
