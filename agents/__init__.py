@@ -1,5 +1,29 @@
-"""RL agents for tokengym; the pure advantage/loss math lives in :mod:`tokengym.agents.functional`."""
+"""Agents that consume token environments: PPO (critic + GAE), GRPO, and the machinery they share.
+
+The pure advantage/loss math lives in :mod:`tokengym.agents.functional`.
+"""
 
 from . import functional
+from .critic import Critic
+from .grpo import GRPOAgent, GRPOConfig
+from .models import PRESETS, build_preset, load_model
+from .policy import Policy
+from .ppo import PPOAgent, PPOConfig
+from .rollout import Rollout, collect, evaluate, heldout_samples
 
-__all__ = ["functional"]
+__all__ = [
+    "Critic",
+    "GRPOAgent",
+    "GRPOConfig",
+    "PPOAgent",
+    "PPOConfig",
+    "PRESETS",
+    "Policy",
+    "Rollout",
+    "build_preset",
+    "collect",
+    "evaluate",
+    "functional",
+    "heldout_samples",
+    "load_model",
+]

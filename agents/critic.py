@@ -1,0 +1,72 @@
+"""``Critic``: a transformer trunk with a scalar value head on the last hidden state of every position."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from tokengym.agents.policy import position_ids
+
+__all__ = ["Critic"]
+
+
+class Critic(nn.Module):
+    """Values ``V(s_t)`` for every generated position of a token buffer.
+
+    ``critic(tokens[N, P+M], mask, prompt_len)`` returns ``[N, M + 1]``: column ``t`` is the value of
+    the state after the prompt and the first ``t`` generated tokens (read from the hidden state at
+    position ``P - 1 + t``), so columns ``0..M-1`` are the values of the states in which actions
+    ``0..M-1`` were taken and column ``M`` is the bootstrap value of a truncated episode.
+
+    Args:
+        trunk: a ``transformers`` base model returning ``last_hidden_state`` (e.g. ``LlamaModel``).
+        hidden_size: width of the trunk's hidden states.
+
+    Build one with :meth:`from_policy` (a separate copy of the policy's trunk by default, as in
+    classic RLHF PPO; ``share_trunk=True`` reuses the policy's trunk object).
+    """
+
+    def __init__(self, trunk: nn.Module, hidden_size: int):
+        super().__init__()
+        self.trunk = trunk
+        self.value_head = nn.Linear(hidden_size, 1)
+        nn.init.normal_(self.value_head.weight, std=1.0 / (hidden_size + 1))
+        nn.init.zeros_(self.value_head.bias)
+
+    @classmethod
+    def from_policy(cls, policy: Any, share_trunk: bool = False) -> "Critic":
+        base = policy.model.get_decoder() if hasattr(policy.model, "get_decoder") else policy.model.base_model
+        trunk = base if share_trunk else copy.deepcopy(base)
+        return cls(trunk, policy.model.config.hidden_size).to(policy.device)
+
+    def forward(self, tokens: torch.Tensor, mask: torch.Tensor, prompt_len: int) -> torch.Tensor:
+        out = self.trunk(input_ids=tokens, attention_mask=mask.long(), position_ids=position_ids(mask))
+        h = out.last_hidden_state[:, prompt_len - 1 :]
+        return self.value_head(h.to(self.value_head.weight.dtype)).squeeze(-1).float()
+
+    def save_pretrained(self, path: str) -> None:
+        """Trunk via ``save_pretrained`` (safetensors) plus ``value_head.safetensors``."""
+        from safetensors.torch import save_file
+
+        os.makedirs(path, exist_ok=True)
+        self.trunk.save_pretrained(path, safe_serialization=True)
+        save_file({k: v.detach().cpu().contiguous() for k, v in self.value_head.state_dict().items()}, os.path.join(path, "value_head.safetensors"))
+        with open(os.path.join(path, "critic.json"), "w") as f:
+            json.dump({"hidden_size": self.value_head.in_features}, f)
+
+    @classmethod
+    def from_pretrained(cls, path: str, device: str | torch.device = "cpu") -> "Critic":
+        from safetensors.torch import load_file
+        from transformers import AutoModel
+
+        with open(os.path.join(path, "critic.json")) as f:
+            meta = json.load(f)
+        trunk = AutoModel.from_pretrained(path, local_files_only=True, trust_remote_code=False, use_safetensors=True)
+        critic = cls(trunk, meta["hidden_size"])
+        critic.value_head.load_state_dict(load_file(os.path.join(path, "value_head.safetensors")))
+        return critic.to(device)

@@ -1,0 +1,355 @@
+"""A lean, static-KV-cache decode step for Llama-family causal LMs (``Policy``'s rollout fast path).
+
+A ``transformers`` forward call costs far more than its arithmetic for a small model: building masks
+and position embeddings, growing the cache with ``torch.cat``, module hooks and output objects add
+about a millisecond per decode step. :class:`StaticDecoder` runs the same maths directly against the
+model's own weights, with everything that does not change from step to step prepared once:
+
+* **Static KV cache laid out like the env buffer.** Per layer, keys ``[N * Hkv, hd, P + M]`` (stored
+  transposed: the score GEMM reads them in place) and values ``[N * Hkv, P + M, hd]``, so cache
+  column ``j`` holds env column ``j``: the prompts are
+  prefilled into columns ``[0, P)`` and the token of decode step ``t`` is written at column ``P + t``.
+  A step attends to columns ``[0, P + t]`` (a view, no copy); the additive mask is ``-inf`` on prompt
+  padding and ``0`` elsewhere, allocated once per batch. Columns past ``P + t`` are never read, so a
+  reused cache cannot leak an earlier batch.
+* **Positions and RoPE up front.** Positions are ``cumsum(mask) - 1`` (as in ``policy.py``), so
+  decode step ``t`` of a slot with ``n`` real prompt tokens is at position ``n + t``. ``cos``/``sin``
+  come from the model's own rotary-embedding module, computed once for every position.
+* **Fused projections.** q/k/v (and gate/up) are multiplied in one GEMM each, with the q/k/v rows
+  permuted per key-value group (``[q_1..q_rep, k, v]``) so that queries, new keys and new values are
+  views of one tensor (grouped-query attention needs no ``repeat_kv``). Norms, residual adds (fused
+  into ``addmm``), RoPE (``rotate_half`` as a swap of halves with the sign folded into ``sin``, one
+  ``addcmul``) and attention (``baddbmm``, softmax, ``bmm``) are a handful of kernels per layer. The fused weights are a copy, refreshed
+  automatically whenever any source parameter changes (its version counter or storage), so an
+  optimiser step between rollouts is picked up.
+* **No host sync** and no Python-side work that depends on the data.
+
+Numerics follow the ``transformers`` implementation (fp32 maths agrees with a full forward to ~1e-6).
+Supported: ``LlamaForCausalLM``, ``MistralForCausalLM`` and ``Qwen2ForCausalLM`` (q/k/v biases,
+grouped-query attention, explicit ``head_dim``, tied embeddings, static RoPE variants; sliding windows
+only when wider than the cache). :func:`unsupported_reason` says why a model is not; ``Policy`` then
+uses the generic ``transformers`` path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["StaticDecoder", "unsupported_reason"]
+
+_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+_STATIC_ROPE = {"default", "linear", "llama3", "yarn"}  # inverse frequencies do not depend on the length
+_LAYER_MODULES = ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
+_ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+
+
+def unsupported_reason(model: nn.Module, width: int | None = None) -> str | None:
+    """``None`` if :class:`StaticDecoder` can run ``model`` (for a cache of ``width`` columns), else why not.
+
+    Without ``width`` the sliding-window check (which depends on the cache width) is skipped.
+    """
+    name = type(model).__name__
+    if name not in _ARCHS:
+        return f"{name} is not one of {sorted(_ARCHS)}"
+    cfg = model.config
+    base = getattr(model, "model", None)
+    if base is None or not all(hasattr(base, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        return "unexpected module layout (needs model.embed_tokens/layers/norm/rotary_emb)"
+    if not hasattr(model, "lm_head") or getattr(model.lm_head, "bias", None) is not None:
+        return "needs a bias-free lm_head"
+    for i, layer in enumerate(base.layers):
+        if not all(hasattr(layer, a) for a in _LAYER_MODULES):
+            return f"layer {i} lacks one of {_LAYER_MODULES}"
+        extra = {n for n, _ in layer.named_children()} - set(_LAYER_MODULES)
+        if extra:
+            return f"layer {i} has extra modules {sorted(extra)}"
+        attn_extra = {n for n, _ in layer.self_attn.named_children()} - set(_ATTN_MODULES)
+        if attn_extra or not all(hasattr(layer.self_attn, a) for a in _ATTN_MODULES):
+            return f"layer {i} attention has modules {sorted(n for n, _ in layer.self_attn.named_children())}"
+        if not all(hasattr(layer.mlp, a) for a in _MLP_MODULES):
+            return f"layer {i} MLP lacks one of {_MLP_MODULES}"
+        for mod in (layer.input_layernorm, layer.post_attention_layernorm):
+            if type(mod).__name__ not in ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm"):
+                return f"layer {i} norm is {type(mod).__name__}"
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    rope_type = rope.get("rope_type", "default") if isinstance(rope, dict) else "default"
+    if rope_type not in _STATIC_ROPE:
+        return f"rope_type {rope_type!r} recomputes frequencies from the sequence length"
+    if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
+        return "pretraining_tp > 1"
+    if model.training and float(getattr(cfg, "attention_dropout", 0.0) or 0.0) > 0:
+        return "attention dropout is active (model in training mode)"
+    window = getattr(cfg, "sliding_window", None)
+    layer_types = getattr(cfg, "layer_types", None) or ()
+    windowed = (_ARCHS[name] == "mistral" and window is not None) or "sliding_attention" in layer_types
+    if windowed and width is not None and (window is None or width > int(window)):
+        return f"sliding_window={window} is narrower than the cache ({width} columns)"
+    return None
+
+
+def _act_fn(cfg: Any, mlp: nn.Module):
+    return F.silu if getattr(cfg, "hidden_act", None) == "silu" else mlp.act_fn
+
+
+class StaticDecoder:
+    """Prefill + one-token decode steps of a Llama-family model with a static, env-shaped KV cache.
+
+    Args:
+        model: a supported ``transformers`` causal LM (see :func:`unsupported_reason`).
+
+    Usage (what ``Policy.prefill(..., max_new_tokens=M)`` / ``Policy.decode`` do)::
+
+        dec = StaticDecoder(model)
+        logits = dec.prefill(tokens[:, :P], mask[:, :P], M)   # [N, V] float32
+        logits = dec.decode(next_tokens)                      # token written at column P + t
+    """
+
+    def __init__(self, model: nn.Module):
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"StaticDecoder cannot run this model: {reason}")
+        cfg = model.config
+        self.model = model
+        self.n_heads = int(cfg.num_attention_heads)
+        self.n_kv = int(getattr(cfg, "num_key_value_heads", None) or self.n_heads)
+        attn0 = model.model.layers[0].self_attn
+        self.head_dim = int(getattr(attn0, "head_dim", None) or getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads)
+        if self.n_heads % self.n_kv or self.head_dim % 2:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads and head_dim even")
+        self.rep = self.n_heads // self.n_kv
+        self.scaling = float(getattr(attn0, "scaling", self.head_dim**-0.5))
+        self.act = _act_fn(cfg, model.model.layers[0].mlp)
+        self._key: tuple | None = None
+        self._layers: list[tuple] = []
+        self._rope_key: tuple | None = None
+        self._rope: torch.Tensor | None = None
+        self._cache: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._step = 0
+        self._capacity = 0
+        self._N = self._P = 0
+
+    # ------------------------------------------------------------------ weights
+    def _sources(self) -> list[torch.Tensor]:
+        m = self.model
+        out = [m.model.embed_tokens.weight, m.model.norm.weight, m.lm_head.weight]
+        for layer in m.model.layers:
+            a, p = layer.self_attn, layer.mlp
+            for mod in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, p.gate_proj, p.up_proj, p.down_proj):
+                out.append(mod.weight)
+                if mod.bias is not None:
+                    out.append(mod.bias)
+            out += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+        return out
+
+    def _refresh(self) -> None:
+        """(Re)build the fused weights when any model parameter changed since the last build."""
+        key = tuple((t.data_ptr(), _version(t), t.dtype, t.device) for t in self._sources())
+        if key == self._key and None not in (k[1] for k in key):
+            return
+        G, rep, hd = self.n_kv, self.rep, self.head_dim
+        layers = []
+        with torch.no_grad():
+            for layer in self.model.model.layers:
+                a, p = layer.self_attn, layer.mlp
+                D = a.q_proj.weight.shape[1]
+                # rows grouped per key-value head: [q_(g*rep) .. q_(g*rep+rep-1), k_g, v_g]
+                w = torch.cat([a.q_proj.weight.view(G, rep, hd, D), a.k_proj.weight.view(G, 1, hd, D),
+                               a.v_proj.weight.view(G, 1, hd, D)], 1)
+                w_qkv = w.reshape(-1, D).t().contiguous()
+                b_qkv = None
+                if a.q_proj.bias is not None or a.k_proj.bias is not None or a.v_proj.bias is not None:
+                    zeros = lambda mod, n: mod.bias if mod.bias is not None else mod.weight.new_zeros(n)  # noqa: E731
+                    b = torch.cat([zeros(a.q_proj, G * rep * hd).view(G, rep, hd), zeros(a.k_proj, G * hd).view(G, 1, hd),
+                                   zeros(a.v_proj, G * hd).view(G, 1, hd)], 1)
+                    b_qkv = b.reshape(-1).clone()
+                I = p.gate_proj.weight.shape[0]
+                w_gu = torch.cat([p.gate_proj.weight, p.up_proj.weight], 0).t().contiguous()
+                b_gu = None
+                if p.gate_proj.bias is not None or p.up_proj.bias is not None:
+                    gb = p.gate_proj.bias if p.gate_proj.bias is not None else p.gate_proj.weight.new_zeros(I)
+                    ub = p.up_proj.bias if p.up_proj.bias is not None else p.up_proj.weight.new_zeros(I)
+                    b_gu = torch.cat([gb, ub]).clone()
+                layers.append((
+                    layer.input_layernorm.weight.detach(), float(layer.input_layernorm.variance_epsilon),
+                    w_qkv, b_qkv,
+                    a.o_proj.weight.detach().t().contiguous(), None if a.o_proj.bias is None else a.o_proj.bias.detach(),
+                    layer.post_attention_layernorm.weight.detach(), float(layer.post_attention_layernorm.variance_epsilon),
+                    w_gu, b_gu, I,
+                    p.down_proj.weight.detach().t().contiguous(), None if p.down_proj.bias is None else p.down_proj.bias.detach(),
+                ))
+            self._embed = self.model.model.embed_tokens.weight.detach()
+            self._norm_w = self.model.model.norm.weight.detach()
+            self._norm_eps = float(self.model.model.norm.variance_epsilon)
+            self._head_t = self.model.lm_head.weight.detach().t().contiguous()
+        self._layers = layers
+        self._key = key
+
+    def _rope_table(self, length: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """``[length, 2, hd]``: cos and sin of every position from the model's rotary module."""
+        rot = self.model.model.rotary_emb
+        key = (length, dtype, device, rot.inv_freq.data_ptr(), _version(rot.inv_freq))
+        if key != self._rope_key or key[-1] is None:
+            pos = torch.arange(length, device=device)[None]
+            cos, sin = rot(torch.empty(0, device=device, dtype=dtype), position_ids=pos)
+            self._rope = torch.stack([cos[0], sin[0]], 1).contiguous()
+            self._rope_key = key
+        return self._rope
+
+    # ------------------------------------------------------------------ rollout API
+    @property
+    def step(self) -> int:
+        """Decode steps taken since the last prefill (the next token goes to column ``P + step``)."""
+        return self._step
+
+    @property
+    def capacity(self) -> int:
+        """Decode steps the current cache has room for (``max_new_tokens`` of the last prefill)."""
+        return self._capacity
+
+    def _alloc(self, N: int, W: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Per layer ``(keys^T [N*G, hd, W], values [N*G, W, hd])``; reused while the shape stays the same."""
+        B, hd = N * self.n_kv, self.head_dim
+        c = self._cache[0][0] if self._cache else None
+        if c is None or len(self._cache) != len(self._layers) or c.shape != (B, hd, W) or c.dtype != dtype or c.device != device:
+            self._cache = [(torch.zeros(B, hd, W, dtype=dtype, device=device), torch.zeros(B, W, hd, dtype=dtype, device=device))
+                           for _ in self._layers]
+
+    def prefill(self, tokens: torch.Tensor, mask: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        """Encode left-padded prompts ``tokens[N, P]`` into cache columns ``[0, P)``; return logits ``[N, V]`` (fp32).
+
+        Reserves room for ``max_new_tokens`` decode steps. Must run under ``torch.no_grad`` or
+        ``torch.inference_mode`` (``Policy`` does).
+        """
+        if tokens.dim() != 2 or mask.shape != tokens.shape:
+            raise ValueError(f"tokens and mask must both be [N, P], got {tuple(tokens.shape)} and {tuple(mask.shape)}")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        width = tokens.shape[1] + int(max_new_tokens)
+        reason = unsupported_reason(self.model, width)
+        if reason is not None:
+            raise ValueError(f"StaticDecoder cannot run this model: {reason}")
+        self._refresh()
+        N, P = tokens.shape
+        G, rep, hd, H = self.n_kv, self.rep, self.head_dim, self.n_heads
+        emb = self._embed
+        dtype, device = emb.dtype, emb.device
+        tokens, mask = tokens.to(device), mask.to(device).bool()
+        self._alloc(N, width, dtype, device)
+        rope = self._rope_table(width, dtype, device)
+
+        pos = (mask.long().cumsum(1) - 1).clamp(min=0)  # [N, P]
+        cs = rope[pos]  # [N, P, 2, hd]
+        cos, sin = cs[:, :, 0, None, None], cs[:, :, 1, None, None]  # [N, P, 1, 1, hd]
+        # prefill attention: causal, real keys only (a padding query sees itself, so nothing is NaN)
+        causal = torch.ones(P, P, dtype=torch.bool, device=device).tril()
+        allowed = causal & (mask[:, None, :] | torch.eye(P, dtype=torch.bool, device=device))
+        bias = torch.zeros(N, 1, 1, P, P, dtype=dtype, device=device).masked_fill_(~allowed[:, None, None], float("-inf"))
+
+        x = F.embedding(tokens, emb)  # [N, P, D]
+        for li, (w_in, eps_in, w_qkv, b_qkv, w_o, b_o, w_post, eps_post, w_gu, b_gu, I, w_d, b_d) in enumerate(self._layers):
+            h = F.rms_norm(x, (x.shape[-1],), w_in, eps_in)
+            qkv = h @ w_qkv
+            if b_qkv is not None:
+                qkv = qkv + b_qkv
+            qkv = qkv.view(N, P, G, rep + 2, hd)
+            qk = qkv[:, :, :, : rep + 1]
+            qk = qk * cos + _rotate_half(qk) * sin  # HF's apply_rotary_pos_emb
+            q, k, v = qk[:, :, :, :rep], qk[:, :, :, rep], qkv[:, :, :, rep + 1]
+            k_t, v_c = self._cache[li]
+            k_t[:, :, :P] = k.permute(0, 2, 3, 1).reshape(N * G, hd, P)
+            v_c[:, :P] = v.permute(0, 2, 1, 3).reshape(N * G, P, hd)
+            qh = q.permute(0, 2, 3, 1, 4)  # [N, G, rep, P, hd]
+            kh = k.permute(0, 2, 1, 3)[:, :, None]  # [N, G, 1, P, hd]
+            vh = v.permute(0, 2, 1, 3)[:, :, None]
+            att = torch.softmax((qh @ kh.transpose(-1, -2)) * self.scaling + bias, -1, dtype=torch.float32).to(dtype)
+            o = (att @ vh).permute(0, 3, 1, 2, 4).reshape(N, P, H * hd)
+            o = o @ w_o
+            if b_o is not None:
+                o = o + b_o
+            x = x + o
+            h = F.rms_norm(x, (x.shape[-1],), w_post, eps_post)
+            gu = h @ w_gu
+            if b_gu is not None:
+                gu = gu + b_gu
+            d = (self.act(gu[..., :I]) * gu[..., I:]) @ w_d
+            if b_d is not None:
+                d = d + b_d
+            x = x + d
+        h = F.rms_norm(x[:, -1], (x.shape[-1],), self._norm_w, self._norm_eps)
+        logits = h @ self._head_t
+
+        # decode state, prepared once: attention bias over cache columns, per-step positions, signed RoPE table
+        col_ok = torch.ones(N, width, dtype=torch.bool, device=device)
+        col_ok[:, :P] = mask
+        self._bias = (torch.zeros(N, width, dtype=dtype, device=device).masked_fill_(~col_ok, float("-inf"))
+                      .repeat_interleave(G, 0)[:, None, :].contiguous())  # [N * G, 1, W]
+        # step t of a slot with n real prompt tokens is at position n + t (= cumsum(mask) - 1 at column P + t)
+        self._pos = mask.long().sum(1)[None, :] + torch.arange(max_new_tokens, device=device)[:, None]  # [M, N]
+        # sin with the sign of rotate_half folded in: rotate_half(x) * sin == swap_halves(x) * sin_signed
+        sign = torch.ones(hd, dtype=dtype, device=device)
+        sign[: hd // 2] = -1
+        self._rope_signed = torch.stack([rope[:, 0], rope[:, 1] * sign], 1).contiguous()  # [W, 2, hd]
+        self._N, self._P = N, P
+        self._step, self._capacity = 0, int(max_new_tokens)
+        return logits.float()
+
+    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Append one token per slot (``tokens[N]``, written at column ``P + step``); return logits ``[N, V]`` (fp32)."""
+        t = self._step
+        if t >= self._capacity:
+            raise RuntimeError(
+                f"decode step {t + 1} exceeds max_new_tokens={self._capacity} given to prefill(); prefill again with a larger budget"
+            )
+        N, G, rep, hd = self._N, self.n_kv, self.rep, self.head_dim
+        if tokens.shape != (N,):
+            raise ValueError(f"decode() takes one token per slot, shape ({N},); got {tuple(tokens.shape)}")
+        col = self._P + t
+        T = col + 1
+        cs = self._rope_signed.index_select(0, self._pos[t])  # this step's [N, 2, hd], broadcast over heads
+        cos, sin = cs[:, 0, None, None], cs[:, 1, None, None]
+        bias = self._bias[:, :, :T]
+        scale = self.scaling
+        act = self.act
+        x = F.embedding(tokens, self._embed)  # [N, D]
+        D = x.shape[-1]
+        for (k_t, v_c), (w_in, eps_in, w_qkv, b_qkv, w_o, b_o, w_post, eps_post, w_gu, b_gu, I, w_d, b_d) in zip(self._cache, self._layers):
+            h = F.rms_norm(x, (D,), w_in, eps_in)
+            qkv = torch.mm(h, w_qkv) if b_qkv is None else torch.addmm(b_qkv, h, w_qkv)
+            qkv = qkv.view(N, G, rep + 2, hd)
+            qk = qkv[:, :, : rep + 1]
+            r = torch.addcmul(qk * cos, qk.view(N, G, rep + 1, 2, hd // 2).flip(3).view(N, G, rep + 1, hd), sin)  # [N, G, rep+1, hd]
+            k_t[:, :, col].copy_(r[:, :, rep].view(N * G, hd))
+            v_c[:, col].copy_(qkv[:, :, rep + 1].view(N * G, hd))
+            s = torch.baddbmm(bias, r[:, :, :rep].view(N * G, rep, hd), k_t[:, :, :T], alpha=scale)
+            o = torch.bmm(torch.softmax(s, -1), v_c[:, :T]).view(N, -1)
+            x = torch.addmm(x, o, w_o)
+            if b_o is not None:
+                x = x + b_o
+            h = F.rms_norm(x, (D,), w_post, eps_post)
+            gu = torch.mm(h, w_gu) if b_gu is None else torch.addmm(b_gu, h, w_gu)
+            a = act(gu[:, :I])
+            a.mul_(gu[:, I:])
+            x = torch.addmm(x, a, w_d)
+            if b_d is not None:
+                x = x + b_d
+        self._step = t + 1
+        h = F.rms_norm(x, (D,), self._norm_w, self._norm_eps)
+        return torch.mm(h, self._head_t).float()
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """The tensor's in-place version counter (``None`` for inference tensors, which have none)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, -1)
+    return torch.cat((-x2, x1), -1)

@@ -1,0 +1,60 @@
+"""``RunLogger``: one place that writes a run's metrics to TensorBoard and ``metrics.jsonl``."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from typing import Any
+
+import torch
+
+__all__ = ["RunLogger", "to_float"]
+
+
+def to_float(v: Any) -> float:
+    """A Python float from a number or a 0-dim/1-element tensor."""
+    if isinstance(v, torch.Tensor):
+        return float(v.detach().float().item())
+    return float(v)
+
+
+class RunLogger:
+    """Append metrics for a run directory; ``None`` as ``run_dir`` keeps them in memory only.
+
+    Every :meth:`log` call adds one JSON line ``{"step": ..., "time": ..., **metrics}`` to
+    ``run_dir/metrics.jsonl`` and one TensorBoard scalar per metric (tag = metric name, e.g.
+    ``reward/mean``). ``history`` holds the same records in memory.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike | None = None, tensorboard: bool = True):
+        self.run_dir = os.fspath(run_dir) if run_dir is not None else None
+        self.history: list[dict[str, float]] = []
+        self._writer = None
+        self._start = time.time()
+        if self.run_dir is not None:
+            os.makedirs(self.run_dir, exist_ok=True)
+            if tensorboard:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._writer = SummaryWriter(self.run_dir)
+
+    def log(self, step: int, metrics: dict[str, Any]) -> dict[str, float]:
+        record = {"step": int(step), "time": round(time.time() - self._start, 3)}
+        record.update({k: to_float(v) for k, v in metrics.items()})
+        self.history.append(record)
+        if self.run_dir is not None:
+            with open(os.path.join(self.run_dir, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps({k: (v if math.isfinite(v) else None) for k, v in record.items()}) + "\n")
+        if self._writer is not None:
+            for k, v in record.items():
+                if k not in ("step", "time") and math.isfinite(v):
+                    self._writer.add_scalar(k, v, step)
+            self._writer.flush()
+        return record
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None

@@ -1,0 +1,257 @@
+"""``Policy``: a causal LM that acts on ``TokenVectorEnv`` observations with its own KV cache.
+
+Rollout API (what :func:`tokengym.agents.collect` uses; lockstep batches)::
+
+    logits = policy.prefill(obs["tokens"][:, :P], obs["mask"][:, :P], max_new_tokens=M)  # prompts, once
+    actions, logp = policy.sample(logits)                               # on the device, no host sync
+    obs, ... = env.step(actions)
+    logits = policy.decode(actions)                                     # one token per slot
+
+Fast path: ``policy.prefill(tokens, mask, max_new_tokens=M)`` (what ``collect`` calls) runs supported
+Llama-family models (Llama, Mistral, Qwen2) through :class:`~tokengym.agents.fast_decode.StaticDecoder`:
+a static KV cache laid out like the env buffer and a lean decode step written against the model's
+weights, with the same numerics. Other models, ``fast_decode=False``, or ``prefill`` without
+``max_new_tokens`` use the generic ``transformers`` path with its own cache.
+
+Generic API: ``policy.act(obs, prompt_len=P)`` works in any Gymnasium-style loop, in either autoreset
+mode: it prefills new episodes itself (re-encoding the batch when only some slots restarted).
+
+Training API: ``policy(tokens, mask, prompt_len)`` returns the log-probabilities (and optionally the
+entropy) of the generated tokens with one full forward pass, chunked via
+:func:`tokengym.agents.functional.token_logprobs`.
+
+Position ids are always ``cumsum(mask) - 1``, so left padding in the prompt and padding after an
+episode's end never shift a real token's position, in the cache or in the full pass.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokengym.agents import functional as Fn
+from tokengym.agents.fast_decode import StaticDecoder, unsupported_reason
+from tokengym.agents.models import load_model
+
+__all__ = ["Policy", "position_ids", "sample_logits"]
+
+
+def position_ids(mask: torch.Tensor) -> torch.Tensor:
+    """Positions of real tokens: ``cumsum(mask) - 1`` (0 on leading padding)."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def sample_logits(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    greedy: bool = False,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row of ``logits[N, V]``; return ``(tokens[N], logprobs[N])``.
+
+    The log-probability is under the distribution actually sampled from (temperature, then top-k,
+    then top-p). ``greedy`` takes the argmax and reports its log-probability under the temperature-scaled
+    distribution. Everything stays on the device (no host sync).
+    """
+    logits = logits.float()
+    if greedy:
+        logp = torch.log_softmax(logits / max(temperature, 1e-6), -1)
+        tok = logits.argmax(-1)
+        return tok, logp.gather(-1, tok[:, None])[:, 0]
+    if temperature != 1.0:
+        logits = logits / temperature
+    if top_k and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = (cum - sorted_logits.softmax(-1)) >= top_p  # keep the smallest prefix whose mass reaches top_p
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    logp = torch.log_softmax(logits, -1)
+    tok = torch.multinomial(logp.exp(), 1, generator=generator)[:, 0]
+    return tok, logp.gather(-1, tok[:, None])[:, 0]
+
+
+class Policy(nn.Module):
+    """A ``transformers`` causal LM + tokenizer that acts on token environments.
+
+    Args:
+        model: any ``transformers`` causal LM (a preset, a local checkpoint, an in-memory model).
+        tokenizer: its tokenizer (needs EOS and pad tokens).
+        temperature, top_k, top_p: sampling settings (``top_k=0`` and ``top_p=1`` turn those filters off).
+        seed: seeds the policy's own sampling generator.
+        fast_decode: use the static-cache decode step for supported models when ``prefill`` is given
+            ``max_new_tokens`` (see :mod:`tokengym.agents.fast_decode`); ``False`` always takes the
+            generic ``transformers`` path.
+
+    Example:
+        >>> import torch
+        >>> from tokengym.envs import TokenVectorEnv
+        >>> policy = Policy.from_pretrained("tiny")
+        >>> env = TokenVectorEnv(2, "arithmetic")
+        >>> obs, _ = env.reset(seed=0)
+        >>> actions, logp = policy.act(obs, prompt_len=env.max_prompt_len)
+        >>> actions.shape, bool((logp <= 0).all())
+        (torch.Size([2]), True)
+    """
+
+    def __init__(self, model: nn.Module, tokenizer: Any, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+                 fast_decode: bool = True):
+        super().__init__()
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0 (use greedy=True for argmax), got {temperature}")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.temperature, self.top_k, self.top_p = float(temperature), int(top_k), float(top_p)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._cache: Any = None
+        self._mask: torch.Tensor | None = None
+        self._pos: torch.Tensor | None = None
+        self._seen: torch.Tensor | None = None
+        self.fast_decode = bool(fast_decode)
+        self._fast: StaticDecoder | None = None
+        self._fast_active = False
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_pretrained(cls, name_or_path: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None, **kwargs: Any) -> "Policy":
+        """A policy from a preset name (``"tiny"``, ``"small"``) or a local ``save_pretrained`` folder."""
+        model, tok = load_model(name_or_path, device=device, dtype=dtype)
+        return cls(model, tok, **kwargs)
+
+    def save_pretrained(self, path: str) -> None:
+        """Write the model (safetensors) and tokenizer to ``path``."""
+        self.model.save_pretrained(path, safe_serialization=True)
+        self.tokenizer.save_pretrained(path)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def seed(self, seed: int) -> None:
+        self.generator.manual_seed(seed)
+
+    # ------------------------------------------------------------------ rollout API
+    def _forward_cached(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Any) -> torch.Tensor:
+        kw = {self._cache_kw: cache} if cache is not None else {}
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1, **kw)
+        self._cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+        return out.logits[:, -1].float()
+
+    def fast_path_reason(self, width: int | None = None) -> str | None:
+        """``None`` if ``prefill(..., max_new_tokens=M)`` takes the fast path for ``width = P + M`` columns, else why not."""
+        if not self.fast_decode:
+            return "fast_decode=False"
+        return unsupported_reason(self.model, width)
+
+    @property
+    def fast_path_active(self) -> bool:
+        """Whether the current cache (from the last ``prefill``) is the fast static cache."""
+        return self._fast_active
+
+    def _fast_decoder(self, width: int) -> StaticDecoder | None:
+        if self.fast_path_reason(width) is not None:
+            return None
+        if self._fast is None or self._fast.model is not self.model:
+            self._fast = StaticDecoder(self.model)
+        return self._fast
+
+    @torch.inference_mode()
+    def prefill(self, tokens: torch.Tensor, mask: torch.Tensor, max_new_tokens: int | None = None) -> torch.Tensor:
+        """Encode left-padded prompts ``tokens[N, P]`` (``mask`` 1 on real tokens), start a fresh KV cache.
+
+        With ``max_new_tokens`` (the env's budget M) a supported model gets a static cache of ``P + M``
+        columns and the fast decode step (at most M ``decode`` calls follow); otherwise the generic path.
+        Returns the next-token logits ``[N, V]`` (float32).
+        """
+        self._seen = None  # act() re-encodes after a prefill it did not make
+        fast = self._fast_decoder(tokens.shape[1] + int(max_new_tokens)) if max_new_tokens is not None else None
+        self._fast_active = fast is not None
+        if fast is not None:
+            self._cache = self._mask = self._pos = None
+            return fast.prefill(tokens.to(self.device), mask.to(self.device), int(max_new_tokens))
+        mask = mask.long()
+        pos = position_ids(mask)
+        self._mask, self._pos = mask, pos[:, -1]
+        return self._forward_cached(tokens, mask, pos, None)
+
+    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Append one token per slot (``tokens[N]``) to the cache; return the next-token logits ``[N, V]``."""
+        if torch.is_inference_mode_enabled():  # skip re-entering inference mode on every token (rollouts)
+            return self._decode(tokens)
+        with torch.inference_mode():
+            return self._decode(tokens)
+
+    def _decode(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self._fast_active:
+            return self._fast.decode(tokens)
+        if self._mask is None:
+            raise RuntimeError("decode() before prefill(): encode the prompts first")
+        self._mask = torch.cat([self._mask, self._mask.new_ones(self._mask.shape[0], 1)], 1)
+        self._pos = self._pos + 1
+        return self._forward_cached(tokens[:, None], self._mask, self._pos[:, None], self._cache)
+
+    def sample(self, logits: torch.Tensor, greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample with the policy's settings and generator; see :func:`sample_logits`."""
+        return sample_logits(logits, self.temperature, self.top_k, self.top_p, greedy, self.generator)
+
+    @torch.inference_mode()
+    def act(self, obs: dict[str, torch.Tensor], prompt_len: int, greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """One action per slot for an env observation (``prompt_len`` = the env's ``max_prompt_len``).
+
+        New episodes are detected from the observation (no generated tokens yet). When every slot is
+        new the prompts are prefilled; when only some restarted (``next_step`` autoreset) the whole
+        buffer is re-encoded (each row right-aligned on its newest token); otherwise the newest token
+        of each slot is decoded. This is the generic path; ``collect`` uses the faster lockstep API.
+        """
+        tokens, mask = obs["tokens"].to(self.device), obs["mask"].to(self.device)
+        gen = mask[:, prompt_len:].long().sum(1)
+        fresh = gen == 0
+        all_fresh, any_fresh = (bool(x) for x in torch.stack([fresh.all(), fresh.any()]).tolist())
+        if all_fresh:
+            logits = self.prefill(tokens[:, :prompt_len], mask[:, :prompt_len])
+        elif any_fresh or self._seen is None:
+            # re-encode every slot; rows with fewer generated tokens are rotated right so that each row's
+            # newest token sits in the last column (its trailing padding becomes left padding)
+            g_max = int(gen.max())
+            width = prompt_len + g_max
+            cols = (torch.arange(width, device=tokens.device) - (g_max - gen)[:, None]) % width
+            logits = self.prefill(tokens[:, :width].gather(1, cols), mask[:, :width].gather(1, cols))
+        else:
+            last = tokens.gather(1, (prompt_len + gen - 1).unsqueeze(1))[:, 0]
+            new = gen > self._seen  # finished slots get no new token: feed a masked pad
+            logits = self.decode(torch.where(new, last, self.tokenizer.pad_token_id))
+            self._mask[:, -1] = new.long()
+        self._seen = gen
+        return self.sample(logits, greedy)
+
+    # ------------------------------------------------------------------ training API
+    def forward(
+        self, tokens: torch.Tensor, mask: torch.Tensor, prompt_len: int, return_entropy: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Log-probabilities ``[N, M]`` of the generated tokens ``tokens[:, P:]`` under the policy.
+
+        One forward pass over ``tokens[N, P + M]``; logits are divided by the sampling temperature so
+        that they match the rollout's log-probabilities. Values at padding positions are meaningless:
+        multiply by the action mask ``mask[:, P:]``. With ``return_entropy`` also the per-token entropy.
+        """
+        m = tokens.shape[1] - prompt_len
+        out = self.model(input_ids=tokens, attention_mask=mask.long(), position_ids=position_ids(mask), logits_to_keep=m + 1)
+        logits = out.logits[:, :-1]
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
+        logp = Fn.token_logprobs(logits, tokens[:, prompt_len:])
+        if return_entropy:
+            return logp, Fn.entropy(logits, mask[:, prompt_len:])
+        return logp

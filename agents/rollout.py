@@ -1,0 +1,176 @@
+"""The rollout engine: drive a ``TokenVectorEnv`` in lockstep with a policy and collect a ``Rollout``.
+
+``collect`` resets the env (``DISABLED`` autoreset: one batch of episodes), prefills the prompts once,
+then samples and decodes one token per step until every slot is done. Everything stays on the env's
+device; the only host syncs are the env's one-per-step stop check and the reward calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+__all__ = ["Rollout", "collect", "evaluate", "heldout_samples"]
+
+
+@dataclass
+class Rollout:
+    """One batch of finished episodes; tensors ``[N, ...]`` on the env's device.
+
+    Token layout is the env's: ``tokens[:, :P]`` left-padded prompts, ``tokens[:, P:]`` generation.
+    Per-token tensors ``[N, M]`` are aligned with ``tokens[:, P:]``; ``action_mask`` is 1 on generated
+    tokens. ``values``/``last_values`` are filled only when a critic was given (``last_values`` is the
+    bootstrap value V(s_M) for truncated rows and 0 for terminated ones).
+    """
+
+    tokens: torch.Tensor
+    attention_mask: torch.Tensor
+    action_mask: torch.Tensor
+    prompt_len: int
+    logprobs: torch.Tensor
+    rewards: torch.Tensor
+    process_rewards: torch.Tensor
+    step_end: torch.Tensor
+    outcome: torch.Tensor
+    terminated: torch.Tensor
+    truncated: torch.Tensor
+    group_id: torch.Tensor
+    group_size: int
+    values: torch.Tensor | None = None
+    last_values: torch.Tensor | None = None
+    completions: list[str] = field(default_factory=list)
+    samples: list[dict[str, Any]] = field(default_factory=list)
+    step_scores: list[list[float]] = field(default_factory=list)
+    reward_components: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def num_episodes(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """Generated tokens per episode, ``[N]``."""
+        return self.action_mask.sum(1)
+
+    def step_rewards(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(step_rewards[N, S], step_ends[N, S])`` for ``functional.process_advantages`` (-1 = no step)."""
+        counts = self.step_end.sum(1)
+        s = max(int(counts.max()), 1) if counts.numel() else 1
+        ends = torch.full((self.num_episodes, s), -1, dtype=torch.long, device=self.tokens.device)
+        vals = torch.zeros((self.num_episodes, s), dtype=torch.float32, device=self.tokens.device)
+        rows, cols = self.step_end.nonzero(as_tuple=True)
+        rank = torch.cumsum(self.step_end.long(), 1)[rows, cols] - 1
+        ends[rows, rank] = cols
+        vals[rows, rank] = self.process_rewards[rows, cols]
+        return vals, ends
+
+    def select(self, idx: torch.Tensor | Sequence[int]) -> "Rollout":
+        """The sub-batch of episodes ``idx`` (tensors indexed, lists picked)."""
+        idx_t = torch.as_tensor(idx, device=self.tokens.device)
+        pick = idx_t.tolist()
+        out = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, torch.Tensor):
+                v = v[idx_t]
+            elif isinstance(v, list):
+                v = [v[i] for i in pick] if v else v
+            elif isinstance(v, dict):
+                v = {k: t[idx_t] for k, t in v.items()}
+            out[f.name] = v
+        return Rollout(**out)
+
+
+@torch.inference_mode()
+def collect(env, policy, critic=None, *, greedy: bool = False, seed: int | None = None, samples: list | None = None) -> Rollout:
+    """Run one lockstep batch of episodes of ``env`` with ``policy``; return the finished ``Rollout``.
+
+    Args:
+        env: a :class:`~tokengym.envs.TokenVectorEnv` in ``DISABLED`` autoreset mode.
+        policy: a :class:`~tokengym.agents.Policy` (or anything with ``prefill``/``decode``/``sample``).
+        critic: optional :class:`~tokengym.agents.Critic`; its values are computed in one pass at the end.
+        greedy: argmax decoding (evaluation).
+        seed: passed to ``env.reset``.
+        samples: explicit prompts for ``env.reset(options={"samples": ...})`` (one per group).
+    """
+    if env.autoreset_mode.name != "DISABLED":
+        raise ValueError("collect() runs lockstep batches: create the env with autoreset_mode='disabled'")
+    obs, _ = env.reset(seed=seed, options={"samples": samples} if samples is not None else None)
+    P, M, N = env.max_prompt_len, env.max_new_tokens, env.num_envs
+    logps = torch.zeros((N, M), dtype=torch.float32, device=env.device)
+    logits = policy.prefill(obs["tokens"][:, :P], obs["mask"][:, :P], max_new_tokens=M)
+    for t in range(M):
+        actions, lp = policy.sample(logits, greedy=greedy)
+        logps[:, t] = lp
+        env.step(actions)
+        if env.all_done:
+            break
+        logits = policy.decode(actions)
+    action_mask = env.attention_mask[:, P:].clone()
+    ro = Rollout(
+        tokens=env.tokens.clone(),
+        attention_mask=env.attention_mask.clone(),
+        action_mask=action_mask,
+        prompt_len=P,
+        logprobs=logps * action_mask,
+        rewards=env.rewards.clone(),
+        process_rewards=env.process_rewards.clone(),
+        step_end=env.step_end.clone(),
+        outcome=env.outcome.clone(),
+        terminated=env.terminated.clone(),
+        truncated=env.truncated.clone(),
+        group_id=env.group_id.clone(),
+        group_size=env.group_size,
+        completions=list(env.completions),
+        samples=list(env.samples),
+        step_scores=[list(s) for s in env.step_scores],
+        reward_components=_components(env),
+    )
+    if critic is not None:
+        v = critic(ro.tokens, ro.attention_mask, P)  # [N, M + 1]: V(s_0) .. V(s_M)
+        ro.values = v[:, :M] * action_mask
+        ro.last_values = torch.where(ro.truncated, v[:, M], torch.zeros_like(v[:, M]))
+    return ro
+
+
+def _components(env) -> dict[str, torch.Tensor]:
+    names = sorted({k for c in env.reward_components for k in c})
+    return {k: torch.tensor([c.get(k, 0.0) for c in env.reward_components], device=env.device) for k in names}
+
+
+def heldout_samples(task, n: int, seed: int = 10_007) -> list[dict[str, Any]]:
+    """``n`` prompts from ``task`` drawn from a fixed seed kept apart from training seeds."""
+    import numpy as np
+
+    return task.batch(np.random.default_rng(seed), n)
+
+
+@torch.inference_mode()
+def evaluate(policy, env, samples: list[dict[str, Any]], greedy: bool = True) -> dict[str, float]:
+    """Score ``policy`` on ``samples`` (group_size 1 env) in batches of ``env.num_envs``.
+
+    Returns ``mean_reward`` (the env's outcome reward), ``accuracy`` (fraction with outcome >= 1,
+    which for 0/1 verifiers is the fraction solved), ``mean_length`` and ``truncated``.
+    """
+    if env.group_size != 1:
+        raise ValueError("evaluate() needs an env with group_size=1")
+    n = env.num_envs
+    rewards, lengths, truncs = [], [], []
+    for start in range(0, len(samples), n):
+        chunk = list(samples[start : start + n])
+        pad = n - len(chunk)
+        ro = collect(env, policy, greedy=greedy, samples=chunk + chunk[:1] * pad)
+        keep = slice(0, n - pad)
+        rewards.append(ro.outcome[keep])
+        lengths.append(ro.lengths[keep].float())
+        truncs.append(ro.truncated[keep].float())
+    r = torch.cat(rewards)
+    return {
+        "mean_reward": r.mean().item(),
+        "accuracy": (r >= 1.0 - 1e-6).float().mean().item(),
+        "mean_length": torch.cat(lengths).mean().item(),
+        "truncated": torch.cat(truncs).mean().item(),
+    }

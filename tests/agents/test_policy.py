@@ -1,0 +1,237 @@
+"""Policy: the static-cache fast decode path against the generic HF path and one full forward pass."""
+
+import pytest
+import torch
+from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+                          Qwen2Config, Qwen2ForCausalLM)
+
+from tokengym.agents.fast_decode import StaticDecoder, unsupported_reason
+from tokengym.agents.models import build_preset
+from tokengym.agents.policy import Policy
+from tokengym.agents.rollout import collect
+from tokengym.envs import TokenVectorEnv, char_tokenizer
+
+TOL = 1e-4
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a busy 2-core machine threads spinning at
+    barriers make every kernel 10-100x slower; restore the setting afterwards."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny(**overrides):
+    model, tok = build_preset("tiny", **overrides)
+    return model.eval(), tok
+
+
+def small_config(cls_cfg, tok, **kw):
+    base = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=256, bos_token_id=tok.bos_token_id,
+                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    return cls_cfg(**{**base, **kw})
+
+
+def with_random_biases(model):
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return model.eval()
+
+
+def family_models():
+    tok = char_tokenizer()
+    torch.manual_seed(0)
+    return {
+        "llama-mha": tiny()[0],
+        "llama-gqa": tiny(num_key_value_heads=2)[0],
+        "llama-mqa-bias-headdim": with_random_biases(LlamaForCausalLM(small_config(
+            LlamaConfig, tok, num_key_value_heads=1, attention_bias=True, mlp_bias=True, head_dim=24))),
+        "llama3-rope-tied": LlamaForCausalLM(small_config(LlamaConfig, tok, tie_word_embeddings=True, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64})).eval(),
+        "qwen2": with_random_biases(Qwen2ForCausalLM(small_config(Qwen2Config, tok, tie_word_embeddings=True))),
+        "mistral": MistralForCausalLM(small_config(MistralConfig, tok, sliding_window=None)).eval(),
+    }
+
+
+@pytest.fixture(scope="module")
+def models():
+    return family_models()
+
+
+def prompts(n=6, seed=1, max_new_tokens=8):
+    env = TokenVectorEnv(n, "arithmetic", max_new_tokens=max_new_tokens)
+    obs, _ = env.reset(seed=seed)
+    P = env.max_prompt_len
+    tokens, mask = obs["tokens"][:, :P], obs["mask"][:, :P]
+    assert len(set(mask.sum(1).tolist())) > 1  # left padding of different widths
+    return tokens, mask
+
+
+@pytest.mark.parametrize("name", ["llama-mha", "llama-gqa", "llama-mqa-bias-headdim", "llama3-rope-tied", "qwen2", "mistral"])
+def test_fast_logits_equal_generic_logits(models, name):
+    model = models[name]
+    tok = char_tokenizer()
+    tokens, mask = prompts()
+    fast, generic = Policy(model, tok), Policy(model, tok, fast_decode=False)
+    g = torch.Generator().manual_seed(2)
+    steps = 8
+    with torch.inference_mode():
+        a = fast.prefill(tokens, mask, max_new_tokens=steps)
+        b = generic.prefill(tokens, mask, max_new_tokens=steps)
+        assert fast.fast_path_active and not generic.fast_path_active
+        diffs = [(a - b).abs().max().item()]
+        for _ in range(steps):
+            nxt = torch.randint(3, len(tok), (tokens.shape[0],), generator=g)
+            a, b = fast.decode(nxt), generic.decode(nxt)
+            assert a.dtype == torch.float32 and a.shape == (tokens.shape[0], len(tok))
+            diffs.append((a - b).abs().max().item())
+    assert max(diffs) < TOL, diffs
+
+
+@pytest.mark.parametrize("overrides", [{}, {"num_key_value_heads": 2}], ids=["mha", "gqa"])
+def test_fast_rollout_logprobs_equal_full_forward(overrides):
+    model, tok = tiny(**overrides)
+    policy = Policy(model, tok, seed=0)
+    env = TokenVectorEnv(16, "arithmetic", max_new_tokens=24)
+    ro = collect(env, policy, seed=0)
+    assert policy.fast_path_active
+    P = ro.prompt_len
+    assert len(set(ro.attention_mask[:, :P].sum(1).tolist())) > 1  # prompts of different lengths
+    assert ro.terminated.any() and ro.truncated.any() and len(set(ro.lengths.tolist())) > 2  # ends at different times
+    with torch.inference_mode():
+        full = policy(ro.tokens, ro.attention_mask, P)
+    diff = ((full - ro.logprobs) * ro.action_mask).abs().max().item()
+    assert diff < TOL, diff
+
+
+def test_fast_and_generic_rollouts_sample_the_same_tokens():
+    model, tok = tiny(num_key_value_heads=2)
+    env = TokenVectorEnv(8, "arithmetic", max_new_tokens=16)
+    a = collect(env, Policy(model, tok, seed=3), seed=5)
+    b = collect(env, Policy(model, tok, seed=3, fast_decode=False), seed=5)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.action_mask, b.action_mask)
+    assert (a.logprobs - b.logprobs).abs().max().item() < TOL
+
+
+def test_cache_reuse_does_not_leak_between_batches():
+    """A slot's second episode matches a fresh policy's run, even with the reused cache poisoned by NaN."""
+    model, tok = tiny()
+    env = TokenVectorEnv(8, "arithmetic", max_new_tokens=20)
+    policy = Policy(model, tok, seed=0)
+    first = collect(env, policy, seed=1)
+    cache_before = policy._fast._cache[0][0]
+    with torch.inference_mode():  # anything not rewritten by the next batch would now show up as NaN
+        for k_t, v in policy._fast._cache:
+            k_t.fill_(float("nan"))
+            v.fill_(float("nan"))
+    policy.seed(7)
+    second = collect(env, policy, seed=2)
+    assert policy._fast._cache[0][0] is cache_before  # the static cache was reused, not reallocated
+    fresh_policy = Policy(model, tok, seed=7)
+    fresh = collect(TokenVectorEnv(8, "arithmetic", max_new_tokens=20), fresh_policy, seed=2)
+    assert not torch.equal(first.tokens, second.tokens)
+    assert torch.equal(second.tokens, fresh.tokens)
+    assert torch.equal(second.logprobs, fresh.logprobs)
+    assert torch.isfinite(second.logprobs).all()
+
+
+def test_weights_changed_in_place_are_picked_up():
+    model, tok = tiny()
+    tokens, mask = prompts()
+    fast, generic = Policy(model, tok), Policy(model, tok, fast_decode=False)
+    with torch.inference_mode():
+        fast.prefill(tokens, mask, max_new_tokens=2)
+    with torch.no_grad():  # an optimiser step
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    with torch.inference_mode():
+        a = fast.prefill(tokens, mask, max_new_tokens=2)
+        b = generic.prefill(tokens, mask)
+        nxt = torch.full((tokens.shape[0],), 5)
+        assert (a - b).abs().max().item() < TOL
+        assert (fast.decode(nxt) - generic.decode(nxt)).abs().max().item() < TOL
+
+
+def test_decode_past_the_budget_raises():
+    model, tok = tiny()
+    tokens, mask = prompts()
+    policy = Policy(model, tok)
+    with torch.inference_mode():
+        policy.prefill(tokens, mask, max_new_tokens=1)
+        policy.decode(torch.full((tokens.shape[0],), 5))
+        with pytest.raises(RuntimeError, match="max_new_tokens"):
+            policy.decode(torch.full((tokens.shape[0],), 5))
+
+
+def test_unsupported_models_fall_back_to_the_generic_path():
+    tok = char_tokenizer()
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=1, n_head=2, bos_token_id=tok.bos_token_id,
+                                      eos_token_id=tok.eos_token_id)).eval()
+    windowed = MistralForCausalLM(small_config(MistralConfig, tok, sliding_window=8)).eval()
+    assert "GPT2LMHeadModel" in unsupported_reason(gpt2)
+    assert unsupported_reason(windowed) is None and "sliding_window" in unsupported_reason(windowed, 64)
+    with pytest.raises(ValueError, match="cannot run"):
+        StaticDecoder(gpt2)
+    for model in (gpt2, windowed):
+        policy = Policy(model, tok, seed=0)
+        env = TokenVectorEnv(4, "arithmetic", max_new_tokens=6)
+        ro = collect(env, policy, seed=0)
+        assert not policy.fast_path_active
+        with torch.inference_mode():
+            full = policy(ro.tokens, ro.attention_mask, ro.prompt_len)
+        assert ((full - ro.logprobs) * ro.action_mask).abs().max().item() < TOL
+    assert Policy(tiny()[0], tok, fast_decode=False).fast_path_reason() == "fast_decode=False"
+
+
+def test_save_pretrained_and_reload_from_folder(tmp_path):
+    model, tok = tiny(num_key_value_heads=2)
+    Policy(model, tok).save_pretrained(str(tmp_path))
+    policy = Policy.from_pretrained(str(tmp_path), seed=0)
+    assert type(policy.model).__name__ == "LlamaForCausalLM"
+    env = TokenVectorEnv(6, "arithmetic", max_new_tokens=10)
+    ro = collect(env, policy, seed=3)
+    assert policy.fast_path_active
+    with torch.inference_mode():
+        full = policy(ro.tokens, ro.attention_mask, ro.prompt_len)
+        assert ((full - ro.logprobs) * ro.action_mask).abs().max().item() < TOL
+        tokens, mask = ro.tokens[:, : ro.prompt_len], ro.attention_mask[:, : ro.prompt_len]
+        a = policy.prefill(tokens, mask, max_new_tokens=1)
+        b = Policy(model, tok, fast_decode=False).prefill(tokens, mask)
+    assert (a - b).abs().max().item() < TOL
+
+
+def test_act_in_a_next_step_autoreset_loop():
+    """act() (generic path) gives valid actions; logprobs of completed episodes equal the full-forward recompute."""
+    model, tok = tiny()
+    policy = Policy(model, tok, seed=0)
+    env = TokenVectorEnv(4, "arithmetic", max_new_tokens=6, autoreset_mode="next_step")
+    P = env.max_prompt_len
+    obs, _ = env.reset(seed=0)
+    record = [[] for _ in range(4)]
+    checked = 0
+    for _ in range(40):
+        fresh = obs["mask"][:, P:].sum(1) == 0
+        actions, logp = policy.act(obs, prompt_len=P)
+        assert actions.shape == (4,) and actions.dtype == torch.long
+        assert bool(((actions >= 0) & (actions < env.vocab_size)).all()) and bool((logp <= 0).all())
+        for i in range(4):
+            if fresh[i]:
+                record[i] = []
+            record[i].append(logp[i].item())
+        obs, _, terminated, truncated, _ = env.step(actions)
+        for i in (terminated | truncated).nonzero().flatten().tolist():
+            with torch.inference_mode():
+                full = policy(obs["tokens"][i : i + 1], obs["mask"][i : i + 1], P)[0]
+            n = int(obs["mask"][i, P:].sum())
+            assert n == len(record[i])
+            assert (full[:n] - torch.tensor(record[i])).abs().max().item() < TOL
+            checked += 1
+    assert checked >= 8

@@ -1,0 +1,107 @@
+"""collect(): Rollout shapes, masks, rewards and logprobs on every bundled env, with the fast decode path."""
+
+import json
+
+import gymnasium as gym
+import pytest
+import torch
+
+import tokengym.envs  # noqa: F401  (registers the ids)
+from tokengym.agents import functional as Fn
+from tokengym.agents.models import build_preset
+from tokengym.agents.policy import Policy
+from tokengym.agents.rollout import collect, evaluate, heldout_samples
+
+TOL = 1e-4
+ENV_IDS = ["tokengym/Arithmetic-v0", "tokengym/Reverse-v0", "tokengym/Target-v0", "tokengym/Dataset-v0"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a busy 2-core machine threads spinning at
+    barriers make every kernel 10-100x slower; restore the setting afterwards."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def policy():
+    model, tok = build_preset("tiny", num_key_value_heads=2)
+    return Policy(model.eval(), tok, seed=0)
+
+
+def make_env(env_id, tmp_path, num_envs=8, group_size=2, **kw):
+    if env_id == "tokengym/Dataset-v0":
+        path = tmp_path / "data.jsonl"
+        rows = [{"prompt": f"What is {i}+{i * 7}?\n", "answer": str(8 * i)} for i in range(6)]
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        kw.setdefault("data", str(path))
+    return gym.make_vec(env_id, num_envs=num_envs, vectorization_mode="vector_entry_point", group_size=group_size, **kw)
+
+
+def check_rollout(ro, env, policy):
+    N, P, M = env.num_envs, env.max_prompt_len, env.max_new_tokens
+    assert ro.tokens.shape == ro.attention_mask.shape == (N, P + M) and ro.prompt_len == P
+    for name in ("action_mask", "logprobs", "rewards", "process_rewards", "step_end"):
+        assert getattr(ro, name).shape == (N, M), name
+    assert ro.attention_mask.dtype == torch.bool and torch.equal(ro.action_mask, ro.attention_mask[:, P:])
+    prompt_mask = ro.attention_mask[:, :P].long()
+    assert bool((prompt_mask.diff(dim=1) >= 0).all()) and bool(prompt_mask[:, -1].all())  # left padding
+    lengths = ro.lengths
+    assert torch.equal(ro.action_mask, torch.arange(M)[None] < lengths[:, None])  # generation is a prefix
+    assert bool((lengths >= 1).all())
+    assert torch.equal(ro.terminated ^ ro.truncated, torch.ones(N, dtype=torch.bool))
+    assert bool((lengths[ro.truncated] == M).all())
+    last = ro.tokens[torch.arange(N), P + lengths - 1]
+    assert bool((last[ro.terminated] == env.tokenizer.eos_token_id).all())  # these tasks stop on EOS only
+    assert bool((ro.tokens[:, P:][~ro.action_mask] == env.pad_id).all())
+    assert bool((ro.logprobs[~ro.action_mask] == 0).all()) and bool((ro.logprobs[ro.action_mask] <= 0).all())
+    assert bool((ro.rewards[~ro.action_mask] == 0).all())
+    assert torch.equal(ro.rewards.sum(1), ro.outcome + ro.process_rewards.sum(1))
+    assert torch.equal(ro.group_id.view(-1, env.group_size), ro.group_id.view(-1, env.group_size)[:, :1].expand(-1, env.group_size))
+    assert len(ro.completions) == len(ro.samples) == N and all(c is not None for c in ro.completions)
+    with torch.inference_mode():
+        full = policy(ro.tokens, ro.attention_mask, P)
+    assert ((full - ro.logprobs) * ro.action_mask).abs().max().item() < TOL
+
+
+@pytest.mark.parametrize("env_id", ENV_IDS)
+def test_rollout_shapes_and_masks_on_every_env(env_id, tmp_path, policy):
+    env = make_env(env_id, tmp_path)
+    ro = collect(env, policy, seed=0)
+    assert policy.fast_path_active
+    check_rollout(ro, env, policy)
+    again = collect(env, policy, seed=1)  # the next batch reuses the policy's cache
+    check_rollout(again, env, policy)
+
+
+def test_step_rewards_with_the_process_reward_on(tmp_path, policy):
+    env = make_env("tokengym/Arithmetic-v0", tmp_path, num_envs=16, group_size=4, process_reward=True, max_new_tokens=24)
+    ro = collect(env, policy, seed=0)
+    check_rollout(ro, env, policy)
+    vals, ends = ro.step_rewards()
+    N, M = ro.num_episodes, env.max_new_tokens
+    assert vals.shape == ends.shape and vals.shape[0] == N
+    assert int(ro.step_end.sum()) >= N // 2 and vals.shape[1] >= 2  # steps were scored, some rows have several
+    for i in range(N):
+        idx = ro.step_end[i].nonzero().flatten()
+        k = idx.numel()
+        assert ends[i, :k].tolist() == idx.tolist() and bool((ends[i, k:] == -1).all())
+        assert torch.equal(vals[i, :k], ro.process_rewards[i, idx]) and bool((vals[i, k:] == 0).all())
+        assert bool((idx < ro.lengths[i]).all())
+        assert float(ro.process_rewards[i].sum()) == sum(ro.step_scores[i])
+    adv = Fn.process_advantages(vals, ends, env.group_size, M)
+    assert adv.shape == (N, M) and torch.isfinite(adv).all()
+
+
+def test_collect_greedy_and_evaluate(tmp_path, policy):
+    env = make_env("tokengym/Reverse-v0", tmp_path, num_envs=4, group_size=1)
+    a = collect(env, policy, greedy=True, seed=0)
+    b = collect(env, policy, greedy=True, seed=0)
+    assert torch.equal(a.tokens, b.tokens)
+    check_rollout(a, env, policy)
+    stats = evaluate(policy, env, heldout_samples(env.task, 6))
+    assert set(stats) == {"mean_reward", "accuracy", "mean_length", "truncated"}
+    assert 1 <= stats["mean_length"] <= env.max_new_tokens
