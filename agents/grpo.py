@@ -1,0 +1,248 @@
+"""GRPO (DeepSeekMath): group-relative advantages, outcome or process supervision, no critic.
+
+Reads top to bottom: config -> agent (reference model, optimiser) -> ``learn``: for each outer
+iteration (optionally resetting the reference to the current policy), for each sampling step:
+rollout G completions per prompt from a ``group_size=G`` vector env -> advantages -> mu epochs of
+minibatch updates of the clipped surrogate + beta * KL(pi || ref) (k3) -> log.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+import torch
+
+from tokengym.agents import functional as F
+from tokengym.agents.logger import RunLogger
+from tokengym.agents.models import frozen_copy
+from tokengym.agents.rollout import Rollout, collect, evaluate
+
+__all__ = ["GRPOConfig", "GRPOAgent", "grpo_advantages"]
+
+
+@dataclass
+class GRPOConfig:
+    """Hyper-parameters of :class:`GRPOAgent` (defaults: a quick, stable run on the tiny preset)."""
+
+    lr: float = 1e-4
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    iterations: int = 1
+    """Outer iterations; the reference model is reset to the policy at the start of each when reset_ref is on."""
+    steps: int = 50
+    """Sampling steps per outer iteration (one rollout batch each)."""
+    mu: int = 1
+    """Optimisation epochs over each rollout batch."""
+    minibatches: int = 1
+    """Minibatches per epoch (whole groups are not required to stay together)."""
+    clip_eps: float = 0.2
+    """Lower clip range of the ratio (and upper, unless clip_eps_high is set)."""
+    clip_eps_high: float | None = None
+    """Upper clip range ("clip-higher"); None = clip_eps."""
+    beta: float = 0.0
+    """KL(pi || ref) coefficient in the loss (k3 estimator); 0 skips the reference model entirely."""
+    kl_estimator: str = "k3"
+    """KL estimator for the loss term: k1, k2 or k3."""
+    reset_ref: bool = False
+    """Reset the reference model to the current policy at the start of every outer iteration."""
+    advantage: str = "outcome"
+    """outcome (group-normalised final reward on every token) or process (PRM step rewards)."""
+    scale_rewards: str = "group"
+    """Advantage scaling for outcome supervision: group, batch or none."""
+    aggregation: str = "seq-mean-token-mean"
+    """Loss aggregation: token-mean, seq-mean-token-mean (the paper's) or seq-mean-token-sum."""
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient (0 = off)."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping norm (0 = off)."""
+    recompute_old_logprobs: bool = False
+    """Recompute pi_old log-probs with a forward pass instead of reusing the rollout's (needed only when sampling used top-k/top-p)."""
+    eval_every: int = 0
+    """Evaluate on held-out prompts every this many sampling steps (0 = only at the end, if eval samples are given)."""
+    seed: int = 0
+    """Seeds the env's prompt stream, the policy's sampler and minibatch shuffling."""
+
+    def __post_init__(self) -> None:
+        checks = {
+            "lr": self.lr > 0, "iterations": self.iterations >= 1, "steps": self.steps >= 0, "mu": self.mu >= 1,
+            "minibatches": self.minibatches >= 1, "clip_eps": self.clip_eps > 0, "beta": self.beta >= 0,
+            "entropy_coef": self.entropy_coef >= 0, "max_grad_norm": self.max_grad_norm >= 0,
+            "clip_eps_high": self.clip_eps_high is None or self.clip_eps_high > 0,
+            "eval_every": self.eval_every >= 0,
+        }
+        for name, ok in checks.items():
+            if not ok:
+                raise ValueError(f"GRPOConfig.{name} has an invalid value: {getattr(self, name)!r}")
+        for name, valid in (("advantage", ("outcome", "process")), ("scale_rewards", ("group", "batch", "none")),
+                            ("aggregation", ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")),
+                            ("kl_estimator", ("k1", "k2", "k3"))):
+            if getattr(self, name) not in valid:
+                raise ValueError(f"GRPOConfig.{name}={getattr(self, name)!r}; choose one of {list(valid)}")
+
+    @property
+    def reuse_rollout_logprobs(self) -> bool:
+        """pi_old log-probs come from the rollout (no extra forward) unless recompute is asked for."""
+        return not self.recompute_old_logprobs
+
+
+def grpo_advantages(ro: Rollout, advantage: str, scale_rewards: str) -> torch.Tensor:
+    """Per-token advantages ``[N, M]`` of a rollout (0 off the action mask)."""
+    m = ro.action_mask.shape[1]
+    if advantage == "outcome":
+        adv = F.group_advantages(ro.outcome, ro.group_size, scale=scale_rewards)[:, None].expand(-1, m)
+    else:
+        step_rewards, step_ends = ro.step_rewards()
+        adv = F.process_advantages(step_rewards, step_ends, ro.group_size, m)
+    return adv * ro.action_mask
+
+
+class GRPOAgent:
+    """Group Relative Policy Optimisation on a ``group_size=G`` :class:`~tokengym.envs.TokenVectorEnv`.
+
+    Args:
+        policy: the :class:`~tokengym.agents.Policy` to train (sampling settings are the policy's).
+        config: :class:`GRPOConfig`.
+        run_dir: where to write TensorBoard events and ``metrics.jsonl`` (None = memory only).
+
+    Example:
+        >>> import gymnasium as gym, tokengym.envs
+        >>> from tokengym.agents import Policy, GRPOAgent, GRPOConfig
+        >>> env = gym.make_vec("tokengym/Target-v0", num_envs=16, vectorization_mode="vector_entry_point",
+        ...                    group_size=8, partial_credit=True)
+        >>> agent = GRPOAgent(Policy.from_pretrained("tiny"), GRPOConfig(steps=2))
+        >>> history = agent.learn(env)
+        >>> len(history)
+        2
+    """
+
+    def __init__(self, policy, config: GRPOConfig | None = None, run_dir: str | None = None):
+        self.policy = policy
+        self.config = config or GRPOConfig()
+        self.logger = RunLogger(run_dir)
+        self.optimizer = torch.optim.AdamW(policy.parameters(), lr=self.config.lr, weight_decay=self.config.weight_decay)
+        self.ref = None  # a frozen Policy; only built when beta > 0
+        self.global_step = 0
+        self._shuffle = torch.Generator().manual_seed(self.config.seed)
+
+    # ------------------------------------------------------------------ rollout
+    def _rollout(self, env) -> tuple[Rollout, dict[str, float]]:
+        t0, r0 = time.perf_counter(), env.reward_seconds
+        self.policy.eval()
+        ro = collect(env, self.policy, seed=self.config.seed if self.global_step == 0 else None)
+        dt = time.perf_counter() - t0
+        reward_t = env.reward_seconds - r0
+        return ro, {"time/rollout": dt - reward_t, "time/reward": reward_t}
+
+    @torch.no_grad()
+    def _ref_logprobs(self, ro: Rollout) -> torch.Tensor | None:
+        if self.ref is None:
+            return None
+        return self.ref(ro.tokens, ro.attention_mask, ro.prompt_len)
+
+    # ------------------------------------------------------------------ update
+    def _update(self, ro: Rollout, adv: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor | None) -> dict[str, float]:
+        cfg, n = self.config, ro.num_episodes
+        self.policy.train()
+        sums: dict[str, float] = {}
+        count = 0
+        for _ in range(cfg.mu):
+            order = torch.randperm(n, generator=self._shuffle).to(ro.tokens.device)
+            for mb in order.chunk(cfg.minibatches):
+                am = ro.action_mask[mb]
+                logp, ent = self.policy(ro.tokens[mb], ro.attention_mask[mb], ro.prompt_len, return_entropy=True)
+                loss, stats = F.policy_loss(logp, old_logp[mb], adv[mb], am, cfg.clip_eps, cfg.clip_eps_high, cfg.aggregation)
+                stats = dict(stats, pg_loss=loss.detach(), entropy=F.masked_aggregate(ent.detach(), am, "token-mean"))
+                if ref_logp is not None:
+                    kl = F.masked_aggregate(F.kl_penalty(logp, ref_logp[mb], cfg.kl_estimator), am, cfg.aggregation)
+                    loss = loss + cfg.beta * kl
+                    stats["kl"] = kl.detach()
+                if cfg.entropy_coef > 0:
+                    loss = loss - cfg.entropy_coef * F.masked_aggregate(ent, am, cfg.aggregation)
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf)
+                self.optimizer.step()
+                stats["grad_norm"] = norm
+                stats["loss"] = loss.detach()
+                for k, v in stats.items():
+                    sums[k] = sums.get(k, 0.0) + float(v)
+                count += 1
+        return {f"train/{k}": v / count for k, v in sums.items()}
+
+    # ------------------------------------------------------------------ loop
+    def learn(
+        self,
+        env,
+        eval_env=None,
+        eval_samples: list | None = None,
+        callback: Callable[[dict[str, float]], Any] | None = None,
+    ) -> list[dict[str, float]]:
+        """Train on ``env`` (a ``TokenVectorEnv`` with ``group_size >= 2``); return the logged records.
+
+        With ``eval_env`` (group_size 1) and ``eval_samples`` (e.g. :func:`heldout_samples`), greedy
+        held-out accuracy is logged every ``eval_every`` steps and after the last step.
+        """
+        cfg = self.config
+        if env.group_size < 2:
+            raise ValueError(f"GRPO needs groups: create the env with group_size >= 2 (got {env.group_size})")
+        if cfg.advantage == "process" and env.process_reward_fn is None:
+            raise ValueError("advantage='process' needs an env with a process reward (process_reward=True or a PRM)")
+        if self.global_step == 0:
+            self.policy.seed(cfg.seed)
+        history_start = len(self.logger.history)
+        for it in range(cfg.iterations):
+            if cfg.beta > 0 and (self.ref is None or cfg.reset_ref):
+                p = self.policy
+                self.ref = type(p)(frozen_copy(p.model), p.tokenizer, temperature=p.temperature)
+            for _ in range(cfg.steps):
+                t_start = time.perf_counter()
+                ro, timing = self._rollout(env)
+                adv = grpo_advantages(ro, cfg.advantage, cfg.scale_rewards)
+                if cfg.reuse_rollout_logprobs:
+                    old_logp = ro.logprobs
+                else:
+                    with torch.no_grad():
+                        old_logp = self.policy(ro.tokens, ro.attention_mask, ro.prompt_len)
+                ref_logp = self._ref_logprobs(ro)
+                t_up = time.perf_counter()
+                metrics = self._update(ro, adv, old_logp, ref_logp)
+                timing["time/update"] = time.perf_counter() - t_up
+                self.global_step += 1
+                metrics.update(timing)
+                metrics.update(self._rollout_metrics(ro, time.perf_counter() - t_start))
+                metrics["iteration"] = it
+                if eval_env is not None and eval_samples and cfg.eval_every and self.global_step % cfg.eval_every == 0:
+                    metrics.update(self.evaluate(eval_env, eval_samples))
+                record = self.logger.log(self.global_step, metrics)
+                if callback is not None and callback(record) is False:
+                    return self.logger.history[history_start:]
+        if eval_env is not None and eval_samples and not (cfg.eval_every and self.global_step % cfg.eval_every == 0):
+            self.logger.log(self.global_step, self.evaluate(eval_env, eval_samples))
+        return self.logger.history[history_start:]
+
+    def evaluate(self, eval_env, samples: list) -> dict[str, float]:
+        self.policy.eval()
+        res = evaluate(self.policy, eval_env, samples, greedy=True)
+        return {f"eval/{k}": v for k, v in res.items()}
+
+    @staticmethod
+    def _rollout_metrics(ro: Rollout, seconds: float) -> dict[str, float]:
+        g = ro.outcome.view(-1, ro.group_size)
+        lengths = ro.lengths.float()
+        return {
+            "reward/mean": ro.outcome.mean(),
+            "reward/std": ro.outcome.std() if ro.num_episodes > 1 else 0.0,
+            "reward/accuracy": (ro.outcome >= 1.0 - 1e-6).float().mean(),
+            "reward/frac_zero_std_groups": (g.std(1) == 0).float().mean() if ro.group_size > 1 else 1.0,
+            "completion/length_mean": lengths.mean(),
+            "completion/length_max": lengths.max(),
+            "completion/truncated_frac": ro.truncated.float().mean(),
+            "perf/tokens_per_s": lengths.sum() / max(seconds, 1e-9),
+        }
+
+    def config_dict(self) -> dict[str, Any]:
+        return asdict(self.config)

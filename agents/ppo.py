@@ -1,0 +1,252 @@
+"""PPO with a critic and GAE (InstructGPT-style RLHF).
+
+Reads top to bottom: config -> KL controller -> agent -> ``learn``: for each update, roll out with
+pi_old and the old critic's values -> per-token reward = env reward (PRM step scores, outcome at the
+last token) - beta * KL(pi_old || ref) -> GAE (gamma, lambda; truncated rows bootstrap from V(s_M),
+terminated rows from 0) -> advantages and returns frozen -> mu epochs of minibatch updates of the
+clipped policy loss and the (optionally clipped) value regression -> adapt beta -> log.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from tokengym.agents import functional as F
+from tokengym.agents.critic import Critic
+from tokengym.agents.logger import RunLogger
+from tokengym.agents.models import frozen_copy
+from tokengym.agents.rollout import Rollout, collect, evaluate
+
+__all__ = ["PPOConfig", "PPOAgent", "AdaptiveKLController", "ppo_rewards"]
+
+
+@dataclass
+class PPOConfig:
+    """Hyper-parameters of :class:`PPOAgent`."""
+
+    lr: float = 1e-4
+    """Policy learning rate (AdamW)."""
+    critic_lr: float = 1e-3
+    """Critic learning rate (its own AdamW)."""
+    steps: int = 50
+    """Rollout/update cycles."""
+    mu: int = 4
+    """Optimisation epochs over each rollout batch."""
+    minibatches: int = 2
+    """Minibatches per epoch."""
+    gamma: float = 1.0
+    """Discount factor of GAE."""
+    lam: float = 0.95
+    """GAE lambda."""
+    clip_eps: float = 0.2
+    """Ratio clip range (lower, and upper unless clip_eps_high is set)."""
+    clip_eps_high: float | None = None
+    """Upper ratio clip range; None = clip_eps."""
+    value_clip: float | None = 0.2
+    """Value clipping range around V_old (None = plain MSE)."""
+    kl_coef: float = 0.05
+    """beta: weight of the per-token KL(pi_old || ref) penalty in the reward (0 skips the reference model)."""
+    kl_estimator: str = "k1"
+    """Per-token KL estimator in the reward: k1, k2 or k3."""
+    kl_target: float | None = None
+    """Target KL per sequence for the adaptive controller (None = fixed kl_coef)."""
+    kl_horizon: int = 10_000
+    """Horizon (in episodes) of the adaptive KL controller."""
+    whiten_advantages: bool = True
+    """Whiten advantages over the batch's action tokens."""
+    aggregation: str = "token-mean"
+    """Policy-loss aggregation: token-mean, seq-mean-token-mean or seq-mean-token-sum."""
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping norm for policy and critic (0 = off)."""
+    share_trunk: bool = False
+    """Critic shares the policy's transformer trunk (one backbone, two heads) instead of its own copy."""
+    eval_every: int = 0
+    """Held-out evaluation every this many updates (0 = only at the end, when eval samples are given)."""
+    seed: int = 0
+    """Seeds the env's prompt stream, the sampler and minibatch shuffling."""
+
+    def __post_init__(self) -> None:
+        checks = {
+            "lr": self.lr > 0, "critic_lr": self.critic_lr > 0, "steps": self.steps >= 0, "mu": self.mu >= 1,
+            "minibatches": self.minibatches >= 1, "gamma": 0 <= self.gamma <= 1, "lam": 0 <= self.lam <= 1,
+            "clip_eps": self.clip_eps > 0, "kl_coef": self.kl_coef >= 0, "max_grad_norm": self.max_grad_norm >= 0,
+            "value_clip": self.value_clip is None or self.value_clip > 0,
+            "kl_target": self.kl_target is None or self.kl_target > 0, "kl_horizon": self.kl_horizon > 0,
+            "entropy_coef": self.entropy_coef >= 0, "eval_every": self.eval_every >= 0,
+        }
+        for name, ok in checks.items():
+            if not ok:
+                raise ValueError(f"PPOConfig.{name} has an invalid value: {getattr(self, name)!r}")
+        for name, valid in (("kl_estimator", ("k1", "k2", "k3")),
+                            ("aggregation", ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"))):
+            if getattr(self, name) not in valid:
+                raise ValueError(f"PPOConfig.{name}={getattr(self, name)!r}; choose one of {list(valid)}")
+
+
+class AdaptiveKLController:
+    """Ziegler et al. (2019): ``beta *= 1 + clip(KL / target - 1, -0.2, 0.2) * n / horizon``."""
+
+    def __init__(self, init: float, target: float | None, horizon: int):
+        self.value, self.target, self.horizon = float(init), target, horizon
+
+    def update(self, kl: float, n_episodes: int) -> None:
+        if self.target is None:
+            return
+        err = max(-0.2, min(0.2, kl / self.target - 1.0))
+        self.value *= 1.0 + err * n_episodes / self.horizon
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"value": self.value, "target": self.target, "horizon": self.horizon}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.value, self.target, self.horizon = state["value"], state["target"], state["horizon"]
+
+
+def ppo_rewards(ro: Rollout, ref_logp: torch.Tensor | None, beta: float, estimator: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token rewards ``[N, M]`` = env rewards - beta * KL(pi_old || ref); also the KL ``[N, M]``."""
+    am = ro.action_mask
+    if ref_logp is None:
+        kl = torch.zeros_like(ro.rewards)
+    else:
+        kl = F.kl_penalty(ro.logprobs, ref_logp, estimator) * am
+    return (ro.rewards - beta * kl) * am, kl
+
+
+class PPOAgent:
+    """PPO with a critic on a :class:`~tokengym.envs.TokenVectorEnv` (``DISABLED`` autoreset).
+
+    Args:
+        policy: the :class:`~tokengym.agents.Policy` to train.
+        config: :class:`PPOConfig`.
+        critic: a :class:`~tokengym.agents.Critic`; default: ``Critic.from_policy(policy, config.share_trunk)``.
+        run_dir: where to write TensorBoard events and ``metrics.jsonl`` (None = memory only).
+    """
+
+    def __init__(self, policy, config: PPOConfig | None = None, critic: Critic | None = None, run_dir: str | None = None):
+        self.policy = policy
+        self.config = cfg = config or PPOConfig()
+        self.critic = critic if critic is not None else Critic.from_policy(policy, share_trunk=cfg.share_trunk)
+        self.logger = RunLogger(run_dir)
+        policy_params = list(policy.parameters())
+        ids = {id(p) for p in policy_params}
+        critic_params = [p for p in self.critic.parameters() if id(p) not in ids]  # shared trunk: policy optimiser owns it
+        self.policy_opt = torch.optim.AdamW(policy_params, lr=cfg.lr)
+        self.critic_opt = torch.optim.AdamW(critic_params, lr=cfg.critic_lr)
+        self.kl_ctl = AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)
+        self.ref = None
+        if cfg.kl_coef > 0:
+            self.ref = type(policy)(frozen_copy(policy.model), policy.tokenizer, temperature=policy.temperature)
+        self.global_step = 0
+        self._shuffle = torch.Generator().manual_seed(cfg.seed)
+
+    # ------------------------------------------------------------------ rollout + advantages
+    def _rollout(self, env) -> tuple[Rollout, dict[str, float]]:
+        t0, r0 = time.perf_counter(), env.reward_seconds
+        self.policy.eval()
+        self.critic.eval()
+        ro = collect(env, self.policy, self.critic, seed=self.config.seed if self.global_step == 0 else None)
+        reward_t = env.reward_seconds - r0
+        return ro, {"time/rollout": time.perf_counter() - t0 - reward_t, "time/reward": reward_t}
+
+    @torch.no_grad()
+    def advantages(self, ro: Rollout) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+        """Frozen ``(advantages, returns)`` of a rollout and the KL statistics."""
+        cfg = self.config
+        ref_logp = self.ref(ro.tokens, ro.attention_mask, ro.prompt_len) if self.ref is not None else None
+        rewards, kl = ppo_rewards(ro, ref_logp, self.kl_ctl.value, cfg.kl_estimator)
+        adv, ret = F.gae(rewards, ro.values, ro.action_mask, cfg.gamma, cfg.lam, ro.last_values)
+        if cfg.whiten_advantages:
+            adv = F.whiten(adv, ro.action_mask)
+        seq_kl = kl.sum(1).mean()
+        stats = {
+            "objective/kl": seq_kl,
+            "objective/kl_coef": self.kl_ctl.value,
+            "objective/non_score_reward": (-self.kl_ctl.value * kl).sum(1).mean(),
+            "returns/mean": F.masked_aggregate(ret, ro.action_mask, "token-mean"),
+            "advantages/mean": F.masked_aggregate(adv, ro.action_mask, "token-mean"),
+            "advantages/std": adv[ro.action_mask.bool()].std() if ro.action_mask.sum() > 1 else 0.0,
+        }
+        return adv, ret, stats
+
+    # ------------------------------------------------------------------ update
+    def _update(self, ro: Rollout, adv: torch.Tensor, ret: torch.Tensor) -> dict[str, float]:
+        cfg, n, P, M = self.config, ro.num_episodes, ro.prompt_len, ro.action_mask.shape[1]
+        self.policy.train()
+        self.critic.train()
+        sums: dict[str, float] = {}
+        count = 0
+        clip = (lambda params: torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf))
+        for _ in range(cfg.mu):
+            order = torch.randperm(n, generator=self._shuffle).to(ro.tokens.device)
+            for mb in order.chunk(cfg.minibatches):
+                am = ro.action_mask[mb]
+                logp, ent = self.policy(ro.tokens[mb], ro.attention_mask[mb], P, return_entropy=True)
+                pg, pstats = F.policy_loss(logp, ro.logprobs[mb], adv[mb], am, cfg.clip_eps, cfg.clip_eps_high, cfg.aggregation)
+                values = self.critic(ro.tokens[mb], ro.attention_mask[mb], P)[:, :M]
+                vf, vstats = F.value_loss(values, ro.values[mb], ret[mb], am, cfg.value_clip)
+                loss = pg + vf
+                if cfg.entropy_coef > 0:
+                    loss = loss - cfg.entropy_coef * F.masked_aggregate(ent, am, cfg.aggregation)
+                self.policy_opt.zero_grad(set_to_none=True)
+                self.critic_opt.zero_grad(set_to_none=True)
+                loss.backward()
+                pnorm = clip(self.policy_opt.param_groups[0]["params"])
+                vnorm = clip(self.critic_opt.param_groups[0]["params"])
+                self.policy_opt.step()
+                self.critic_opt.step()
+                stats = {**pstats, **vstats, "policy_loss": pg.detach(), "value_loss": vf.detach(),
+                         "entropy": F.masked_aggregate(ent.detach(), am, "token-mean"),
+                         "grad_norm": pnorm, "critic_grad_norm": vnorm}
+                for k, v in stats.items():
+                    sums[k] = sums.get(k, 0.0) + float(v)
+                count += 1
+        return {f"train/{k}": v / count for k, v in sums.items()}
+
+    # ------------------------------------------------------------------ loop
+    def learn(self, env, eval_env=None, eval_samples: list | None = None,
+              callback: Callable[[dict[str, float]], Any] | None = None) -> list[dict[str, float]]:
+        """Train for ``config.steps`` rollout/update cycles; return the logged records."""
+        cfg = self.config
+        if self.global_step == 0:
+            self.policy.seed(cfg.seed)
+        start = len(self.logger.history)
+        for _ in range(cfg.steps):
+            t_start = time.perf_counter()
+            ro, timing = self._rollout(env)
+            adv, ret, kstats = self.advantages(ro)
+            t_up = time.perf_counter()
+            metrics = self._update(ro, adv, ret)
+            timing["time/update"] = time.perf_counter() - t_up
+            self.kl_ctl.update(float(kstats["objective/kl"]), ro.num_episodes)
+            self.global_step += 1
+            lengths = ro.lengths.float()
+            metrics.update(kstats, **timing)
+            metrics.update({
+                "objective/score": ro.outcome.mean(),
+                "reward/accuracy": (ro.outcome >= 1.0 - 1e-6).float().mean(),
+                "values/explained_variance_rollout": F.value_loss(ro.values, ro.values, ret, ro.action_mask)[1]["explained_variance"],
+                "completion/length_mean": lengths.mean(),
+                "completion/length_max": lengths.max(),
+                "completion/truncated_frac": ro.truncated.float().mean(),
+                "perf/tokens_per_s": lengths.sum() / max(time.perf_counter() - t_start, 1e-9),
+            })
+            if eval_env is not None and eval_samples and cfg.eval_every and self.global_step % cfg.eval_every == 0:
+                metrics.update(self.evaluate(eval_env, eval_samples))
+            record = self.logger.log(self.global_step, metrics)
+            if callback is not None and callback(record) is False:
+                break
+        if eval_env is not None and eval_samples and not (cfg.eval_every and self.global_step % cfg.eval_every == 0):
+            self.logger.log(self.global_step, self.evaluate(eval_env, eval_samples))
+        return self.logger.history[start:]
+
+    def evaluate(self, eval_env, samples: list) -> dict[str, float]:
+        self.policy.eval()
+        return {f"eval/{k}": v for k, v in evaluate(self.policy, eval_env, samples, greedy=True).items()}
+

@@ -1,0 +1,159 @@
+"""GRPO seconds per step: tokengym's GRPOAgent vs TRL's GRPOTrainer, measured in the same run.
+
+    pip install -e ".[bench]"          # trl
+    python bench/grpo_vs_trl.py --json [--steps 12] [--race-seconds 240]
+
+Equal work: the same preset model (random init, so both always generate the full completion
+length), the same Arithmetic prompts and reward function (`tokengym.rewards.arithmetic_correct`),
+group size 8, 2 prompts per step (16 completions), the same completion length, mu=1 (TRL's
+num_iterations=1), beta=0 (no reference model), lr 1e-4, temperature 1, fp32, CPU. Seconds per step
+is the median over steps after 2 warm-up steps. ``tiny_speedup``/``small_speedup`` = TRL seconds per
+step / tokengym seconds per step.
+
+The race (tiny only): both start from the shipped warm checkpoint ``agents/checkpoints/tiny-arithmetic``
+and train until greedy accuracy on 200 held-out prompts first reaches 90% (evaluated every
+``--race-eval-every`` steps with the same tokengym evaluator for both; evaluation time excluded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from tokengym.agents.grpo import GRPOAgent, GRPOConfig
+from tokengym.agents.models import build_preset
+from tokengym.agents.policy import Policy
+from tokengym.agents.rollout import evaluate, heldout_samples
+from tokengym.envs import TokenVectorEnv
+from tokengym.envs.tasks import ArithmeticTask
+from tokengym.rewards import arithmetic_correct
+
+G, PROMPTS_PER_STEP, LR = 8, 2, 1e-4
+CHECKPOINT = os.path.join(os.path.dirname(__file__), "..", "agents", "checkpoints", "tiny-arithmetic")
+
+
+def make_task() -> ArithmeticTask:
+    return ArithmeticTask(n_operands=(2, 3), digits=2, operators="+")
+
+
+def tokengym_run(model, tok, steps: int, eval_every: int = 0, eval_samples=None, budget_s: float = 0.0) -> dict:
+    policy = Policy(model, tok)
+    env = TokenVectorEnv(G * PROMPTS_PER_STEP, make_task(), tokenizer=tok, group_size=G)
+    eval_env = TokenVectorEnv(100, make_task(), tokenizer=tok)
+    agent = GRPOAgent(policy, GRPOConfig(steps=steps, lr=LR, mu=1, beta=0.0, eval_every=eval_every, seed=0))
+    step_times, reached, train_s = [], None, 0.0
+
+    def cb(rec):
+        nonlocal reached, train_s
+        dt = rec["time/rollout"] + rec["time/reward"] + rec["time/update"]
+        step_times.append(dt)
+        train_s += dt
+        if "eval/accuracy" in rec and reached is None and rec["eval/accuracy"] >= 0.9:
+            reached = train_s
+        return not (reached is not None or (budget_s and train_s > budget_s))
+
+    agent.learn(env, eval_env=eval_env if eval_samples else None, eval_samples=eval_samples, callback=cb)
+    return {"step_s": statistics.median(step_times[2:] or step_times), "seconds_to_90": reached, "train_s": train_s}
+
+
+def trl_run(model, tok, steps: int, eval_every: int = 0, eval_samples=None, budget_s: float = 0.0) -> dict:
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig as TRLConfig
+    from trl import GRPOTrainer
+
+    rows = make_task().batch(__import__("numpy").random.default_rng(0), 4000)
+    data = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
+    eval_env = TokenVectorEnv(100, make_task(), tokenizer=tok)
+    state = {"t0": 0.0, "times": [], "train_s": 0.0, "reached": None}
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, args, st, control, **kw):
+            state["t0"] = time.perf_counter()
+
+        def on_step_end(self, args, st, control, **kw):
+            dt = time.perf_counter() - state["t0"]
+            state["times"].append(dt)
+            state["train_s"] += dt
+            if eval_samples and eval_every and st.global_step % eval_every == 0:
+                model.eval()
+                acc = evaluate(Policy(model, tok), eval_env, eval_samples)["accuracy"]
+                model.train()
+                if acc >= 0.9 and state["reached"] is None:
+                    state["reached"] = state["train_s"]
+            if state["reached"] is not None or (budget_s and state["train_s"] > budget_s):
+                control.should_training_stop = True
+
+    args = TRLConfig(
+        output_dir="/tmp/tokengym-trl-bench", per_device_train_batch_size=G * PROMPTS_PER_STEP, num_generations=G,
+        max_completion_length=TokenVectorEnv(1, make_task(), tokenizer=tok).max_new_tokens, num_iterations=1,
+        beta=0.0, learning_rate=LR, max_steps=steps, logging_strategy="no", disable_tqdm=True, log_level="error",
+        report_to="none", use_cpu=True,
+        save_strategy="no", loss_type="grpo", scale_rewards="group", temperature=1.0, top_k=0, top_p=1.0,
+        bf16=False, disable_dropout=True, seed=0, dataloader_num_workers=0,
+    )
+    trainer = GRPOTrainer(model=model, reward_funcs=[arithmetic_correct], args=args, train_dataset=data, processing_class=tok,
+                          callbacks=[Timer()])
+    trainer.train()
+    return {"step_s": statistics.median(state["times"][2:] or state["times"]), "seconds_to_90": state["reached"],
+            "train_s": state["train_s"]}
+
+
+def speed(preset: str, steps: int) -> dict:
+    out = {}
+    for name, fn in (("tokengym", tokengym_run), ("trl", trl_run)):
+        model, tok = build_preset(preset, seed=0)
+        out[name] = fn(model, tok, steps)["step_s"]
+    out["speedup"] = out["trl"] / out["tokengym"]
+    return out
+
+
+def race(seconds: float, eval_every: int) -> dict:
+    if not os.path.isdir(CHECKPOINT):
+        return {"race": f"skipped: no warm checkpoint at {CHECKPOINT}"}
+    samples = heldout_samples(make_task(), 200)
+    res = {}
+    for name, fn in (("tokengym", tokengym_run), ("trl", trl_run)):
+        policy = Policy.from_pretrained(CHECKPOINT)
+        start_acc = evaluate(policy, TokenVectorEnv(100, make_task(), tokenizer=policy.tokenizer), samples)["accuracy"]
+        r = fn(policy.model, policy.tokenizer, 100_000, eval_every, samples, budget_s=seconds)
+        res[f"seconds_to_90_{name}"] = r["seconds_to_90"]
+        res[f"start_accuracy_{name}"] = start_acc
+        res[f"train_seconds_{name}"] = round(r["train_s"], 1)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", action="store_true", help="print only the JSON line")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--presets", nargs="+", default=["tiny", "small"])
+    ap.add_argument("--race-seconds", type=float, default=240.0, help="training-time cap per contender (0 = no race)")
+    ap.add_argument("--race-eval-every", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    try:
+        import trl
+    except ImportError:
+        print(json.dumps({"error": "trl is not installed: pip install -e '.[bench]'"}))
+        sys.exit(0)
+    result = {"trl_version": trl.__version__, "threads": args.threads, "group_size": G, "prompts_per_step": PROMPTS_PER_STEP}
+    for preset in args.presets:
+        s = speed(preset, args.steps)
+        result[f"{preset}_step_s_tokengym"] = round(s["tokengym"], 4)
+        result[f"{preset}_step_s_trl"] = round(s["trl"], 4)
+        result[f"{preset}_speedup"] = round(s["speedup"], 3)
+    if args.race_seconds > 0:
+        result.update(race(args.race_seconds, args.race_eval_every))
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

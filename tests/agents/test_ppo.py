@@ -1,0 +1,75 @@
+"""PPO: learns the toy env, its critic explains returns, KL-shaped rewards and the adaptive controller."""
+
+import gymnasium as gym
+import pytest
+import torch
+
+import tokengym.envs  # noqa: F401
+from tokengym.agents import functional as F
+from tokengym.agents.policy import Policy
+from tokengym.agents.ppo import AdaptiveKLController, PPOAgent, PPOConfig, ppo_rewards
+from tokengym.agents.rollout import collect
+
+
+def target_env(n=32):
+    return gym.make_vec("tokengym/Target-v0", num_envs=n, vectorization_mode="vector_entry_point",
+                        partial_credit=True, target="ok", max_new_tokens=2)
+
+
+def test_ppo_learns_the_toy_target_and_its_critic_explains_returns():
+    agent = PPOAgent(Policy.from_pretrained("tiny"), PPOConfig(steps=45, lr=1e-3, mu=2, minibatches=1, kl_coef=0.0))
+    history = agent.learn(target_env())
+    assert history[0]["objective/score"] < 0.1
+    assert max(r["objective/score"] for r in history[-5:]) > 0.9
+    # the critic regresses onto the returns: positive explained variance while rewards still vary
+    assert max(r["train/explained_variance"] for r in history) > 0.3
+
+
+def test_rewards_subtract_beta_kl_on_action_tokens_only():
+    env = target_env(8)
+    policy = Policy.from_pretrained("tiny")
+    ro = collect(env, policy, seed=0)
+    ref_logp = ro.logprobs - 0.25 * ro.action_mask  # a reference that is exp(0.25) less likely on every token
+    shaped, kl = ppo_rewards(ro, ref_logp, beta=0.1, estimator="k1")
+    assert torch.allclose(kl, 0.25 * ro.action_mask)
+    assert torch.allclose(shaped, (ro.rewards - 0.025) * ro.action_mask)
+
+
+def test_gae_uses_old_values_and_bootstraps_truncated_rows():
+    env = gym.make_vec("tokengym/Arithmetic-v0", num_envs=4, vectorization_mode="vector_entry_point", max_new_tokens=6)
+    agent = PPOAgent(Policy.from_pretrained("tiny"), PPOConfig(steps=0, kl_coef=0.0, whiten_advantages=False))
+    ro = collect(env, agent.policy, agent.critic, seed=0)
+    assert ro.truncated.any()
+    adv, ret, _ = agent.advantages(ro)
+    expected_adv, expected_ret = F.gae(ro.rewards * ro.action_mask, ro.values, ro.action_mask, 1.0, 0.95, ro.last_values)
+    assert torch.allclose(adv, expected_adv) and torch.allclose(ret, expected_ret)
+    m = ro.action_mask.shape[1]
+    with torch.no_grad():
+        v = agent.critic(ro.tokens, ro.attention_mask, ro.prompt_len)
+    assert torch.allclose(ro.last_values, torch.where(ro.truncated, v[:, m], torch.zeros(4)))
+
+
+def test_adaptive_kl_controller_moves_towards_target():
+    ctl = AdaptiveKLController(0.1, target=6.0, horizon=100)
+    ctl.update(kl=12.0, n_episodes=10)  # too much KL: beta grows by at most 20% * n / horizon
+    assert ctl.value == pytest.approx(0.1 * (1 + 0.2 * 0.1))
+    ctl.update(kl=3.0, n_episodes=10)
+    assert ctl.value < 0.1 * (1 + 0.2 * 0.1)
+    fixed = AdaptiveKLController(0.1, target=None, horizon=100)
+    fixed.update(kl=100.0, n_episodes=10)
+    assert fixed.value == 0.1
+
+
+def test_shared_trunk_critic_is_updated_through_the_policy_optimizer():
+    policy = Policy.from_pretrained("tiny")
+    agent = PPOAgent(policy, PPOConfig(steps=1, share_trunk=True, kl_coef=0.0))
+    assert agent.critic.trunk is policy.model.get_decoder()
+    critic_only = {id(p) for p in agent.critic_opt.param_groups[0]["params"]}
+    assert critic_only == {id(p) for p in agent.critic.value_head.parameters()}
+    agent.learn(target_env(8))
+
+
+@pytest.mark.parametrize("field, value", [("mu", 0), ("lam", 1.5), ("kl_estimator", "k9"), ("value_clip", 0.0)])
+def test_config_validation(field, value):
+    with pytest.raises(ValueError, match=field):
+        PPOConfig(**{field: value})
