@@ -69,3 +69,19 @@ def test_env_without_groups_or_prm_is_rejected():
         GRPOAgent(policy).learn(env)
     with pytest.raises(ValueError, match="process reward"):
         GRPOAgent(policy, GRPOConfig(advantage="process")).learn(target_env(8, 4))
+
+
+def test_logs_go_to_tensorboard_and_metrics_jsonl(tmp_path):
+    import json
+
+    agent = GRPOAgent(Policy.from_pretrained("tiny"), GRPOConfig(steps=2), run_dir=str(tmp_path / "run"))
+    agent.learn(target_env(16, 8))
+    agent.logger.close()
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2]
+    for key in ("reward/mean", "reward/std", "reward/accuracy", "reward/frac_zero_std_groups", "train/entropy",
+                "train/clipfrac_low", "train/clipfrac_high", "completion/length_mean", "completion/length_max",
+                "completion/truncated_frac", "train/grad_norm", "perf/tokens_per_s", "time/rollout", "time/reward",
+                "time/update"):
+        assert key in lines[0], key
+    assert list((tmp_path / "run").glob("events.out.tfevents.*"))
