@@ -84,7 +84,6 @@ class Rollout:
         return Rollout(**out)
 
 
-@torch.inference_mode()
 def collect(env, policy, critic=None, *, greedy: bool = False, seed: int | None = None, samples: list | None = None) -> Rollout:
     """Run one lockstep batch of episodes of ``env`` with ``policy``; return the finished ``Rollout``.
 
@@ -98,17 +97,11 @@ def collect(env, policy, critic=None, *, greedy: bool = False, seed: int | None 
     """
     if env.autoreset_mode.name != "DISABLED":
         raise ValueError("collect() runs lockstep batches: create the env with autoreset_mode='disabled'")
-    obs, _ = env.reset(seed=seed, options={"samples": samples} if samples is not None else None)
-    P, M, N = env.max_prompt_len, env.max_new_tokens, env.num_envs
-    logps = torch.zeros((N, M), dtype=torch.float32, device=env.device)
-    logits = policy.prefill(obs["tokens"][:, :P], obs["mask"][:, :P], max_new_tokens=M)
-    for t in range(M):
-        actions, lp = policy.sample(logits, greedy=greedy)
-        logps[:, t] = lp
-        env.step(actions)
-        if env.all_done:
-            break
-        logits = policy.decode(actions)
+    P, M = env.max_prompt_len, env.max_new_tokens
+    with torch.inference_mode():
+        logps = _run_episodes(env, policy, greedy, seed, samples)
+    logps = logps.clone()
+    # Everything below is built outside inference mode, so the batch can be used in autograd.
     action_mask = env.attention_mask[:, P:].clone()
     ro = Rollout(
         tokens=env.tokens.clone(),
@@ -130,10 +123,27 @@ def collect(env, policy, critic=None, *, greedy: bool = False, seed: int | None 
         reward_components=_components(env),
     )
     if critic is not None:
-        v = critic(ro.tokens, ro.attention_mask, P)  # [N, M + 1]: V(s_0) .. V(s_M)
+        with torch.no_grad():
+            v = critic(ro.tokens, ro.attention_mask, P)  # [N, M + 1]: V(s_0) .. V(s_M)
         ro.values = v[:, :M] * action_mask
         ro.last_values = torch.where(ro.truncated, v[:, M], torch.zeros_like(v[:, M]))
     return ro
+
+
+def _run_episodes(env, policy, greedy: bool, seed: int | None, samples: list | None) -> torch.Tensor:
+    """Reset ``env`` and step it to the end with ``policy``; return the sampled tokens' log-probs ``[N, M]``."""
+    obs, _ = env.reset(seed=seed, options={"samples": samples} if samples is not None else None)
+    P, M, N = env.max_prompt_len, env.max_new_tokens, env.num_envs
+    logps = torch.zeros((N, M), dtype=torch.float32, device=env.device)
+    logits = policy.prefill(obs["tokens"][:, :P], obs["mask"][:, :P], max_new_tokens=M)
+    for t in range(M):
+        actions, lp = policy.sample(logits, greedy=greedy)
+        logps[:, t] = lp
+        env.step(actions)
+        if env.all_done:
+            break
+        logits = policy.decode(actions)
+    return logps
 
 
 def _components(env) -> dict[str, torch.Tensor]:

@@ -133,7 +133,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true", help="print only the JSON line")
     ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--presets", nargs="+", default=["tiny", "small"])
+    ap.add_argument("--presets", nargs="*", default=["tiny", "small"], help="presets for the speed comparison (none: race only)")
     ap.add_argument("--race-seconds", type=float, default=240.0, help="training-time cap per contender (0 = no race)")
     ap.add_argument("--race-eval-every", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)

@@ -105,3 +105,16 @@ def test_collect_greedy_and_evaluate(tmp_path, policy):
     stats = evaluate(policy, env, heldout_samples(env.task, 6))
     assert set(stats) == {"mean_reward", "accuracy", "mean_length", "truncated"}
     assert 1 <= stats["mean_length"] <= env.max_new_tokens
+
+
+def test_rollout_tensors_can_enter_autograd():
+    """collect() runs under inference_mode but hands back normal tensors a training step can use."""
+    from tokengym.agents import Policy, collect
+    from tokengym.envs import TokenVectorEnv
+
+    policy = Policy.from_pretrained("tiny")
+    ro = collect(TokenVectorEnv(2, "reverse"), policy, seed=0)
+    assert not any(t.is_inference() for t in (ro.tokens, ro.attention_mask, ro.logprobs, ro.rewards, ro.outcome))
+    logp = policy(ro.tokens, ro.attention_mask, ro.prompt_len)
+    (logp * ro.action_mask).sum().backward()
+    assert policy.model.lm_head.weight.grad is not None
