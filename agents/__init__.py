@@ -10,6 +10,7 @@ from .models import PRESETS, build_preset, load_model
 from .policy import Policy
 from .ppo import PPOAgent, PPOConfig
 from .rollout import Rollout, collect, evaluate, heldout_samples
+from .sft import SFTConfig, evaluate_policy, train_sft
 
 __all__ = [
     "Critic",
@@ -20,10 +21,13 @@ __all__ = [
     "PRESETS",
     "Policy",
     "Rollout",
+    "SFTConfig",
     "build_preset",
     "collect",
     "evaluate",
+    "evaluate_policy",
     "functional",
     "heldout_samples",
     "load_model",
+    "train_sft",
 ]
