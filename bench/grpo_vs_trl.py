@@ -47,19 +47,22 @@ def tokengym_run(model, tok, steps: int, eval_every: int = 0, eval_samples=None,
     env = TokenVectorEnv(G * PROMPTS_PER_STEP, make_task(), tokenizer=tok, group_size=G)
     eval_env = TokenVectorEnv(100, make_task(), tokenizer=tok)
     agent = GRPOAgent(policy, GRPOConfig(steps=steps, lr=LR, mu=1, beta=0.0, eval_every=eval_every, seed=0))
-    step_times, reached, train_s = [], None, 0.0
+    step_times, reached, train_s, accs = [], None, 0.0, []
 
     def cb(rec):
         nonlocal reached, train_s
         dt = rec["time/rollout"] + rec["time/reward"] + rec["time/update"]
         step_times.append(dt)
         train_s += dt
-        if "eval/accuracy" in rec and reached is None and rec["eval/accuracy"] >= 0.9:
-            reached = train_s
+        if "eval/accuracy" in rec:
+            accs.append(rec["eval/accuracy"])
+            if reached is None and rec["eval/accuracy"] >= 0.9:
+                reached = train_s
         return not (reached is not None or (budget_s and train_s > budget_s))
 
     agent.learn(env, eval_env=eval_env if eval_samples else None, eval_samples=eval_samples, callback=cb)
-    return {"step_s": statistics.median(step_times[2:] or step_times), "seconds_to_90": reached, "train_s": train_s}
+    return {"step_s": statistics.median(step_times[2:] or step_times), "seconds_to_90": reached, "train_s": train_s,
+            "best_accuracy": max(accs, default=None), "steps": len(step_times)}
 
 
 def trl_run(model, tok, steps: int, eval_every: int = 0, eval_samples=None, budget_s: float = 0.0) -> dict:
@@ -71,7 +74,7 @@ def trl_run(model, tok, steps: int, eval_every: int = 0, eval_samples=None, budg
     rows = make_task().batch(__import__("numpy").random.default_rng(0), 4000)
     data = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
     eval_env = TokenVectorEnv(100, make_task(), tokenizer=tok)
-    state = {"t0": 0.0, "times": [], "train_s": 0.0, "reached": None}
+    state = {"t0": 0.0, "times": [], "train_s": 0.0, "reached": None, "accs": []}
 
     class Timer(TrainerCallback):
         def on_step_begin(self, args, st, control, **kw):
@@ -85,6 +88,7 @@ def trl_run(model, tok, steps: int, eval_every: int = 0, eval_samples=None, budg
                 model.eval()
                 acc = evaluate(Policy(model, tok), eval_env, eval_samples)["accuracy"]
                 model.train()
+                state["accs"].append(acc)
                 if acc >= 0.9 and state["reached"] is None:
                     state["reached"] = state["train_s"]
             if state["reached"] is not None or (budget_s and state["train_s"] > budget_s):
@@ -102,7 +106,7 @@ def trl_run(model, tok, steps: int, eval_every: int = 0, eval_samples=None, budg
                           callbacks=[Timer()])
     trainer.train()
     return {"step_s": statistics.median(state["times"][2:] or state["times"]), "seconds_to_90": state["reached"],
-            "train_s": state["train_s"]}
+            "train_s": state["train_s"], "best_accuracy": max(state["accs"], default=None), "steps": len(state["times"])}
 
 
 def speed(preset: str, steps: int) -> dict:
@@ -126,6 +130,8 @@ def race(seconds: float, eval_every: int) -> dict:
         res[f"seconds_to_90_{name}"] = r["seconds_to_90"]
         res[f"start_accuracy_{name}"] = start_acc
         res[f"train_seconds_{name}"] = round(r["train_s"], 1)
+        res[f"train_steps_{name}"] = r["steps"]
+        res[f"best_accuracy_{name}"] = r["best_accuracy"]
     return res
 
 

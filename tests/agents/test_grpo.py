@@ -85,3 +85,28 @@ def test_logs_go_to_tensorboard_and_metrics_jsonl(tmp_path):
                 "time/update"):
         assert key in lines[0], key
     assert list((tmp_path / "run").glob("events.out.tfevents.*"))
+
+
+WARM = __import__("os").path.join(__import__("os").path.dirname(__file__), "..", "..", "agents", "checkpoints", "tiny-arithmetic")
+
+
+@pytest.mark.parametrize("advantage, steps", [("outcome", 40), ("process", 60)])
+def test_grpo_raises_heldout_greedy_accuracy_from_the_sft_warm_start(advantage, steps):
+    """From the shipped warm start (64.5% on its card), 2-3 operand 2-digit addition. Measured here:
+    outcome 65.5% -> 74% after 40 steps, process 65.5% -> ~73% after 60 steps (200 held-out prompts)."""
+    from tokengym.agents import evaluate, heldout_samples
+    from tokengym.envs import TokenVectorEnv
+    from tokengym.envs.tasks import ArithmeticTask
+
+    def task():
+        return ArithmeticTask(n_operands=(2, 3), digits=2, operators="+")
+
+    policy = Policy.from_pretrained(WARM)
+    env = TokenVectorEnv(64, task(), group_size=8, process_reward=advantage == "process")
+    eval_env = TokenVectorEnv(100, task())
+    samples = heldout_samples(task(), 200)
+    before = evaluate(policy, eval_env, samples)["accuracy"]
+    GRPOAgent(policy, GRPOConfig(steps=steps, lr=1e-4, advantage=advantage, seed=0)).learn(env)
+    after = evaluate(policy, eval_env, samples)["accuracy"]
+    assert 0.55 < before < 0.75, before
+    assert after >= before + 0.05, (before, after)
