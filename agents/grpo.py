@@ -17,7 +17,7 @@ import torch
 
 from tokengym.agents import functional as F
 from tokengym.agents.logger import RunLogger
-from tokengym.agents.models import frozen_copy
+from tokengym.agents.policy import make_reference
 from tokengym.agents.rollout import Rollout, collect, evaluate
 
 __all__ = ["GRPOConfig", "GRPOAgent", "grpo_advantages"]
@@ -196,8 +196,7 @@ class GRPOAgent:
         history_start = len(self.logger.history)
         for it in range(cfg.iterations):
             if cfg.beta > 0 and (self.ref is None or cfg.reset_ref):
-                p = self.policy
-                self.ref = type(p)(frozen_copy(p.model), p.tokenizer, temperature=p.temperature)
+                self.ref = make_reference(self.policy)
             for _ in range(cfg.steps):
                 t_start = time.perf_counter()
                 ro, timing = self._rollout(env)

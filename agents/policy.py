@@ -37,7 +37,7 @@ from tokengym.agents import functional as Fn
 from tokengym.agents.fast_decode import StaticDecoder, unsupported_reason
 from tokengym.agents.models import load_model
 
-__all__ = ["Policy", "position_ids", "sample_logits"]
+__all__ = ["Policy", "AdapterDisabledReference", "make_reference", "position_ids", "sample_logits"]
 
 
 def position_ids(mask: torch.Tensor) -> torch.Tensor:
@@ -255,3 +255,32 @@ class Policy(nn.Module):
         if return_entropy:
             return logp, Fn.entropy(logits, mask[:, prompt_len:])
         return logp
+
+
+class AdapterDisabledReference:
+    """The reference policy of a LoRA-trained policy: the same model with its ``peft`` adapter disabled.
+
+    No second copy of the weights is kept; calling it runs ``policy(...)`` under
+    ``model.disable_adapter()`` and ``torch.no_grad()``.
+    """
+
+    def __init__(self, policy: Policy):
+        self.policy = policy
+
+    @torch.no_grad()
+    def __call__(self, tokens: torch.Tensor, mask: torch.Tensor, prompt_len: int) -> torch.Tensor:
+        with self.policy.model.disable_adapter():
+            return self.policy(tokens, mask, prompt_len)
+
+
+def make_reference(policy: Policy):
+    """A frozen reference for ``policy``: ``ref(tokens, mask, prompt_len) -> logp[N, M]``.
+
+    A ``peft`` model (LoRA) gets :class:`AdapterDisabledReference` (no extra weights); any other model a
+    frozen deep copy wrapped in a :class:`Policy` with the same temperature.
+    """
+    from tokengym.agents.models import frozen_copy
+
+    if getattr(policy.model, "peft_config", None) and hasattr(policy.model, "disable_adapter"):
+        return AdapterDisabledReference(policy)
+    return type(policy)(frozen_copy(policy.model), policy.tokenizer, temperature=policy.temperature)

@@ -19,7 +19,7 @@ import torch
 from tokengym.agents import functional as F
 from tokengym.agents.critic import Critic
 from tokengym.agents.logger import RunLogger
-from tokengym.agents.models import frozen_copy
+from tokengym.agents.policy import make_reference
 from tokengym.agents.rollout import Rollout, collect, evaluate
 
 __all__ = ["PPOConfig", "PPOAgent", "AdaptiveKLController", "ppo_rewards"]
@@ -142,7 +142,7 @@ class PPOAgent:
         self.kl_ctl = AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)
         self.ref = None
         if cfg.kl_coef > 0:
-            self.ref = type(policy)(frozen_copy(policy.model), policy.tokenizer, temperature=policy.temperature)
+            self.ref = make_reference(policy)
         self.global_step = 0
         self._shuffle = torch.Generator().manual_seed(cfg.seed)
 
