@@ -1,7 +1,7 @@
 """Per-step overhead of TokenVectorEnv.step against one KV-cached decode step of a ~1M-param Llama.
 
 Prints one JSON line. Both are measured in the same run, on the same machine, at the same batch:
-    python bench/env_overhead.py [--num-envs 64] [--repeats 5]
+    python bench/env_overhead.py [--num-envs 64] [--repeats 5] [--threads 1]
 
 ``step_us_no_events``: steps where no slot stops (the common case: pure tensor bookkeeping + one sync).
 ``step_us_episode``: whole Arithmetic episodes with random tokens, including episode ends, decoding
@@ -74,7 +74,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-envs", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1 keeps timings sane on a shared 2-core box)")
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     n = args.num_envs
     env = TokenVectorEnv(n, "arithmetic", max_new_tokens=64)
