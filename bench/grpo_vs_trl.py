@@ -18,6 +18,7 @@ and train until greedy accuracy on 200 held-out prompts first reaches 90% (evalu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -104,7 +105,8 @@ def trl_run(model, tok, steps: int, eval_every: int = 0, eval_samples=None, budg
     )
     trainer = GRPOTrainer(model=model, reward_funcs=[arithmetic_correct], args=args, train_dataset=data, processing_class=tok,
                           callbacks=[Timer()])
-    trainer.train()
+    with contextlib.redirect_stdout(sys.stderr):  # TRL prints a summary dict; keep stdout for the JSON line
+        trainer.train()
     return {"step_s": statistics.median(state["times"][2:] or state["times"]), "seconds_to_90": state["reached"],
             "train_s": state["train_s"], "best_accuracy": max(state["accs"], default=None), "steps": len(state["times"])}
 
