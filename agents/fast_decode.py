@@ -19,9 +19,9 @@ model's own weights, with everything that does not change from step to step prep
   permuted per key-value group (``[q_1..q_rep, k, v]``) so that queries, new keys and new values are
   views of one tensor (grouped-query attention needs no ``repeat_kv``). Norms, residual adds (fused
   into ``addmm``), RoPE (``rotate_half`` as a swap of halves with the sign folded into ``sin``, one
-  ``addcmul``) and attention (``baddbmm``, softmax, ``bmm``) are a handful of kernels per layer. The fused weights are a copy, refreshed
-  automatically whenever any source parameter changes (its version counter or storage), so an
-  optimiser step between rollouts is picked up.
+  ``addcmul``) and attention (``baddbmm``, softmax, ``bmm``) are a handful of kernels per layer. The fused weights are a copy, rebuilt
+  at every prefill (once per rollout batch), so any optimiser step between rollouts is picked up,
+  fused optimisers included (they update parameters without bumping their version counters).
 * **No host sync** and no Python-side work that depends on the data.
 
 Numerics follow the ``transformers`` implementation (fp32 maths agrees with a full forward to ~1e-6).
@@ -147,10 +147,13 @@ class StaticDecoder:
         return out
 
     def _refresh(self) -> None:
-        """(Re)build the fused weights when any model parameter changed since the last build."""
+        """(Re)build the fused weights from the model's current parameters.
+
+        Called at every prefill (once per rollout batch): version counters alone cannot tell whether
+        weights changed (a fused optimizer step, for one, updates parameters without bumping them), and
+        one copy of the weights per batch is cheap next to the batch's decode steps.
+        """
         key = tuple((t.data_ptr(), _version(t), t.dtype, t.device) for t in self._sources())
-        if key == self._key and None not in (k[1] for k in key):
-            return
         G, rep, hd = self.n_kv, self.rep, self.head_dim
         layers = []
         with torch.no_grad():

@@ -235,3 +235,20 @@ def test_act_in_a_next_step_autoreset_loop():
             assert (full[:n] - torch.tensor(record[i])).abs().max().item() < TOL
             checked += 1
     assert checked >= 8
+
+
+def test_fast_path_sees_weights_changed_without_a_version_bump():
+    """A fused optimizer (or any write through .data) does not bump version counters: the next rollout
+    must still decode with the new weights."""
+    from tokengym.agents import Policy, collect
+    from tokengym.envs import TokenVectorEnv
+
+    policy = Policy.from_pretrained("tiny")
+    env = TokenVectorEnv(4, "arithmetic", max_new_tokens=6)
+    collect(env, policy, seed=0)
+    with torch.no_grad():
+        policy.model.lm_head.weight.data.mul_(3.0)  # .data writes bypass the version counter
+    ro = collect(env, policy, seed=1)
+    with torch.no_grad():
+        full = policy(ro.tokens, ro.attention_mask, ro.prompt_len)
+    assert ((full - ro.logprobs) * ro.action_mask).abs().max() < 1e-4
