@@ -1,12 +1,14 @@
-"""Agents that consume token environments: PPO (critic + GAE), GRPO, and the machinery they share.
+"""Agents that consume token environments: PPO (critic + GAE), GRPO, DPO, SFT, and the machinery they share.
 
 The pure advantage/loss math lives in :mod:`tokengym.agents.functional`.
 """
 
 from . import functional
 from .critic import Critic
+from .dpo import DPOConfig, DPOLearner, iterative_dpo
 from .grpo import GRPOAgent, GRPOConfig
 from .models import PRESETS, build_preset, load_model
+from .pairs import PairData, arithmetic_pairs, load_pairs, mine_pairs, split_pairs
 from .policy import Policy
 from .ppo import PPOAgent, PPOConfig
 from .rollout import Rollout, collect, evaluate, heldout_samples
@@ -14,20 +16,28 @@ from .sft import SFTConfig, evaluate_policy, train_sft
 
 __all__ = [
     "Critic",
+    "DPOConfig",
+    "DPOLearner",
     "GRPOAgent",
     "GRPOConfig",
     "PPOAgent",
     "PPOConfig",
     "PRESETS",
+    "PairData",
     "Policy",
     "Rollout",
     "SFTConfig",
+    "arithmetic_pairs",
     "build_preset",
     "collect",
     "evaluate",
     "evaluate_policy",
     "functional",
     "heldout_samples",
+    "iterative_dpo",
     "load_model",
+    "load_pairs",
+    "mine_pairs",
+    "split_pairs",
     "train_sft",
 ]

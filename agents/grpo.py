@@ -17,6 +17,7 @@ import torch
 
 from tokengym.agents import functional as F
 from tokengym.agents.logger import RunLogger
+from tokengym.agents.optim import adamw
 from tokengym.agents.policy import make_reference
 from tokengym.agents.rollout import Rollout, collect, evaluate
 
@@ -123,7 +124,7 @@ class GRPOAgent:
         self.policy = policy
         self.config = config or GRPOConfig()
         self.logger = RunLogger(run_dir)
-        self.optimizer = torch.optim.AdamW(policy.parameters(), lr=self.config.lr, weight_decay=self.config.weight_decay)
+        self.optimizer = adamw(policy.parameters(), lr=self.config.lr, weight_decay=self.config.weight_decay)
         self.ref = None  # a frozen Policy; only built when beta > 0
         self.global_step = 0
         self._shuffle = torch.Generator().manual_seed(self.config.seed)

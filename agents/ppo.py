@@ -19,6 +19,7 @@ import torch
 from tokengym.agents import functional as F
 from tokengym.agents.critic import Critic
 from tokengym.agents.logger import RunLogger
+from tokengym.agents.optim import adamw
 from tokengym.agents.policy import make_reference
 from tokengym.agents.rollout import Rollout, collect, evaluate
 
@@ -137,8 +138,8 @@ class PPOAgent:
         policy_params = list(policy.parameters())
         ids = {id(p) for p in policy_params}
         critic_params = [p for p in self.critic.parameters() if id(p) not in ids]  # shared trunk: policy optimiser owns it
-        self.policy_opt = torch.optim.AdamW(policy_params, lr=cfg.lr)
-        self.critic_opt = torch.optim.AdamW(critic_params, lr=cfg.critic_lr)
+        self.policy_opt = adamw(policy_params, lr=cfg.lr)
+        self.critic_opt = adamw(critic_params, lr=cfg.critic_lr)
         self.kl_ctl = AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)
         self.ref = None
         if cfg.kl_coef > 0:
