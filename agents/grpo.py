@@ -62,6 +62,8 @@ class GRPOConfig:
     """Gradient clipping norm (0 = off)."""
     recompute_old_logprobs: bool = False
     """Recompute pi_old log-probs with a forward pass instead of reusing the rollout's (needed only when sampling used top-k/top-p)."""
+    bf16: bool = False
+    """bf16 autocast for the update's forward/backward (about 1.7x faster on CPU for the small preset; the first ratio is then 1 only up to bf16 rounding)."""
     eval_every: int = 0
     """Evaluate on held-out prompts every this many sampling steps (0 = only at the end, if eval samples are given)."""
     seed: int = 0
@@ -154,7 +156,8 @@ class GRPOAgent:
             order = torch.randperm(n, generator=self._shuffle).to(ro.tokens.device)
             for mb in order.chunk(cfg.minibatches):
                 am = ro.action_mask[mb]
-                logp, ent = self.policy(ro.tokens[mb], ro.attention_mask[mb], ro.prompt_len, return_entropy=True)
+                with torch.autocast(ro.tokens.device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
+                    logp, ent = self.policy(ro.tokens[mb], ro.attention_mask[mb], ro.prompt_len, return_entropy=True)
                 loss, stats = F.policy_loss(logp, old_logp[mb], adv[mb], am, cfg.clip_eps, cfg.clip_eps_high, cfg.aggregation)
                 stats = dict(stats, pg_loss=loss.detach(), entropy=F.masked_aggregate(ent.detach(), am, "token-mean"))
                 if ref_logp is not None:

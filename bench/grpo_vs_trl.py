@@ -8,7 +8,8 @@ length), the same Arithmetic prompts and reward function (`tokengym.rewards.arit
 group size 8, 2 prompts per step (16 completions), the same completion length, mu=1 (TRL's
 num_iterations=1), beta=0 (no reference model), lr 1e-4, temperature 1, fp32, CPU. Seconds per step
 is the median over steps after 2 warm-up steps. ``tiny_speedup``/``small_speedup`` = TRL seconds per
-step / tokengym seconds per step.
+step / tokengym seconds per step (both fp32); ``*_speedup_bf16`` uses tokengym's ``bf16=True`` (bf16
+autocast in the update; TRL's ``bf16=True`` needs a GPU, so TRL stays fp32).
 
 The race (tiny only): both start from the shipped warm checkpoint ``agents/checkpoints/tiny-arithmetic``
 and train until greedy accuracy on 200 held-out prompts first reaches 90% (evaluated every
@@ -43,11 +44,11 @@ def make_task() -> ArithmeticTask:
     return ArithmeticTask(n_operands=(2, 3), digits=2, operators="+")
 
 
-def tokengym_run(model, tok, steps: int, eval_every: int = 0, eval_samples=None, budget_s: float = 0.0) -> dict:
+def tokengym_run(model, tok, steps: int, eval_every: int = 0, eval_samples=None, budget_s: float = 0.0, bf16: bool = False) -> dict:
     policy = Policy(model, tok)
     env = TokenVectorEnv(G * PROMPTS_PER_STEP, make_task(), tokenizer=tok, group_size=G)
     eval_env = TokenVectorEnv(100, make_task(), tokenizer=tok)
-    agent = GRPOAgent(policy, GRPOConfig(steps=steps, lr=LR, mu=1, beta=0.0, eval_every=eval_every, seed=0))
+    agent = GRPOAgent(policy, GRPOConfig(steps=steps, lr=LR, mu=1, beta=0.0, eval_every=eval_every, seed=0, bf16=bf16))
     step_times, reached, train_s, accs = [], None, 0.0, []
 
     def cb(rec):
@@ -112,11 +113,13 @@ def trl_run(model, tok, steps: int, eval_every: int = 0, eval_samples=None, budg
 
 
 def speed(preset: str, steps: int) -> dict:
+    """Seconds per step of both (fp32), and tokengym with bf16 autocast in the update (TRL: fp32 on CPU)."""
     out = {}
-    for name, fn in (("tokengym", tokengym_run), ("trl", trl_run)):
+    for name, fn, kw in (("tokengym", tokengym_run, {}), ("trl", trl_run, {}), ("tokengym_bf16", tokengym_run, {"bf16": True})):
         model, tok = build_preset(preset, seed=0)
-        out[name] = fn(model, tok, steps)["step_s"]
+        out[name] = fn(model, tok, steps, **kw)["step_s"]
     out["speedup"] = out["trl"] / out["tokengym"]
+    out["speedup_bf16"] = out["trl"] / out["tokengym_bf16"]
     return out
 
 
@@ -158,6 +161,8 @@ def main() -> None:
         result[f"{preset}_step_s_tokengym"] = round(s["tokengym"], 4)
         result[f"{preset}_step_s_trl"] = round(s["trl"], 4)
         result[f"{preset}_speedup"] = round(s["speedup"], 3)
+        result[f"{preset}_step_s_tokengym_bf16"] = round(s["tokengym_bf16"], 4)
+        result[f"{preset}_speedup_bf16"] = round(s["speedup_bf16"], 3)
     if args.race_seconds > 0:
         result.update(race(args.race_seconds, args.race_eval_every))
     print(json.dumps(result))

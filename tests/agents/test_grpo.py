@@ -110,3 +110,10 @@ def test_grpo_raises_heldout_greedy_accuracy_from_the_sft_warm_start(advantage, 
     after = evaluate(policy, eval_env, samples)["accuracy"]
     assert 0.55 < before < 0.75, before
     assert after >= before + 0.05, (before, after)
+
+
+def test_bf16_update_still_learns_the_toy():
+    agent = GRPOAgent(Policy.from_pretrained("tiny"), GRPOConfig(steps=60, lr=3e-3, seed=0, bf16=True))
+    history = agent.learn(target_env())
+    assert max(r["reward/mean"] for r in history[-10:]) > 0.9
+    assert all(abs(r["train/ratio_mean"] - 1) < 0.05 for r in history)  # bf16 rounding only
