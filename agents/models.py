@@ -22,7 +22,11 @@ from torch import nn
 
 from tokengym.envs.tokenizer import char_tokenizer, check_tokenizer
 
-__all__ = ["PRESETS", "preset_config", "build_preset", "load_model", "frozen_copy", "count_parameters"]
+__all__ = ["PRESETS", "CHECKPOINTS", "preset_config", "build_preset", "load_model", "frozen_copy", "count_parameters"]
+
+CHECKPOINTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoints")
+CHECKPOINTS: tuple[str, ...] = ("tiny-arithmetic",)
+"""Checkpoints shipped inside the package (see ``agents/checkpoints/README.md``), loadable by name."""
 
 PRESETS: dict[str, dict[str, int]] = {
     "tiny": dict(hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4),
@@ -59,7 +63,8 @@ def build_preset(name: str, tokenizer: Any = None, seed: int = 0, **overrides: A
 
 
 def load_model(name_or_path: str, tokenizer: Any = None, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
-    """``(model, tokenizer)`` from a preset name or a local folder written by ``save_pretrained``.
+    """``(model, tokenizer)`` from a preset name, a shipped checkpoint name (``"tiny-arithmetic"``) or a
+    local folder written by ``save_pretrained``.
 
     A folder without tokenizer files gets the bundled char tokenizer. Weights load from safetensors
     (``use_safetensors=True``), ``trust_remote_code`` stays off and nothing is downloaded.
@@ -67,12 +72,15 @@ def load_model(name_or_path: str, tokenizer: Any = None, device: str | torch.dev
     if isinstance(name_or_path, str) and name_or_path in PRESETS:
         model, tok = build_preset(name_or_path, tokenizer)
     else:
+        if isinstance(name_or_path, str) and name_or_path in CHECKPOINTS:
+            name_or_path = os.path.join(CHECKPOINTS_DIR, name_or_path)
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         path = os.fspath(name_or_path)
         if not os.path.isdir(path):
             raise FileNotFoundError(
-                f"model {path!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a local folder; "
+                f"model {path!r} is neither a preset ({', '.join(sorted(PRESETS))}), a shipped checkpoint "
+                f"({', '.join(CHECKPOINTS)}) nor a local folder; "
                 "tokengym never downloads, pass a folder written by save_pretrained"
             )
         model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, trust_remote_code=False, use_safetensors=True)

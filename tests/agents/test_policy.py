@@ -252,3 +252,18 @@ def test_fast_path_sees_weights_changed_without_a_version_bump():
     with torch.no_grad():
         full = policy(ro.tokens, ro.attention_mask, ro.prompt_len)
     assert ((full - ro.logprobs) * ro.action_mask).abs().max() < 1e-4
+
+
+def test_shipped_checkpoint_loads_by_name_and_unknown_names_fail_clearly():
+    import os
+
+    import pytest
+
+    from tokengym.agents.models import CHECKPOINTS_DIR, load_model
+
+    model, tok = load_model("tiny-arithmetic")
+    by_path, _ = load_model(os.path.join(CHECKPOINTS_DIR, "tiny-arithmetic"))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), by_path.state_dict().values()))
+    assert tok.eos_token_id is not None
+    with pytest.raises(FileNotFoundError, match="neither a preset .* nor a local folder"):
+        load_model("no-such-model")
