@@ -37,6 +37,8 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
+from tokengym.envs.tasks.dataset import read_jsonl
+
 __all__ = [
     "PAIR_COLUMNS",
     "CORRUPTIONS",
@@ -54,24 +56,6 @@ PAIR_COLUMNS = ("prompt", "chosen", "rejected")
 
 
 # ============================================================================== text pairs
-def _read_jsonl(path: str) -> list[dict[str, Any]]:
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"preference pairs file {path!r} does not exist (expected JSONL: one JSON object per line)")
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg}); pairs files are JSONL, one object per line") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object with {list(PAIR_COLUMNS)}, got {type(row).__name__}")
-            rows.append(row)
-    return rows
-
-
 def _is_messages(v: Any) -> bool:
     return isinstance(v, (list, tuple)) and all(isinstance(m, Mapping) and "role" in m and "content" in m for m in v) and len(v) > 0
 
@@ -101,7 +85,7 @@ def load_pairs(source: Any, columns: Mapping[str, str] | None = None, limit: int
     if unknown:
         raise ValueError(f"columns may only map {list(PAIR_COLUMNS)}, got keys {sorted(unknown)}")
     if isinstance(source, (str, os.PathLike)):
-        rows = _read_jsonl(os.fspath(source))
+        rows = read_jsonl(os.fspath(source))
         where = f"file {os.fspath(source)!r}"
     elif type(source).__name__ in ("DatasetDict", "IterableDatasetDict"):
         raise ValueError(f"got a DatasetDict with splits {list(source)}; pass one split, e.g. data['train']")

@@ -16,7 +16,7 @@ from tokengym.rewards import answer_match
 from .arithmetic import _check_seed
 from .base import Task
 
-__all__ = ["DatasetTask"]
+__all__ = ["DatasetTask", "read_jsonl"]
 
 
 class _Stream:
@@ -30,7 +30,9 @@ class _Stream:
         self.pos = 0
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """Rows of a JSONL file (one JSON object per line, blank lines skipped), with errors naming file:line."""
+    path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"data: no such JSONL file: {str(path)!r}")
     rows = []
@@ -125,7 +127,7 @@ class DatasetTask(Task):
 
         self._hf = None
         if isinstance(data, (str, os.PathLike)):
-            rows: Sequence[Mapping[str, Any]] = _read_jsonl(Path(data))
+            rows: Sequence[Mapping[str, Any]] = read_jsonl(Path(data))
             columns = self._check_rows(rows)
         elif _is_hf_dataset_like(data):
             columns = self._check_hf(data)
