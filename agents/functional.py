@@ -658,7 +658,7 @@ def value_loss(
         where the clipped term is strictly larger, i.e. the gradient is blocked; 0 without
         clipping), ``value_mean`` (masked mean of ``values``) and ``explained_variance``
         (``1 - Var(R - V) / Var(R)`` over valid tokens with unbiased variances; defined as 0 when
-        ``Var(R) == 0`` or fewer than 2 tokens are valid).
+        ``Var(R)`` is 0 or negligible (``<= eps * Var(R - V)``) or fewer than 2 tokens are valid).
 
     Example:
         >>> import torch
@@ -697,8 +697,12 @@ def value_loss(
         stats = {
             "vf_clipfrac": _masked_mean(clip_active.to(v.dtype), valid),
             "value_mean": _masked_mean(v, valid),
+            # Var(R) at or below eps * Var(R - V) makes the ratio overflow (a denormal Var(R) gave -inf):
+            # the returns are constant up to rounding, so the statistic is undefined and reported as 0.
             "explained_variance": torch.where(
-                var_r > 0, 1.0 - _safe_div(var_res, var_r), torch.zeros_like(var_r)
+                var_r > torch.finfo(var_r.dtype).eps * var_res,
+                1.0 - _safe_div(var_res, var_r),
+                torch.zeros_like(var_r),
             ),
         }
     return loss, stats
