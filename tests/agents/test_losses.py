@@ -229,7 +229,7 @@ def test_clipped_tokens_have_exactly_zero_gradient(case, agg):
     blocked_low = (adv < 0) & (ratio < 1 - eps_low)
     blocked = blocked_high | blocked_low
     assert torch.all(grad[blocked | ~mask] == 0)
-    free = mask & ~blocked & (adv != 0)
+    free = mask & ~blocked & (adv.abs() > 1e-100)  # a denormal advantage times the token weight underflows to 0
     assert torch.all(grad[free] != 0)
     # the unblocked gradient is exactly d(-A * ratio)/dlogp = -A * ratio times the token weight
     weight = torch.zeros_like(ratio)
