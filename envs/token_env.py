@@ -35,7 +35,7 @@ class TokenEnv(gym.Env):
     Example:
         >>> env = TokenEnv("arithmetic")
         >>> obs, info = env.reset(seed=0)
-        >>> obs["tokens"].dtype, obs["mask"].sum() > 0
+        >>> obs["tokens"].dtype, bool(obs["mask"].sum() > 0)
         (dtype('int64'), True)
         >>> obs, r, terminated, truncated, info = env.step(env.unwrapped.tokenizer.eos_token_id)
         >>> terminated, info["completion"]
