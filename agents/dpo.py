@@ -48,6 +48,7 @@ import torch
 
 from tokengym.agents import functional as F
 from tokengym.agents.logger import RunLogger
+from tokengym.agents.config import check_config
 from tokengym.agents.models import frozen_copy
 from tokengym.agents.optim import adamw
 from tokengym.agents.pairs import PairBatch, PairData, SharedPrefixBatch, mine_pairs
@@ -121,13 +122,7 @@ class DPOConfig:
             "max_prompt_len": self.max_prompt_len is None or self.max_prompt_len >= 1,
             "max_length": self.max_length is None or self.max_length >= 2,
         }
-        for name, ok in checks.items():
-            if not ok:
-                raise ValueError(f"DPOConfig.{name} has an invalid value: {getattr(self, name)!r}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"DPOConfig.schedule={self.schedule!r}; choose one of {sorted(SCHEDULES)}")
-        if self.loss_type not in F.DPO_LOSSES:
-            raise ValueError(f"DPOConfig.loss_type={self.loss_type!r}; choose one of {sorted(F.DPO_LOSSES)}")
+        check_config(self, checks, {"schedule": SCHEDULES, "loss_type": F.DPO_LOSSES})
         z = torch.zeros(1)
         try:  # beta / label_smoothing / loss_type compatibility: the loss function's own checks
             F.dpo_loss(z, z, z, z, self.beta, self.loss_type, self.label_smoothing)

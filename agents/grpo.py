@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 
 from tokengym.agents import functional as F
+from tokengym.agents.config import check_config
 from tokengym.agents.logger import RunLogger
 from tokengym.agents.optim import adamw
 from tokengym.agents.policy import make_reference
@@ -77,14 +78,8 @@ class GRPOConfig:
             "clip_eps_high": self.clip_eps_high is None or self.clip_eps_high > 0,
             "eval_every": self.eval_every >= 0,
         }
-        for name, ok in checks.items():
-            if not ok:
-                raise ValueError(f"GRPOConfig.{name} has an invalid value: {getattr(self, name)!r}")
-        for name, valid in (("advantage", ("outcome", "process")), ("scale_rewards", ("group", "batch", "none")),
-                            ("aggregation", ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")),
-                            ("kl_estimator", ("k1", "k2", "k3"))):
-            if getattr(self, name) not in valid:
-                raise ValueError(f"GRPOConfig.{name}={getattr(self, name)!r}; choose one of {list(valid)}")
+        check_config(self, checks, {"advantage": ("outcome", "process"), "scale_rewards": F.GROUP_SCALES,
+                                    "aggregation": F.AGGREGATIONS, "kl_estimator": F.KL_ESTIMATORS})
 
     @property
     def reuse_rollout_logprobs(self) -> bool:

@@ -18,6 +18,7 @@ import torch
 
 from tokengym.agents import functional as F
 from tokengym.agents.critic import Critic
+from tokengym.agents.config import check_config
 from tokengym.agents.logger import RunLogger
 from tokengym.agents.optim import adamw
 from tokengym.agents.policy import make_reference
@@ -82,13 +83,7 @@ class PPOConfig:
             "kl_target": self.kl_target is None or self.kl_target > 0, "kl_horizon": self.kl_horizon > 0,
             "entropy_coef": self.entropy_coef >= 0, "eval_every": self.eval_every >= 0,
         }
-        for name, ok in checks.items():
-            if not ok:
-                raise ValueError(f"PPOConfig.{name} has an invalid value: {getattr(self, name)!r}")
-        for name, valid in (("kl_estimator", ("k1", "k2", "k3")),
-                            ("aggregation", ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"))):
-            if getattr(self, name) not in valid:
-                raise ValueError(f"PPOConfig.{name}={getattr(self, name)!r}; choose one of {list(valid)}")
+        check_config(self, checks, {"kl_estimator": F.KL_ESTIMATORS, "aggregation": F.AGGREGATIONS})
 
 
 class AdaptiveKLController:
