@@ -203,6 +203,26 @@ class TokenVectorEnv(VectorEnv):
         self.reward_seconds = 0.0  # wall time spent decoding and scoring (reward/PRM calls), cumulative
         self.all_done = False  # every slot finished (a host bool, updated by step() at no extra sync)
 
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """The prompt stream's position (generator state, task walk, next group id), for exact resume.
+
+        Only plain Python values, so it round-trips through JSON and ``torch.load(weights_only=True)``.
+        Episode buffers are not included: save between lockstep batches, as the agents do.
+        """
+        return {"np_random": self.np_random.bit_generator.state, "next_group": self._next_group,
+                "task": self.task.state_dict(self.np_random)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue the prompt stream from a :meth:`state_dict` (the env must be built with the same task)."""
+        missing = {"np_random", "next_group", "task"} - set(state)
+        if missing:
+            raise ValueError(f"env state is missing {sorted(missing)}; was it written by TokenVectorEnv.state_dict()?")
+        self.np_random  # creates the generator if the env was never seeded
+        self.np_random.bit_generator.state = state["np_random"]
+        self._next_group = int(state["next_group"])
+        self.task.load_state_dict(state["task"], self.np_random)
+
     # ------------------------------------------------------------------ reset
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
         """Start a new batch of episodes (or, with ``options["reset_mask"]``, only the masked groups).

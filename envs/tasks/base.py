@@ -51,6 +51,13 @@ class Task:
         stream, so that re-seeding the env replays the same prompts.
         """
 
+    def state_dict(self, rng: np.random.Generator) -> dict[str, Any]:
+        """Where the task is in ``rng``'s stream of prompts (stateless tasks: ``{}``); see the env's ``state_dict``."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any], rng: np.random.Generator) -> None:
+        """Restore what :meth:`state_dict` returned, for the walk of ``rng``."""
+
     def batch(self, rng: np.random.Generator, n: int) -> list[dict[str, Any]]:
         """``n`` samples drawn in order from ``rng``."""
         return [self.sample(rng) for _ in range(n)]

@@ -239,6 +239,20 @@ class DatasetTask(Task):
         """The next row of ``rng``'s walk over the data, as a sample dict."""
         return self.row(self.next_index(rng))
 
+    def state_dict(self, rng: np.random.Generator) -> dict[str, Any]:
+        """``rng``'s position in its walk: ``{"order": list[int] | None, "pos": int}`` (``{}`` before it starts)."""
+        stream = self._streams.get(id(rng))
+        if stream is None or stream.rng is not rng:
+            return {}
+        return {"order": None if stream.order is None else [int(i) for i in stream.order], "pos": int(stream.pos)}
+
+    def load_state_dict(self, state: dict[str, Any], rng: np.random.Generator) -> None:
+        self._streams.pop(id(rng), None)
+        if state:
+            stream = self._streams[id(rng)] = _Stream(rng)
+            stream.order = None if state["order"] is None else np.asarray(state["order"], dtype=np.int64)
+            stream.pos = int(state["pos"])
+
     def on_seed(self, seed: int | None) -> None:
         """Restart every walk: after ``env.reset(seed=s)`` the prompts replay from the beginning."""
         self._streams.clear()
