@@ -122,9 +122,31 @@ class GRPOAgent:
         self.config = config or GRPOConfig()
         self.logger = RunLogger(run_dir)
         self.optimizer = adamw(policy.parameters(), lr=self.config.lr, weight_decay=self.config.weight_decay)
-        self.ref = None  # a frozen Policy; only built when beta > 0
+        self.ref = make_reference(policy) if self.config.beta > 0 else None  # beta = 0: no reference at all
         self.global_step = 0
+        self._resume_step: int | None = None  # set by load_state_dict: learn() continues its schedule from here
         self._shuffle = torch.Generator().manual_seed(self.config.seed)
+
+    # ------------------------------------------------------------------ checkpoint state
+    def checkpoint_modules(self) -> dict[str, torch.nn.Module]:
+        """Modules whose weights a checkpoint holds: the policy, and a frozen reference copy when there is one."""
+        mods = {"policy": self.policy.model}
+        if isinstance(self.ref, torch.nn.Module):  # a frozen Policy copy (a LoRA reference has no weights of its own)
+            mods["ref"] = self.ref.model
+        return mods
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything but module weights needed to continue exactly: step, optimiser, generators."""
+        return {"global_step": self.global_step, "optimizer": self.optimizer.state_dict(),
+                "shuffle_rng": self._shuffle.get_state(), "policy_rng": self.policy.generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; the next :meth:`learn` call runs the rest of the interrupted schedule."""
+        self.global_step = int(state["global_step"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self._shuffle.set_state(state["shuffle_rng"])
+        self.policy.generator.set_state(state["policy_rng"])
+        self._resume_step = self.global_step
 
     # ------------------------------------------------------------------ rollout
     def _rollout(self, env) -> tuple[Rollout, dict[str, float]]:
@@ -193,10 +215,13 @@ class GRPOAgent:
         if self.global_step == 0:
             self.policy.seed(cfg.seed)
         history_start = len(self.logger.history)
+        done, self._resume_step = self._resume_step or 0, None  # steps of this schedule already taken (resume)
         for it in range(cfg.iterations):
-            if cfg.beta > 0 and (self.ref is None or cfg.reset_ref):
+            if done >= (it + 1) * cfg.steps:
+                continue
+            if cfg.beta > 0 and cfg.reset_ref and done <= it * cfg.steps:
                 self.ref = make_reference(self.policy)
-            for _ in range(cfg.steps):
+            for _ in range(cfg.steps - max(0, done - it * cfg.steps)):
                 t_start = time.perf_counter()
                 ro, timing = self._rollout(env)
                 adv = grpo_advantages(ro, cfg.advantage, cfg.scale_rewards)
