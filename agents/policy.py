@@ -26,8 +26,9 @@ episode's end never shift a real token's position, in the cache or in the full p
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -260,17 +261,29 @@ class Policy(nn.Module):
 class AdapterDisabledReference:
     """The reference policy of a LoRA-trained policy: the same model with its ``peft`` adapter disabled.
 
-    No second copy of the weights is kept; calling it runs ``policy(...)`` under
-    ``model.disable_adapter()`` and ``torch.no_grad()``.
+    No second copy of the weights is kept; calling it runs ``policy(...)`` inside :meth:`disabled`.
+    Code that needs more than log-probs of a ``[N, P + M]`` batch (e.g. a custom forward of
+    ``policy.model``) runs it inside ``with ref.disabled():`` too.
     """
 
     def __init__(self, policy: Policy):
         self.policy = policy
 
-    @torch.no_grad()
+    @contextlib.contextmanager
+    def disabled(self) -> Iterator[Policy]:
+        """Context in which ``self.policy`` *is* the reference: adapter off, eval mode, no autograd (all restored on exit)."""
+        model = self.policy.model
+        was_training = model.training
+        model.eval()  # as a frozen copy would be: no dropout in reference log-probs
+        try:
+            with torch.no_grad(), model.disable_adapter():
+                yield self.policy
+        finally:
+            model.train(was_training)
+
     def __call__(self, tokens: torch.Tensor, mask: torch.Tensor, prompt_len: int) -> torch.Tensor:
-        with self.policy.model.disable_adapter():
-            return self.policy(tokens, mask, prompt_len)
+        with self.disabled() as ref:
+            return ref(tokens, mask, prompt_len)
 
 
 def make_reference(policy: Policy):
