@@ -716,7 +716,6 @@ def mine_pairs(rollout: Any, min_gap: float = 0.0, score: str = "return", pad_id
                   "group": int(k), "chosen_reward": float(r[b]), "rejected_reward": float(r[w])}
                  for k, b, w in zip(keep.tolist(), bi.tolist(), wi.tolist())],
     )
-    return data
 
 
 def _rollout_pad(rollout: Any) -> int:

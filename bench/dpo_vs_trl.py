@@ -6,6 +6,11 @@ Usage::
     python bench/dpo_vs_trl.py --json           # one JSON line (tiny_speedup, small_speedup, ...)
     python bench/dpo_vs_trl.py --presets tiny --repeats 5 --threads 2
 
+Contenders: TRL ``DPOTrainer``; ``DPOLearner`` with its default config (``share_prefix=None``: shared-prefix
+packing, which the presets' Llama architecture passes the one-time check for; ``tiny_speedup`` /
+``small_speedup`` are this one, live reference); and ``DPOLearner(share_prefix=False)``, the plain
+``[2B, L]`` stack (``*_speedup_stack``; skip with ``--no-stack``).
+
 What is compared (equal work):
 
 * the same preset (``tiny``/``small``, same seed, so the same initial weights), fp32, CPU, the same
@@ -24,13 +29,14 @@ What is compared (equal work):
 
 Timing: only training steps. Both run ``--warmup`` steps first; the clock runs from the end of the
 last warm-up step to the end of the last step (TRL: a ``TrainerCallback.on_step_end``; ours: the
-``fit`` callback, called after every step). Model construction, tokenization, reference
+``fit`` callback, called after every step). Model construction, tokenization, the packing check, reference
 precomputation and trainer set-up are outside the clock. Each timed step includes, for both, fetching
 and collating the batch, the forward passes, backward, clipping and the optimiser step.
 
-Sequence length: TRL right-pads ``prompt + completion`` rows to the batch's longest row; tokengym
-left-pads prompts and right-pads completions (the env's layout), so its rows are ``longest prompt +
-longest completion``: never shorter. Both padded token counts are reported.
+Sequence length: TRL right-pads ``prompt + completion`` rows to the batch's longest row; the plain
+tokengym stack left-pads prompts and right-pads completions (the env's layout), so its rows are
+``longest prompt + longest completion``: never shorter. Shared-prefix packing stores each pair's prompt
+and common completion prefix once and packs pairs into rows. All padded token counts are reported.
 
 Timings on a shared machine are noisy: the contenders are interleaved (order alternating per repeat),
 medians are reported with the load average before and after.
@@ -77,7 +83,7 @@ def padded_tokens(data, batch_size: int, steps: int) -> tuple[int, int, int]:
     return ours, trl, shared
 
 
-def run_tokengym(preset: str, pairs: list[dict], a: argparse.Namespace, precompute: bool, share_prefix: bool = False) -> dict:
+def run_tokengym(preset: str, pairs: list[dict], a: argparse.Namespace, precompute: bool, share_prefix: bool | None = None) -> dict:
     from tokengym.agents.dpo import DPOConfig, DPOLearner
     from tokengym.agents.models import build_preset
     from tokengym.agents.policy import Policy
@@ -87,11 +93,13 @@ def run_tokengym(preset: str, pairs: list[dict], a: argparse.Namespace, precompu
                     precompute_ref=precompute, share_prefix=share_prefix, max_grad_norm=1.0, log_every=1)
     learner = DPOLearner(policy, cfg)
     data = learner.prepare(pairs)  # tokenization: outside the clock
+    packed = learner.share_prefix  # the default's one-time check: outside the clock
     stamps: list[float] = []
     learner.fit(data, callback=lambda rec: stamps.append(time.perf_counter()))
     assert len(stamps) == a.warmup + a.steps, len(stamps)
     dt = stamps[-1] - stamps[a.warmup - 1]
-    return {"pairs_per_s": a.steps * a.batch_size / dt, "seconds": dt, "loss_last": learner.logger.history[-1]["train/loss"]}
+    return {"pairs_per_s": a.steps * a.batch_size / dt, "seconds": dt, "loss_last": learner.logger.history[-1]["train/loss"],
+            "share_prefix": packed}
 
 
 def run_trl(preset: str, pairs: list[dict], a: argparse.Namespace, precompute: bool, check_ids=None) -> dict:
@@ -145,8 +153,8 @@ def main(argv=None) -> int:
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--beta", type=float, default=0.1)
     p.add_argument("--modes", nargs="+", default=["live", "precomputed"], choices=["live", "precomputed"])
-    p.add_argument("--no-shared-prefix", dest="shared_prefix", action="store_false",
-                   help="skip the DPOLearner(share_prefix=True) contender")
+    p.add_argument("--no-stack", dest="stack", action="store_false",
+                   help="skip the DPOLearner(share_prefix=False) contender (the plain [2B, L] stack)")
     p.add_argument("--json", action="store_true", help="print one JSON line")
     a = p.parse_args(argv)
     if a.warmup < 1:
@@ -172,44 +180,50 @@ def main(argv=None) -> int:
         data = PairData.from_pairs(pairs, char_tokenizer())
         ids0 = (data.prompts[0][data.prompt_mask[0]].tolist(), data.completions[0, 0, : int(data.completion_lens[0, 0])].tolist(),
                 data.completions[1, 0, : int(data.completion_lens[1, 0])].tolist())
-        ours_tok, trl_tok, shared_tok = padded_tokens(data, a.batch_size, a.warmup + steps)
+        stack_tok, trl_tok, shared_tok = padded_tokens(data, a.batch_size, a.warmup + steps)
         for mode in a.modes:
             pre = mode == "precomputed"
-            who_all = ["trl", "tokengym"] + (["tokengym_shared_prefix"] if a.shared_prefix else [])
+            who_all = ["trl", "tokengym"] + (["tokengym_stack"] if a.stack else [])
             runs: dict[str, list[float]] = {w: [] for w in who_all}
+            packed = None
             for r in range(a.repeats):
                 order = who_all[r % len(who_all):] + who_all[: r % len(who_all)]  # rotate who goes first
                 for who in order:
                     if who == "trl":
                         res = run_trl(preset, pairs, ns, pre, ids0 if r == 0 else None)
+                    elif who == "tokengym":  # the default config
+                        res = run_tokengym(preset, pairs, ns, pre)
+                        packed = res["share_prefix"]
                     else:
-                        res = run_tokengym(preset, pairs, ns, pre, share_prefix=who != "tokengym")
+                        res = run_tokengym(preset, pairs, ns, pre, share_prefix=False)
                     runs[who].append(res["pairs_per_s"])
             med = {k: statistics.median(v) for k, v in runs.items()}
             res_ = {
                 "tokengym_pairs_per_s": round(med["tokengym"], 2), "trl_pairs_per_s": round(med["trl"], 2),
                 "speedup": round(med["tokengym"] / med["trl"], 3),
                 "tokengym_runs": [round(x, 2) for x in runs["tokengym"]], "trl_runs": [round(x, 2) for x in runs["trl"]],
-                "timed_steps": steps, "padded_tokens_tokengym": ours_tok, "padded_tokens_trl": trl_tok,
+                "tokengym_share_prefix": packed, "timed_steps": steps, "padded_tokens_trl": trl_tok,
+                "padded_tokens_tokengym": shared_tok if packed else stack_tok,
             }
-            if a.shared_prefix:
-                res_.update({"shared_prefix_pairs_per_s": round(med["tokengym_shared_prefix"], 2),
-                             "shared_prefix_speedup": round(med["tokengym_shared_prefix"] / med["trl"], 3),
-                             "shared_prefix_runs": [round(x, 2) for x in runs["tokengym_shared_prefix"]],
-                             "padded_tokens_shared_prefix": shared_tok})
+            if a.stack:
+                res_.update({"stack_pairs_per_s": round(med["tokengym_stack"], 2),
+                             "stack_speedup": round(med["tokengym_stack"] / med["trl"], 3),
+                             "stack_runs": [round(x, 2) for x in runs["tokengym_stack"]],
+                             "padded_tokens_stack": stack_tok})
             results[f"{preset}_{mode}"] = res_
             if not a.json:
                 print(f"{preset:5s} {mode:11s} tokengym {res_['tokengym_pairs_per_s']:8.2f} pairs/s   TRL {res_['trl_pairs_per_s']:8.2f} pairs/s"
-                      f"   speedup {res_['speedup']:.2f}x   runs {res_['tokengym_runs']} vs {res_['trl_runs']}", flush=True)
-                if a.shared_prefix:
-                    print(f"{'':17s} tokengym share_prefix {res_['shared_prefix_pairs_per_s']:8.2f} pairs/s   speedup "
-                          f"{res_['shared_prefix_speedup']:.2f}x   runs {res_['shared_prefix_runs']}", flush=True)
+                      f"   speedup {res_['speedup']:.2f}x   runs {res_['tokengym_runs']} vs {res_['trl_runs']}"
+                      f"   (share_prefix={packed})", flush=True)
+                if a.stack:
+                    print(f"{'':17s} tokengym share_prefix=False {res_['stack_pairs_per_s']:8.2f} pairs/s   speedup "
+                          f"{res_['stack_speedup']:.2f}x   runs {res_['stack_runs']}", flush=True)
     out = {
         "bench": "dpo_vs_trl",
         **{f"{pr}_speedup": results[f"{pr}_live"]["speedup"] for pr in a.presets if f"{pr}_live" in results},
         **{f"{pr}_speedup_precomputed": results[f"{pr}_precomputed"]["speedup"] for pr in a.presets if f"{pr}_precomputed" in results},
-        **{f"{pr}_speedup_shared_prefix": results[f"{pr}_live"]["shared_prefix_speedup"] for pr in a.presets
-           if a.shared_prefix and f"{pr}_live" in results},
+        **{f"{pr}_speedup_stack": results[f"{pr}_live"]["stack_speedup"] for pr in a.presets
+           if a.stack and f"{pr}_live" in results},
         "results": results,
         "batch_size": a.batch_size, "warmup_steps": a.warmup, "repeats": a.repeats, "threads": a.threads,
         "torch": torch.__version__, "trl": __import__("trl").__version__, "transformers": transformers.__version__,

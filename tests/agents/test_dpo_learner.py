@@ -113,6 +113,61 @@ def test_share_prefix_training_matches_the_stack(pairs):
             assert a[k] == pytest.approx(b[k], rel=1e-3, abs=1e-3), k
 
 
+class _MaskDropping(torch.nn.Module):
+    """A causal LM that ignores (``raises=False``) or rejects (``raises=True``) 4D attention masks."""
+
+    def __init__(self, inner, raises):
+        super().__init__()
+        self.inner, self.raises = inner, raises
+
+    def get_input_embeddings(self):
+        return self.inner.get_input_embeddings()
+
+    def forward(self, input_ids, attention_mask=None, **kw):
+        if attention_mask is not None and attention_mask.dim() == 4:
+            if self.raises:
+                raise ValueError("4D attention masks are not supported")
+            attention_mask = None
+        return self.inner(input_ids=input_ids, attention_mask=attention_mask, **kw)
+
+
+def test_share_prefix_default_is_on_only_where_the_packed_path_is_verified(pairs):
+    assert DPOLearner(random_policy()).share_prefix is True  # Llama (the presets) honours 4D masks
+    for raises in (False, True):
+        p = random_policy()
+        policy = Policy(_MaskDropping(p.model, raises), p.tokenizer)
+        learner = DPOLearner(policy, DPOConfig(batch_size=4, steps=1))
+        assert learner.share_prefix is False, raises
+        assert len(learner.fit(pairs[:4])) == 1  # trains on the plain stack
+    assert DPOLearner(policy, DPOConfig(share_prefix=True)).share_prefix  # an explicit setting is not second-guessed
+
+
+def test_lora_policy_trains_against_its_adapter_disabled_base(pairs):
+    peft = pytest.importorskip("peft")
+    from tokengym.agents.policy import AdapterDisabledReference
+
+    base = random_policy()
+    data = PairData.from_pairs(pairs[:8], base.tokenizer)
+    stack, packed = data.batch(torch.arange(8)), data.shared_batch(torch.arange(8))
+    with torch.no_grad():
+        base_seq = DPOLearner.sequence_logps(base, stack)
+    lora = peft.get_peft_model(base.model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))  # B = 0: starts at the base
+    policy = Policy(lora, base.tokenizer)
+    learner = DPOLearner(policy, DPOConfig(batch_size=4, steps=6, lr=3e-2))
+    # the reference is the policy's own model with its adapter off: no second copy of the weights, nothing of its own to save
+    assert isinstance(learner.ref, AdapterDisabledReference) and learner.ref.policy is policy
+    assert set(learner.checkpoint_modules()) == {"policy"} and learner.share_prefix
+    first = learner.fit(pairs[:16])
+    assert first[0]["train/loss"] == pytest.approx(math.log(2), abs=1e-5) and first[-1]["rewards/margins"] > 0
+    policy.train()
+    for batch in (stack, packed):
+        torch.testing.assert_close(learner._ref_batch(batch, None), base_seq, atol=1e-4, rtol=1e-5)
+    assert policy.training  # the reference pass restores the shared model's mode (and its adapter)
+    with torch.no_grad():
+        assert not torch.allclose(DPOLearner.sequence_logps(policy, stack), base_seq, atol=1e-2)  # only the adapter trained
+    assert all("lora_" in n for n, p in policy.named_parameters() if p.requires_grad)
+
+
 def test_precomputed_reference_equals_live_reference(pairs):
     torch.manual_seed(0)
     live = DPOLearner(random_policy(), DPOConfig(batch_size=5, steps=4, shuffle=True, lr=1e-3, seed=3))
@@ -276,25 +331,22 @@ def test_dpo_positive_only_penalises_a_chosen_likelihood_below_the_reference(pai
 HELDOUT = heldout_samples(TASK, 256)
 
 
-@pytest.mark.parametrize("dpop_lambda", [0.0, 5.0])
-def test_bundled_pairs_from_the_warm_start(warm_start, dpop_lambda):
+@pytest.mark.parametrize("dpop_lambda, lr", [(0.0, 3e-5), (5.0, 1e-4)])
+def test_bundled_pairs_from_the_warm_start(warm_start, dpop_lambda, lr):
     policy = Policy.from_pretrained(warm_start)
     env = TokenVectorEnv(256, TASK, tokenizer=policy.tokenizer)
     before = evaluate(policy, env, HELDOUT)["accuracy"]
     held = {s["prompt"] for s in HELDOUT}
     train = arithmetic_pairs(TASK, 1024, seed=1, exclude_prompts=held)
     val = arithmetic_pairs(TASK, 256, seed=2, exclude_prompts=held | {p["prompt"] for p in train})
-    learner = DPOLearner(policy, DPOConfig(lr=1e-4, batch_size=16, share_prefix=True, dpop_lambda=dpop_lambda))
+    learner = DPOLearner(policy, DPOConfig(lr=lr, batch_size=16, dpop_lambda=dpop_lambda))
     hist = learner.fit(train, eval_pairs=val)
     ev = hist[-1]
     assert ev["eval/rewards/accuracies"] > 0.9 and ev["eval/rewards/margins"] > 0
     after = evaluate(policy, env, HELDOUT)["accuracy"]
-    if dpop_lambda > 0:
-        # plain DPO (lambda 0) leaves greedy accuracy flat on these one-digit pairs (0.64 -> 0.64-0.66 over
-        # seeds: likelihood displacement); DPO-Positive keeps the chosen likelihood up and gains 6-7 points
-        assert after >= before + 0.03, (before, after)
-    else:
-        assert after >= before - 0.05, (before, after)
+    # 0.645 before. Plain DPO at lr 3e-5: 0.68-0.71 over shuffle seeds 0-3 (0.711 here); at lr 1e-4 it stays flat
+    # (0.61-0.66: one-digit pairs, likelihood displacement), where DPO-Positive keeps the chosen likelihood up and gains 6-7 points
+    assert after >= before + 0.03, (before, after)
 
 
 def test_iterative_dpo_improves_the_env_reward(warm_start):
