@@ -1,7 +1,13 @@
 """The ``tokengym`` command.
 
-    tokengym envs                      list the registered environment ids
-    tokengym sample [--env ID] [...]   drive an env with a scripted policy and print completions, rewards, step scores
+    tokengym train grpo|ppo|dpo|sft|rm|prm [--config F.toml] [--key value ...] [--resume runs/NAME]
+    tokengym eval --run runs/NAME | --model M [--env ID]   held-out accuracy and mean reward, as a table
+    tokengym sample [--env ID] [--model M] [...]           completions with their rewards and step scores
+    tokengym plot runs/NAME                                 PNG learning curves from the run's metrics
+    tokengym envs                                           list the registered environment ids
+
+Bad input (unknown env id, model, config key or run folder, a mistyped value, an incompatible resume)
+is one line on stderr and exit code 2; nothing is overwritten.
 
 ``sample`` policies: ``reference`` replays each prompt's reference solution token by token (a scripted
 policy that should score ~1.0), ``random`` emits uniformly random tokens (scores ~0).
@@ -10,8 +16,9 @@ policy that should score ~1.0), ``random`` emits uniformly random tokens (scores
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -72,9 +79,149 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_eval(args: argparse.Namespace) -> int:
+    import json
+    import os
+
+    from tokengym.agents import runs as R
+    from tokengym.agents.policy import Policy
+    from tokengym.agents.rollout import evaluate, heldout_samples
+    from tokengym.agents.train import RunConfig, load_policy, make_env
+
+    run, model = RunConfig(), args.model
+    if args.run is None and args.model is None:
+        raise R.UsageError("pass --run RUN_DIR or --model MODEL")
+    checkpoint = None
+    if args.run is not None:
+        if not R.is_run_dir(args.run):
+            raise R.UsageError(f"{args.run!r} is not a run folder (no config.json); runs are created by `tokengym train`")
+        with open(os.path.join(args.run, "config.json")) as f:
+            R.apply_overrides({"run": run}, json.load(f)["run"], f"{args.run}/config.json")
+        if model is None and os.path.isdir(os.path.join(args.run, "model")):
+            model = os.path.join(args.run, "model")
+        elif model is None:
+            checkpoint = R.latest_checkpoint(args.run)
+            if checkpoint is None:
+                raise R.UsageError(f"{args.run} has neither a final model nor a checkpoint yet")
+            model = run.model
+    run.model, run.device = model, args.device
+    if args.env:
+        run.env = args.env
+    if args.env_kwargs:
+        run.env_kwargs = R.parse_value("env_kwargs", dict, args.env_kwargs)
+    if args.prompts < 1 or args.samples < 0:
+        raise R.UsageError("--prompts must be >= 1 and --samples >= 0")
+    policy = load_policy(run, args.seed)
+    if checkpoint is not None:
+        from safetensors.torch import load_model
+
+        load_model(policy.model, os.path.join(checkpoint, "policy.safetensors"))
+    env = make_env(run, min(args.prompts, 256), tokenizer=policy.tokenizer)
+    samples = heldout_samples(env.task, args.prompts)
+    policy.eval()
+    rows = [("greedy", evaluate(policy, env, samples, greedy=True))]
+    if args.samples:
+        policy.seed(args.seed)
+        rows.append((f"sampled x{args.samples} (T={policy.temperature:g})", evaluate(policy, env, samples * args.samples, greedy=False)))
+    print(f"{checkpoint or model} on {run.env} ({args.prompts} held-out prompts)")
+    print(f"{'decoding':<24} {'accuracy':>9} {'reward':>8} {'length':>8} {'truncated':>10}")
+    for name, r in rows:
+        print(f"{name:<24} {r['accuracy']:>9.1%} {r['mean_reward']:>8.3f} {r['mean_length']:>8.1f} {r['truncated']:>10.1%}")
+    return 0
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from tokengym.agents import runs as R
+    from tokengym.agents.plot import plot_run
+
+    if not R.is_run_dir(args.run):
+        raise R.UsageError(f"{args.run!r} is not a run folder (no config.json)")
+    for path in plot_run(args.run, args.out):
+        print(path)
+    return 0
+
+
+def _add_fields(parser: argparse.ArgumentParser, cls: type, title: str, seen: set[str]) -> None:
+    from tokengym.agents.runs import field_docs
+
+    group = parser.add_argument_group(title)
+    docs = field_docs(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in seen or f.name == "run_dir":
+            continue
+        seen.add(f.name)
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        flag = "--" + f.name.replace("_", "-")
+        text = f"{docs.get(f.name, '')} (default: {default})".replace("%", "%%")
+        kw: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": text}
+        if f.type in ("bool", bool):
+            kw.update(nargs="?", const="true", metavar="BOOL")
+        else:
+            kw.update(metavar=str(f.type).replace(" ", "").upper()[:16])
+        group.add_argument(flag, **kw)
+
+
+def _train_parser(sub: Any) -> None:
+    from tokengym.agents.train import RunConfig, algorithms
+
+    p = sub.add_parser("train", help="train a model (grpo, ppo, dpo, sft, rm, prm); writes runs/<name>/")
+    tsub = p.add_subparsers(dest="algo", required=True, metavar="ALGO")
+    for name, spec in algorithms().items():
+        ap = tsub.add_parser(name, help=spec.help, description=f"{spec.help}. Every setting below can also come from "
+                             "--config FILE.toml (keys as below, with underscores); flags win over the file.",
+                             allow_abbrev=False)
+        ap.add_argument("--config", help="TOML or JSON file with settings")
+        ap.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
+        seen: set[str] = set()
+        _add_fields(ap, RunConfig, "run settings", seen)
+        _add_fields(ap, spec.config_cls, f"{name} settings ({spec.config_cls.__name__})", seen)
+        ap.set_defaults(fn=_cmd_train)
+
+
+def _cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
+    from tokengym.agents import runs as R
+    from tokengym.agents.train import train
+
+    if extra:
+        flag = next((e for e in extra if e.startswith("-")), extra[0])
+        raise R.UsageError(_unknown_flag(flag, args))
+    flags = {k: v for k, v in vars(args).items() if k not in ("fn", "command", "algo", "config", "resume")}
+    file_values = R.read_config_file(args.config) if args.config else {}
+    return train(args.algo, file_values, flags, args.resume)
+
+
+def _unknown_flag(flag: str, args: argparse.Namespace) -> str:
+    import difflib
+
+    from tokengym.agents.train import RunConfig, algorithms
+
+    names = [f.name for cls in (RunConfig, algorithms()[args.algo].config_cls) for f in dataclasses.fields(cls)]
+    key = flag.lstrip("-").split("=")[0].replace("-", "_")
+    close = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
+    hint = f"; did you mean --{close[0].replace('_', '-')}?" if close else f"; see tokengym train {args.algo} --help"
+    return f"unknown option {flag!r}{hint}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    from tokengym.agents.runs import UsageError
+
     parser = argparse.ArgumentParser(prog="tokengym", description="RL post-training of language models as Gymnasium envs")
     sub = parser.add_subparsers(dest="command", required=True)
+    _train_parser(sub)
+    p = sub.add_parser("eval", help="greedy and sampled held-out accuracy and mean reward of a run or model")
+    p.add_argument("--run", help="a run folder (its final model, else its latest checkpoint; env from its config)")
+    p.add_argument("--model", help="preset, shipped checkpoint or local folder (instead of --run)")
+    p.add_argument("--env", help="env id (default: the run's, else tokengym/Arithmetic-v0)")
+    p.add_argument("--env-kwargs", help="task arguments as JSON (default: the run's)")
+    p.add_argument("--prompts", type=int, default=256, help="held-out prompts (default: 256)")
+    p.add_argument("--samples", type=int, default=4, help="sampled completions per prompt for sampled accuracy (0 = skip)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+    p.set_defaults(fn=_cmd_eval)
+    p = sub.add_parser("plot", help="write PNG learning curves (reward, accuracy, KL, loss) of a run")
+    p.add_argument("run", help="the run folder")
+    p.add_argument("--out", help="output folder (default: RUN/plots)")
+    p.set_defaults(fn=_cmd_plot)
     p = sub.add_parser("envs", help="list registered environment ids")
     p.set_defaults(fn=_cmd_envs)
     p = sub.add_parser("sample", help="roll out a scripted policy and print completions with their rewards")
@@ -84,8 +231,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--policy", nargs="+", choices=["reference", "random"], default=["random", "reference"])
     p.add_argument("--no-prm", dest="prm", action="store_false", help="turn the process reward off")
     p.set_defaults(fn=_cmd_sample)
-    args = parser.parse_args(argv)
-    return args.fn(args)
+    args, extra = parser.parse_known_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # our own progress bar is the one that matters
+    try:
+        if extra and args.fn is not _cmd_train:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        return args.fn(args, extra) if args.fn is _cmd_train else args.fn(args)
+    except UsageError as e:
+        print(f"tokengym: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -25,10 +25,11 @@ class RunLogger:
 
     Every :meth:`log` call adds one JSON line ``{"step": ..., "time": ..., **metrics}`` to
     ``run_dir/metrics.jsonl`` and one TensorBoard scalar per metric (tag = metric name, e.g.
-    ``reward/mean``). ``history`` holds the same records in memory.
+    ``reward/mean``). ``history`` holds the same records in memory. ``purge_step`` (resume) hides
+    TensorBoard events at and after that step written by an earlier, interrupted process.
     """
 
-    def __init__(self, run_dir: str | os.PathLike | None = None, tensorboard: bool = True):
+    def __init__(self, run_dir: str | os.PathLike | None = None, tensorboard: bool = True, purge_step: int | None = None):
         self.run_dir = os.fspath(run_dir) if run_dir is not None else None
         self.history: list[dict[str, float]] = []
         self._writer = None
@@ -38,7 +39,7 @@ class RunLogger:
             if tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._writer = SummaryWriter(self.run_dir)
+                self._writer = SummaryWriter(self.run_dir, purge_step=purge_step)
 
     def log(self, step: int, metrics: dict[str, Any]) -> dict[str, float]:
         record = {"step": int(step), "time": round(time.time() - self._start, 3)}

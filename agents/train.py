@@ -1,0 +1,413 @@
+"""``tokengym train <algo>``: build env, model and agent from a config, train with progress and checkpoints, resume.
+
+One function per algorithm builds what it needs from a :class:`RunConfig` (the run: env, model, batch,
+checkpoints) and the algorithm's own config dataclass (``GRPOConfig``, ``PPOConfig``, ``DPOConfig``,
+``SFTConfig``, ...). Both are filled from defaults, then ``--config FILE.toml``, then ``--key value``
+flags; the resolved result is written to ``runs/<name>/config.json``.
+
+Agents that follow the resume contract (``checkpoint_modules()``, ``state_dict()``, ``load_state_dict()``,
+and a ``learn``/``fit`` that continues an interrupted schedule) get checkpoints every ``save_every``
+steps and ``--resume``: on CPU with a fixed seed a run killed at any point and resumed ends with the
+same parameters and metrics as an uninterrupted one. (Testing hook: the environment variable
+``TOKENGYM_SIGKILL_AFTER_STEP=k`` makes the process SIGKILL itself right after logging step ``k``.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from tokengym.agents import runs as R
+
+__all__ = ["RunConfig", "algorithms", "train", "make_env", "eval_setup"]
+
+
+@dataclass
+class RunConfig:
+    """Settings of a training run shared by every algorithm (the algorithm's own config holds the rest)."""
+
+    env: str = "tokengym/Arithmetic-v0"
+    """Registered env id (``tokengym envs`` lists them)."""
+    env_kwargs: dict | None = None
+    """Task/env arguments as a TOML table or JSON object; None = defaults (Arithmetic-v0: the shipped checkpoint's task, 2-3 operands, 2 digits, '+')."""
+    model: str | None = None
+    """Preset (tiny, small), shipped checkpoint (tiny-arithmetic) or local save_pretrained folder; None = tiny for sft, else tiny-arithmetic."""
+    name: str | None = None
+    """Run name; the run writes runs_dir/name (default: <algo>-<env>-<date>-<time>)."""
+    runs_dir: str = "runs"
+    """Folder holding the runs."""
+    prompts: int = 8
+    """Prompts per rollout batch; the env holds prompts * group_size episodes."""
+    group_size: int | None = None
+    """Completions per prompt (default: 8 for GRPO, 1 for PPO)."""
+    temperature: float = 1.0
+    """Sampling temperature of the policy during rollouts."""
+    pairs: str | None = None
+    """DPO / RM: preference pairs as JSONL (prompt, chosen, rejected); None = bundled Arithmetic pairs."""
+    num_pairs: int = 1024
+    """DPO / RM: how many bundled Arithmetic pairs to generate when no pairs file is given."""
+    reward_model: str | None = None
+    """PPO/GRPO: folder of a trained reward model (tokengym train rm) used as the outcome reward instead of the verifier."""
+    eval_prompts: int = 256
+    """Held-out prompts for greedy accuracy before and after training (0 = no evaluation)."""
+    save_every: int = 10
+    """Checkpoint every this many steps (0 = only at the end)."""
+    keep_checkpoints: int = 2
+    """How many of the newest checkpoints to keep."""
+    device: str = "cpu"
+    """Device of the model and the env buffers (cpu, cuda, cuda:1, ...)."""
+    threads: int | None = None
+    """torch CPU threads (None = torch's default)."""
+    progress: bool = True
+    """Show a progress bar (on a terminal; otherwise a line every 10% of the run)."""
+
+
+# Keys that may differ when resuming; everything else must match the saved config.
+RESUMABLE = {"save_every", "keep_checkpoints", "threads", "progress", "device"}
+
+
+@dataclass
+class Algorithm:
+    config_cls: type
+    run: Callable[[RunConfig, Any, str, dict | None], dict[str, Any]]
+    group_size: int = 1
+    help: str = ""
+
+
+# ---------------------------------------------------------------------------------------------- building blocks
+def env_kwargs(run: RunConfig) -> dict[str, Any]:
+    if run.env_kwargs is not None:
+        return dict(run.env_kwargs)
+    if run.env == "tokengym/Arithmetic-v0":
+        return {"n_operands": (2, 3), "digits": 2, "operators": "+"}
+    return {}
+
+
+def make_env(run: RunConfig, num_envs: int, group_size: int = 1, tokenizer: Any = None, **extra: Any):
+    """The run's vector env (raises :class:`~tokengym.agents.runs.UsageError` for a bad id or arguments)."""
+    import gymnasium as gym
+
+    import tokengym.envs  # noqa: F401  (registers the ids)
+
+    if run.env not in gym.registry:
+        from tokengym.envs import ENV_IDS
+
+        raise R.UsageError(f"unknown env id {run.env!r}; registered: {', '.join(ENV_IDS)}")
+    try:
+        return gym.make_vec(run.env, num_envs=num_envs, vectorization_mode="vector_entry_point", group_size=group_size,
+                            device=run.device, tokenizer=tokenizer, **env_kwargs(run), **extra)
+    except (TypeError, ValueError) as e:
+        raise R.UsageError(f"cannot build env {run.env} with {env_kwargs(run)}: {e}") from None
+
+
+def load_policy(run: RunConfig, seed: int):
+    from tokengym.agents.policy import Policy
+
+    assert run.model is not None  # resolve() fills the algorithm's default
+    try:
+        return Policy.from_pretrained(run.model, device=run.device, temperature=run.temperature, seed=seed)
+    except (FileNotFoundError, ValueError, OSError) as e:
+        raise R.UsageError(f"cannot load model {run.model!r}: {str(e).splitlines()[0]}") from None
+
+
+def eval_setup(run: RunConfig, tokenizer: Any):
+    """``(eval_env, samples)`` for greedy held-out accuracy, or ``(None, None)`` when ``eval_prompts`` is 0."""
+    from tokengym.agents.rollout import heldout_samples
+
+    if run.eval_prompts <= 0:
+        return None, None
+    env = make_env(run, min(run.eval_prompts, 256), tokenizer=tokenizer)
+    return env, heldout_samples(env.task, run.eval_prompts)
+
+
+def outcome_reward(run: RunConfig):
+    if run.reward_model is None:
+        return {}
+    from tokengym.rewards import RewardModel
+
+    if not os.path.isdir(run.reward_model):
+        raise R.UsageError(f"reward_model {run.reward_model!r} is not a folder (train one with `tokengym train rm`)")
+    return {"reward": RewardModel.from_pretrained(run.reward_model, device=run.device)}
+
+
+class Progress:
+    """A tqdm bar on a terminal, else a plain line every ~10% of the run; shows the key live metrics."""
+
+    KEYS = {"reward/mean": "reward", "objective/score": "score", "eval/accuracy": "acc", "train/kl": "kl",
+            "objective/kl": "kl", "train/loss": "loss", "rewards/accuracies": "pref_acc", "loss": "loss"}
+
+    def __init__(self, total: int, initial: int, enabled: bool, desc: str):
+        self.total, self.n, self.enabled, self.desc = total, initial, enabled, desc
+        self.bar = None
+        self.live: dict[str, float] = {}
+        if enabled and sys.stderr.isatty():
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True)
+
+    def update(self, record: dict[str, Any]) -> None:
+        for k, short in self.KEYS.items():
+            if record.get(k) is not None:
+                self.live[short] = record[k]
+        step = int(record.get("step", self.n))
+        text = " ".join(f"{k}={v:.3g}" for k, v in self.live.items())
+        if self.bar is not None:
+            self.bar.update(max(0, step - self.n))
+            self.bar.set_postfix_str(text, refresh=True)
+        elif self.enabled and step > self.n and (step * 10 // max(self.total, 1) > self.n * 10 // max(self.total, 1) or step == self.total):
+            print(f"{self.desc} step {step}/{self.total} {text}", file=sys.stderr, flush=True)
+        self.n = max(self.n, step)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class Trainer:
+    """The part every algorithm shares: run folder, logger, checkpoints, resume, progress, kill hook."""
+
+    def __init__(self, run: RunConfig, run_dir: str, resume: bool, total: int, agent: Any, env: Any = None):
+        self.run, self.run_dir, self.agent, self.env, self.total = run, run_dir, agent, env, total
+        self.start_step = 0
+        kill = os.environ.get("TOKENGYM_SIGKILL_AFTER_STEP")
+        self.kill_at = int(kill) if kill else None
+        if resume and (ckpt := R.latest_checkpoint(run_dir)) is not None:
+            state = R.load_checkpoint(ckpt, agent.checkpoint_modules())
+            agent.load_state_dict(state["agent"])
+            if env is not None and state.get("env") is not None:
+                env.load_state_dict(state["env"])
+            self.start_step = int(state["step"])
+        kept = R.truncate_metrics(run_dir, self.start_step) if resume else []
+        from tokengym.agents.logger import RunLogger
+
+        agent.logger.close()
+        agent.logger = RunLogger(run_dir, purge_step=self.start_step + 1 if resume else None)
+        agent.logger.history.extend(kept)
+        self.progress = Progress(total, self.start_step, run.progress, os.path.basename(run_dir))
+
+    def callback(self, record: dict[str, Any]) -> bool:
+        self.progress.update(record)
+        step = int(record["step"])
+        if self.run.save_every and step % self.run.save_every == 0 and step < self.total:
+            self.save(step)
+        if self.kill_at is not None and step == self.kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return True
+
+    def save(self, step: int) -> None:
+        state = {"agent": self.agent.state_dict(), "env": self.env.state_dict() if self.env is not None else None}
+        R.save_checkpoint(self.run_dir, step, self.agent.checkpoint_modules(), state, keep=self.run.keep_checkpoints)
+
+    def finish(self) -> None:
+        self.progress.close()
+        self.save(self.agent.global_step)
+        self.agent.policy.save_pretrained(os.path.join(self.run_dir, "model"))
+        self.agent.logger.close()
+
+
+def _initial_eval(trainer: Trainer, agent: Any, eval_env: Any, samples: Any) -> None:
+    from tokengym.agents.rollout import evaluate
+
+    if trainer.start_step == 0 and eval_env is not None:
+        agent.policy.eval()
+        res = evaluate(agent.policy, eval_env, samples, greedy=True)
+        trainer.progress.update(agent.logger.log(0, {f"eval/{k}": v for k, v in res.items()}))
+
+
+def _summary(history: list[dict[str, Any]], key: str = "eval/accuracy") -> dict[str, Any]:
+    values = [r[key] for r in history if r.get(key) is not None]
+    return {"start": values[0], "final": values[-1]} if values else {}
+
+
+# ---------------------------------------------------------------------------------------------- algorithms
+def run_grpo(run: RunConfig, cfg: Any, run_dir: str, resume: bool) -> dict[str, Any]:
+    from tokengym.agents.grpo import GRPOAgent
+
+    g = run.group_size or 8
+    policy = load_policy(run, cfg.seed)
+    env = make_env(run, run.prompts * g, g, tokenizer=policy.tokenizer, **outcome_reward(run),
+                   **({"process_reward": True} if cfg.advantage == "process" else {}))
+    eval_env, samples = eval_setup(run, policy.tokenizer)
+    agent = GRPOAgent(policy, cfg)
+    trainer = Trainer(run, run_dir, resume, cfg.iterations * cfg.steps, agent, env)
+    _initial_eval(trainer, agent, eval_env, samples)
+    agent.learn(env, eval_env, samples, callback=trainer.callback)
+    trainer.finish()
+    return _summary(agent.logger.history)
+
+
+def run_ppo(run: RunConfig, cfg: Any, run_dir: str, resume: bool) -> dict[str, Any]:
+    from tokengym.agents.ppo import PPOAgent
+
+    g = run.group_size or 1
+    policy = load_policy(run, cfg.seed)
+    env = make_env(run, run.prompts * g, g, tokenizer=policy.tokenizer, **outcome_reward(run))
+    eval_env, samples = eval_setup(run, policy.tokenizer)
+    agent = PPOAgent(policy, cfg)
+    trainer = Trainer(run, run_dir, resume, cfg.steps, agent, env)
+    _initial_eval(trainer, agent, eval_env, samples)
+    agent.learn(env, eval_env, samples, callback=trainer.callback)
+    trainer.finish()
+    return _summary(agent.logger.history)
+
+
+def preference_pairs(run: RunConfig, task: Any, exclude: list[dict] | None) -> list[dict[str, Any]]:
+    """The run's pairs: the ``pairs`` JSONL, or bundled Arithmetic pairs (held-out prompts excluded)."""
+    from tokengym.agents.pairs import arithmetic_pairs, load_pairs
+    from tokengym.envs.tasks import ArithmeticTask
+
+    if run.pairs is not None:
+        if not os.path.isfile(run.pairs):
+            raise R.UsageError(f"pairs file {run.pairs!r} does not exist")
+        try:
+            return load_pairs(run.pairs)
+        except (ValueError, KeyError) as e:
+            raise R.UsageError(f"cannot read pairs from {run.pairs!r}: {e}") from None
+    if not isinstance(task, ArithmeticTask):
+        raise R.UsageError(f"no bundled pairs for {run.env}; pass --pairs FILE.jsonl with prompt/chosen/rejected")
+    return arithmetic_pairs(task, run.num_pairs, seed=0, exclude_prompts={s["prompt"] for s in exclude or []})
+
+
+def run_dpo(run: RunConfig, cfg: Any, run_dir: str, resume: bool) -> dict[str, Any]:
+    import math
+
+    from tokengym.agents.dpo import DPOLearner
+
+    policy = load_policy(run, cfg.seed)
+    eval_env, samples = eval_setup(run, policy.tokenizer)
+    task = (eval_env or make_env(run, 1, tokenizer=policy.tokenizer)).task
+    pairs = preference_pairs(run, task, samples)
+    n_eval = max(1, len(pairs) // 20)
+    train_pairs, eval_pairs = pairs[n_eval:], pairs[:n_eval]
+    learner = DPOLearner(policy, cfg)
+    total = cfg.steps if cfg.steps is not None else cfg.epochs * math.ceil(len(train_pairs) / cfg.batch_size)
+    trainer = Trainer(run, run_dir, resume, total, learner)
+    _initial_eval(trainer, learner, eval_env, samples)
+    learner.fit(train_pairs, eval_pairs, eval_env, samples, callback=trainer.callback)
+    trainer.finish()
+    return _summary(learner.logger.history)
+
+
+def run_sft(run: RunConfig, cfg: Any, run_dir: str, resume: bool) -> dict[str, Any]:
+    from tokengym.agents.sft import train_sft
+
+    if resume:
+        raise R.UsageError("sft runs cannot be resumed yet; start a new run (they take minutes)")
+    policy = load_policy(run, cfg.seed)
+    task = make_env(run, 1, tokenizer=policy.tokenizer).task
+    cfg = dataclasses.replace(cfg, run_dir=run_dir)
+    total = cfg.steps
+    progress = Progress(total, 0, run.progress, os.path.basename(run_dir))
+    hist = train_sft(policy, task, cfg, log=lambda step, m: progress.update({"step": step, **m}))
+    progress.close()
+    policy.save_pretrained(os.path.join(run_dir, "model"))
+    accs = [e["accuracy"] for e in hist["eval"]]
+    return {"start": accs[0], "final": accs[-1]} if accs else {}
+
+
+def algorithms() -> dict[str, Algorithm]:
+    from tokengym.agents.dpo import DPOConfig
+    from tokengym.agents.grpo import GRPOConfig
+    from tokengym.agents.ppo import PPOConfig
+    from tokengym.agents.sft import SFTConfig
+
+    return {
+        "grpo": Algorithm(GRPOConfig, run_grpo, 8, "GRPO: group-relative advantages, outcome or process supervision"),
+        "ppo": Algorithm(PPOConfig, run_ppo, 1, "PPO with a critic and GAE (optionally against a learned reward model)"),
+        "dpo": Algorithm(DPOConfig, run_dpo, 1, "DPO and its IPO/hinge/robust variants on preference pairs"),
+        "sft": Algorithm(SFTConfig, run_sft, 1, "supervised fine-tuning on the task's reference solutions"),
+    }
+
+
+# ---------------------------------------------------------------------------------------------- entry point
+def _new_run_dir(run: RunConfig, algo: str) -> str:
+    name = run.name or f"{algo}-{run.env.split('/')[-1].lower()}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path = os.path.join(run.runs_dir, name)
+    if os.path.exists(path) and os.listdir(path):
+        raise R.UsageError(f"{path} already exists and is not empty; pick another --name or --resume {path}")
+    return path
+
+
+def resolve(algo: str, values_file: dict[str, Any], values_flags: dict[str, Any], resume_dir: str | None):
+    """``(run_config, algo_config, run_dir)`` from defaults, the saved run (resume), the file, then the flags."""
+    algos = algorithms()
+    spec = algos[algo]
+    run, cfg = RunConfig(), None
+    saved = None
+    if resume_dir is not None:
+        if not R.is_run_dir(resume_dir):
+            raise R.UsageError(f"{resume_dir!r} is not a run folder (no config.json); runs are created by `tokengym train`")
+        import json
+
+        with open(os.path.join(resume_dir, "config.json")) as f:
+            saved = json.load(f)
+        if saved.get("algorithm") != algo:
+            raise R.UsageError(f"{resume_dir} is a {saved.get('algorithm')!r} run; resume it with `tokengym train {saved.get('algorithm')}`")
+    agent_values = dict(saved["config"]) if saved else {}
+    try:
+        cfg = spec.config_cls(**{k: R.parse_value(k, R.field_types(spec.config_cls)[k], v) for k, v in agent_values.items()})
+    except (TypeError, ValueError) as e:
+        raise R.UsageError(f"saved config of {resume_dir} does not fit this version of tokengym: {e}") from None
+    if saved:
+        R.apply_overrides({"run": run}, saved["run"], "the saved run config")
+    configs = {"run": run, "agent": cfg}
+    R.apply_overrides(configs, values_file, "the config file")
+    R.apply_overrides(configs, values_flags, "the command line")
+    try:  # re-run the dataclass validation on the final values
+        cfg = spec.config_cls(**dataclasses.asdict(cfg))
+    except (TypeError, ValueError) as e:
+        raise R.UsageError(str(e)) from None
+    if saved:
+        changed = [(k, saved[part][k], v) for part, obj in (("run", run), ("config", cfg))
+                   for k, v in _jsonable(dataclasses.asdict(obj)).items()
+                   if k not in RESUMABLE and k in saved[part] and saved[part][k] != v]
+        if changed:
+            k, old, new = changed[0]
+            raise R.UsageError(f"cannot resume {resume_dir} with a different config: {k} was {old!r}, now {new!r}")
+        return run, cfg, resume_dir
+    if run.model is None:
+        run.model = "tiny" if algo == "sft" else "tiny-arithmetic"
+    _check_run(run)
+    return run, cfg, _new_run_dir(run, algo)
+
+
+def _check_run(run: RunConfig) -> None:
+    bad = {"prompts": run.prompts >= 1, "group_size": run.group_size is None or run.group_size >= 1,
+           "eval_prompts": run.eval_prompts >= 0, "save_every": run.save_every >= 0, "num_pairs": run.num_pairs >= 2,
+           "keep_checkpoints": run.keep_checkpoints >= 1, "temperature": run.temperature > 0}
+    for k, ok in bad.items():
+        if not ok:
+            raise R.UsageError(f"invalid {k}={getattr(run, k)!r}")
+
+
+def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
+
+
+def train(algo: str, values_file: dict[str, Any], values_flags: dict[str, Any], resume_dir: str | None = None) -> int:
+    """Run ``tokengym train <algo>``; return the exit code (bad input raises :class:`UsageError`)."""
+    run, cfg, run_dir = resolve(algo, values_file, values_flags, resume_dir)
+    if run.threads:
+        torch.set_num_threads(run.threads)
+    resume = resume_dir is not None
+    if resume and os.path.isdir(os.path.join(run_dir, "model")):
+        print(f"{run_dir} already finished; nothing to resume (the trained model is in {run_dir}/model)")
+        return 0
+    os.makedirs(run_dir, exist_ok=True)
+    if not resume:
+        R.write_json_atomic(os.path.join(run_dir, "config.json"), {
+            "algorithm": algo, "run": _jsonable(dataclasses.asdict(run)), "config": _jsonable(dataclasses.asdict(cfg))})
+    print(f"tokengym train {algo}: {run.env} from {run.model} -> {run_dir}", flush=True)
+    print(f"  TensorBoard: tensorboard --logdir {run.runs_dir}", flush=True)
+    result = algorithms()[algo].run(run, cfg, run_dir, resume)
+    if result:
+        print(f"held-out greedy accuracy: {result['start']:.1%} -> {result['final']:.1%}")
+    print(f"done: model in {run_dir}/model, metrics in {run_dir}/metrics.jsonl")
+    return 0

@@ -1,0 +1,115 @@
+"""``tokengym train``: runs/ layout, SIGKILL + --resume reproduces an uninterrupted run, bad input exits 2."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tokengym.agents.cli import main
+
+ALGOS = {
+    "grpo": ["--steps", "5", "--prompts", "2", "--group-size", "4", "--lr", "1e-3", "--mu", "2", "--minibatches", "2"],
+}
+COMMON = ["--save-every", "2", "--eval-prompts", "8", "--threads", "1", "--progress", "false", "--seed", "3"]
+
+
+def cli(args, env_extra=None):
+    env = dict(os.environ, **(env_extra or {}))
+    return subprocess.run([sys.executable, "-m", "tokengym.agents.cli", *args], capture_output=True, text=True, env=env,
+                          timeout=600)
+
+
+def metrics(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    return [{k: v for k, v in r.items() if k != "time" and not k.startswith(("time/", "perf/"))} for r in rows]
+
+
+@pytest.mark.parametrize("algo", sorted(ALGOS))
+def test_sigkill_then_resume_equals_uninterrupted(tmp_path, algo):
+    runs = str(tmp_path)
+    args = ["train", algo, *ALGOS[algo], *COMMON, "--runs-dir", runs]
+    full = cli([*args, "--name", "full"])
+    assert full.returncode == 0, full.stderr[-2000:]
+    killed = cli([*args, "--name", "killed"], {"TOKENGYM_SIGKILL_AFTER_STEP": "3"})
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    k_dir = os.path.join(runs, "killed")
+    assert open(os.path.join(k_dir, "checkpoints", "latest")).read().strip() == "step-00000002"
+    assert max(r["step"] for r in metrics(k_dir)) == 3  # step 3 was logged after the checkpoint: it must be redone
+    assert not os.path.exists(os.path.join(k_dir, "model"))
+    resumed = cli(["train", algo, "--resume", k_dir, "--progress", "false"])
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert metrics(k_dir) == metrics(os.path.join(runs, "full"))
+    a = load_file(os.path.join(runs, "full", "model", "model.safetensors"))
+    b = load_file(os.path.join(k_dir, "model", "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    again = cli(["train", algo, "--resume", k_dir])  # a finished run: nothing to do, nothing overwritten
+    assert again.returncode == 0 and "already finished" in again.stdout
+
+
+@pytest.fixture
+def finished_run(tmp_path):
+    code = main(["train", "grpo", "--steps", "1", "--prompts", "1", "--group-size", "2", "--eval-prompts", "0",
+                 "--progress", "false", "--runs-dir", str(tmp_path), "--name", "r"])
+    assert code == 0
+    return os.path.join(str(tmp_path), "r")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--env", "tokengym/Nope-v0"], "unknown env id 'tokengym/Nope-v0'"),
+    (["--model", "huge"], "cannot load model 'huge'"),
+    (["--lrr", "1e-3"], "did you mean --lr?"),
+    (["--lr", "fast"], "lr expects float, got 'fast'"),
+    (["--advantage", "nope"], "advantage"),
+    (["--resume", "/nonexistent/run"], "is not a run folder"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, message):
+    code = main(["train", "grpo", "--runs-dir", str(tmp_path), "--name", "x", "--progress", "false", *args])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert len(err.splitlines()) == 1 and message in err, err
+    assert not os.path.exists(os.path.join(str(tmp_path), "x", "checkpoints"))
+
+
+def test_config_file_key_typo_suggests(tmp_path, capsys):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('lr = 1e-3\nclip_epss = 0.1\n')
+    assert main(["train", "grpo", "--config", str(cfg), "--runs-dir", str(tmp_path)]) == 2
+    assert "did you mean 'clip_eps'?" in capsys.readouterr().err
+
+
+def test_resume_refuses_a_different_config_and_existing_names(finished_run, capsys):
+    before = open(os.path.join(finished_run, "config.json")).read()
+    assert main(["train", "grpo", "--resume", finished_run, "--lr", "0.5"]) == 2
+    assert "lr was 0.0001, now 0.5" in capsys.readouterr().err
+    assert main(["train", "dpo", "--resume", finished_run]) == 2
+    assert "is a 'grpo' run" in capsys.readouterr().err
+    runs, name = os.path.split(finished_run)
+    assert main(["train", "grpo", "--runs-dir", runs, "--name", name]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert open(os.path.join(finished_run, "config.json")).read() == before
+
+
+def test_run_folder_layout_and_config_roundtrip(finished_run):
+    cfg = json.load(open(os.path.join(finished_run, "config.json")))
+    assert cfg["algorithm"] == "grpo" and cfg["config"]["steps"] == 1 and cfg["run"]["model"] == "tiny-arithmetic"
+    assert os.path.isfile(os.path.join(finished_run, "model", "model.safetensors"))
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(finished_run))
+    assert metrics(finished_run)[-1]["step"] == 1
+
+
+def test_eval_table_and_plot(finished_run, capsys):
+    assert main(["eval", "--run", finished_run, "--prompts", "8", "--samples", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "greedy" in out and "sampled x1" in out and "accuracy" in out
+    assert main(["plot", finished_run]) == 0
+    written = capsys.readouterr().out.split()
+    assert os.path.join(finished_run, "plots", "reward.png") in written
+    for path in written:
+        with open(path, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert main(["eval"]) == 2 and "pass --run" in capsys.readouterr().err
