@@ -65,8 +65,8 @@ class GRPOConfig:
     """Recompute pi_old log-probs with a forward pass instead of reusing the rollout's (needed only when sampling used top-k/top-p)."""
     bf16: bool = False
     """bf16 autocast for the update's forward/backward (about 1.7x faster on CPU for the small preset; the first ratio is then 1 only up to bf16 rounding)."""
-    eval_every: int = 0
-    """Evaluate on held-out prompts every this many sampling steps (0 = only at the end, if eval samples are given)."""
+    eval_every: int = 10
+    """Evaluate on held-out prompts every this many sampling steps when learn() gets eval samples (0 = only at the end)."""
     seed: int = 0
     """Seeds the env's prompt stream, the policy's sampler and minibatch shuffling."""
 
