@@ -50,25 +50,36 @@ def scripted_rollout(env, policy: str, generator: torch.Generator) -> None:
 
 
 def _cmd_sample(args: argparse.Namespace) -> int:
-    import gymnasium as gym
+    from tokengym.agents import runs as R
+    from tokengym.agents.train import RunConfig, load_policy, make_env
 
-    import tokengym.envs  # noqa: F401  (registers the ids)
-
-    if args.env not in gym.registry:
-        print(f"tokengym: unknown env id {args.env!r}; run `tokengym envs` for the list", file=sys.stderr)
-        return 2
-    make = lambda **kw: gym.make_vec(args.env, num_envs=args.num, vectorization_mode="vector_entry_point", **kw)
+    run = RunConfig(env=args.env, model=args.model)
+    if args.env_kwargs:
+        run.env_kwargs = R.parse_value("env_kwargs", dict, args.env_kwargs)
+    policies = args.policy or (["model"] if args.model else ["random", "reference"])
+    if "model" in policies and not args.model:
+        raise R.UsageError("--policy model needs --model (a preset, shipped checkpoint or local folder)")
+    model = load_policy(run, args.seed) if args.model else None
+    tok = model.tokenizer if model is not None else None
     try:
-        env = make(process_reward=True) if args.prm else make()
-    except ValueError as e:  # the task has no process reward: sample without one
+        env = make_env(run, args.num, tokenizer=tok, **({"process_reward": True} if args.prm else {}))
+    except R.UsageError as e:  # the task has no process reward: sample without one
         if "no process reward" not in str(e):
             raise
-        args.prm, env = False, make()
+        args.prm, env = False, make_env(run, args.num, tokenizer=tok)
     gen = torch.Generator().manual_seed(args.seed)
-    for policy in args.policy:
-        env.reset(seed=args.seed)
-        scripted_rollout(env, policy, gen)
-        print(f"== policy: {policy}   env: {args.env}")
+    for policy in policies:
+        if policy == "model":
+            from tokengym.agents.rollout import collect
+
+            model.eval()
+            model.seed(args.seed)
+            collect(env, model, greedy=args.greedy, seed=args.seed)
+        else:
+            env.reset(seed=args.seed)
+            scripted_rollout(env, policy, gen)
+        name = f"{policy} ({args.model}, {'greedy' if args.greedy else f'T={model.temperature:g}'})" if policy == "model" else policy
+        print(f"== policy: {name}   env: {args.env}")
         for i in range(env.num_envs):
             prompt = env.samples[i]["prompt"].strip().replace("\n", " | ")
             completion = (env.completions[i] or "").replace("\n", " | ")
@@ -228,7 +239,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--env", default="tokengym/Arithmetic-v0", help="registered env id")
     p.add_argument("--num", type=int, default=4, help="number of episodes")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--policy", nargs="+", choices=["reference", "random"], default=["random", "reference"])
+    p.add_argument("--model", help="sample from this model (preset, shipped checkpoint or local folder, e.g. runs/NAME/model)")
+    p.add_argument("--env-kwargs", help="task arguments as JSON (default: Arithmetic-v0 uses the shipped checkpoint's task)")
+    p.add_argument("--greedy", action="store_true", help="greedy decoding for --model (default: sample)")
+    p.add_argument("--policy", nargs="+", choices=["model", "reference", "random"], default=None,
+                   help="default: model with --model, else random then reference")
     p.add_argument("--no-prm", dest="prm", action="store_false", help="turn the process reward off")
     p.set_defaults(fn=_cmd_sample)
     args, extra = parser.parse_known_args(argv)

@@ -1,0 +1,36 @@
+"""``tokengym envs`` and ``tokengym sample``: output and errors."""
+
+import re
+
+from tokengym.agents.cli import main
+
+
+def test_envs_lists_every_registered_id(capsys):
+    from tokengym.envs import ENV_IDS
+
+    assert main(["envs"]) == 0
+    out = capsys.readouterr().out
+    assert all(env_id in out for env_id in ENV_IDS)
+
+
+def test_sample_reference_scores_one_and_random_scores_low(capsys):
+    assert main(["sample", "--num", "4", "--policy", "reference", "random"]) == 0
+    out = capsys.readouterr().out
+    means = [float(m) for m in re.findall(r"mean outcome reward: ([0-9.]+)", out)]
+    assert means[0] == 1.0 and means[1] < 0.5
+    assert "steps=[1.0" in out  # rule-based PRM step scores are printed
+
+
+def test_sample_from_a_model_prints_its_completions(capsys):
+    assert main(["sample", "--model", "tiny-arithmetic", "--greedy", "--num", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "policy: model (tiny-arithmetic, greedy)" in out
+    assert len(re.findall(r"^\[\d\] ", out, flags=re.M)) == 8
+    assert float(re.search(r"mean outcome reward: ([0-9.]+)", out).group(1)) > 0.2  # the warm start solves some
+
+
+def test_sample_errors_are_one_line(capsys):
+    assert main(["sample", "--env", "tokengym/Nope-v0"]) == 2
+    assert "unknown env id" in capsys.readouterr().err
+    assert main(["sample", "--policy", "model"]) == 2
+    assert "needs --model" in capsys.readouterr().err
