@@ -53,8 +53,12 @@ class RunConfig:
     """DPO / RM: preference pairs as JSONL (prompt, chosen, rejected); None = bundled Arithmetic pairs."""
     num_pairs: int = 1024
     """DPO / RM: how many bundled Arithmetic pairs to generate when no pairs file is given."""
+    step_labels: str | None = None
+    """PRM: step-labelled examples as JSONL (prompt, steps, labels); None = generated Arithmetic examples (num_pairs of them)."""
     reward_model: str | None = None
     """PPO/GRPO: folder of a trained reward model (tokengym train rm) used as the outcome reward instead of the verifier."""
+    prm_model: str | None = None
+    """PPO/GRPO: folder of a learned PRM (tokengym train prm) used as the process reward instead of the rule-based one."""
     eval_prompts: int = 256
     """Held-out prompts for greedy accuracy before and after training (0 = no evaluation)."""
     save_every: int = 10
@@ -127,14 +131,23 @@ def eval_setup(run: RunConfig, tokenizer: Any):
     return env, heldout_samples(env.task, run.eval_prompts)
 
 
-def outcome_reward(run: RunConfig):
-    if run.reward_model is None:
-        return {}
-    from tokengym.rewards import RewardModel
+def learned_rewards(run: RunConfig, process: bool) -> dict[str, Any]:
+    """Env arguments for the run's rewards: a learned RM (``reward=``) and the process reward when asked for."""
+    from tokengym.rewards import LearnedPRM, RewardModel
 
-    if not os.path.isdir(run.reward_model):
-        raise R.UsageError(f"reward_model {run.reward_model!r} is not a folder (train one with `tokengym train rm`)")
-    return {"reward": RewardModel.from_pretrained(run.reward_model, device=run.device)}
+    out: dict[str, Any] = {}
+    for key, path, cls, cmd in (("reward", run.reward_model, RewardModel, "rm"), ("process_reward", run.prm_model, LearnedPRM, "prm")):
+        if path is None:
+            continue
+        if not os.path.isdir(path):
+            raise R.UsageError(f"{cmd} model {path!r} is not a folder (train one with `tokengym train {cmd}`)")
+        try:
+            out[key] = cls.from_pretrained(path, device=run.device)
+        except (OSError, ValueError) as e:
+            raise R.UsageError(f"cannot load {cls.__name__} from {path!r}: {str(e).splitlines()[0]}") from None
+    if process and "process_reward" not in out:
+        out["process_reward"] = True
+    return out
 
 
 class Progress:
@@ -232,8 +245,7 @@ def run_grpo(run: RunConfig, cfg: Any, run_dir: str, resume: bool) -> dict[str, 
 
     g = run.group_size or 8
     policy = load_policy(run, cfg.seed)
-    env = make_env(run, run.prompts * g, g, tokenizer=policy.tokenizer, **outcome_reward(run),
-                   **({"process_reward": True} if cfg.advantage == "process" else {}))
+    env = make_env(run, run.prompts * g, g, tokenizer=policy.tokenizer, **learned_rewards(run, cfg.advantage == "process"))
     eval_env, samples = eval_setup(run, policy.tokenizer)
     agent = GRPOAgent(policy, cfg)
     trainer = Trainer(run, run_dir, resume, cfg.iterations * cfg.steps, agent, env)
@@ -248,7 +260,7 @@ def run_ppo(run: RunConfig, cfg: Any, run_dir: str, resume: bool) -> dict[str, A
 
     g = run.group_size or 1
     policy = load_policy(run, cfg.seed)
-    env = make_env(run, run.prompts * g, g, tokenizer=policy.tokenizer, **outcome_reward(run))
+    env = make_env(run, run.prompts * g, g, tokenizer=policy.tokenizer, **learned_rewards(run, run.prm_model is not None))
     eval_env, samples = eval_setup(run, policy.tokenizer)
     agent = PPOAgent(policy, cfg)
     trainer = Trainer(run, run_dir, resume, cfg.steps, agent, env)
@@ -312,17 +324,96 @@ def run_sft(run: RunConfig, cfg: Any, run_dir: str, resume: bool) -> dict[str, A
     return {"start": accs[0], "final": accs[-1]} if accs else {}
 
 
+def _fit_classifier(run: RunConfig, run_dir: str, total: int, fit: Callable, scorer: Any, key: str, label: str) -> dict[str, Any]:
+    """Train a reward model / PRM with ``fit(callback)``, logging to the run; save ``scorer`` to ``model/``."""
+    from tokengym.agents.logger import RunLogger
+
+    logger = RunLogger(run_dir)
+    progress = Progress(total, 0, run.progress, os.path.basename(run_dir))
+
+    def callback(record: dict[str, Any]) -> bool:
+        progress.update(logger.log(int(record["step"]), {k: v for k, v in record.items() if k != "step"}))
+        return True
+
+    try:
+        fit(callback)
+    except ValueError as e:  # bad data (missing columns, wrong types) -> one line
+        raise R.UsageError(str(e)) from None
+    progress.close()
+    logger.close()
+    scorer.save_pretrained(os.path.join(run_dir, "model"))
+    values = [r[key] for r in logger.history if r.get(key) is not None]
+    return {"label": label, "final": values[-1]} if values else {}
+
+
+def run_rm(run: RunConfig, cfg: Any, run_dir: str, resume: bool) -> dict[str, Any]:
+    import math
+
+    from tokengym.agents.models import load_classifier
+    from tokengym.agents.rollout import heldout_samples
+    from tokengym.rewards import RewardModel, train_reward_model
+
+    if resume:
+        raise R.UsageError("rm runs cannot be resumed; start a new run")
+    model, tok = _classifier(run, "sequence", cfg.seed)
+    task = make_env(run, 1, tokenizer=tok).task
+    pairs = preference_pairs(run, task, heldout_samples(task, run.eval_prompts) if run.eval_prompts else None)
+    total = cfg.epochs * math.ceil(len(pairs) * (1 - cfg.val_fraction) / cfg.batch_size)
+    return _fit_classifier(run, run_dir, total, lambda cb: train_reward_model(model, tok, pairs, cfg, callback=cb),
+                           RewardModel(model, tok, max_length=cfg.max_length), "eval/accuracy", "held-out pairwise accuracy")
+
+
+def run_prm(run: RunConfig, cfg: Any, run_dir: str, resume: bool) -> dict[str, Any]:
+    import math
+
+    from tokengym.agents.reward_data import arithmetic_step_labels
+    from tokengym.agents.rollout import heldout_samples
+    from tokengym.envs.tasks import ArithmeticTask
+    from tokengym.rewards import LearnedPRM, train_prm
+
+    if resume:
+        raise R.UsageError("prm runs cannot be resumed; start a new run")
+    model, tok = _classifier(run, "token", cfg.seed)
+    task = make_env(run, 1, tokenizer=tok).task
+    if run.step_labels is not None:
+        if not os.path.isfile(run.step_labels):
+            raise R.UsageError(f"step_labels file {run.step_labels!r} does not exist")
+        examples: Any = run.step_labels
+        n = sum(1 for line in open(run.step_labels) if line.strip())
+    elif isinstance(task, ArithmeticTask):
+        exclude = [s["prompt"] for s in heldout_samples(task, run.eval_prompts)] if run.eval_prompts else []
+        examples = arithmetic_step_labels(task, run.num_pairs, seed=cfg.seed, exclude_prompts=exclude)
+        n = len(examples)
+    else:
+        raise R.UsageError(f"no bundled step labels for {run.env}; pass --step-labels FILE.jsonl (prompt, steps, labels)")
+    total = cfg.epochs * math.ceil(n * (1 - cfg.val_fraction) / cfg.batch_size)
+    return _fit_classifier(run, run_dir, total, lambda cb: train_prm(model, tok, examples, cfg, callback=cb),
+                           LearnedPRM(model, tok, delimiter=cfg.delimiter), "eval/step_accuracy", "held-out step accuracy")
+
+
+def _classifier(run: RunConfig, head: str, seed: int):
+    from tokengym.agents.models import load_classifier
+
+    try:
+        return load_classifier(run.model, head=head, device=run.device, seed=seed)
+    except (FileNotFoundError, ValueError, OSError) as e:
+        raise R.UsageError(f"cannot load model {run.model!r}: {str(e).splitlines()[0]}") from None
+
+
 def algorithms() -> dict[str, Algorithm]:
     from tokengym.agents.dpo import DPOConfig
     from tokengym.agents.grpo import GRPOConfig
     from tokengym.agents.ppo import PPOConfig
     from tokengym.agents.sft import SFTConfig
+    from tokengym.rewards import PRMConfig, RewardModelConfig
 
     return {
         "grpo": Algorithm(GRPOConfig, run_grpo, 8, "GRPO: group-relative advantages, outcome or process supervision"),
         "ppo": Algorithm(PPOConfig, run_ppo, 1, "PPO with a critic and GAE (optionally against a learned reward model)"),
         "dpo": Algorithm(DPOConfig, run_dpo, 1, "DPO and its IPO/hinge/robust variants on preference pairs"),
         "sft": Algorithm(SFTConfig, run_sft, 1, "supervised fine-tuning on the task's reference solutions"),
+        "rm": Algorithm(RewardModelConfig, run_rm, 1, "Bradley-Terry reward model on preference pairs (a sequence-classification head)"),
+        "prm": Algorithm(PRMConfig, run_prm, 1, "learned process reward model on step labels (a token-classification head)"),
     }
 
 
@@ -407,7 +498,9 @@ def train(algo: str, values_file: dict[str, Any], values_flags: dict[str, Any], 
     print(f"tokengym train {algo}: {run.env} from {run.model} -> {run_dir}", flush=True)
     print(f"  TensorBoard: tensorboard --logdir {run.runs_dir}", flush=True)
     result = algorithms()[algo].run(run, cfg, run_dir, resume)
-    if result:
+    if "start" in result:
         print(f"held-out greedy accuracy: {result['start']:.1%} -> {result['final']:.1%}")
+    elif result:
+        print(f"{result['label']}: {result['final']:.1%}")
     print(f"done: model in {run_dir}/model, metrics in {run_dir}/metrics.jsonl")
     return 0

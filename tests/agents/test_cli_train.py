@@ -114,3 +114,18 @@ def test_eval_table_and_plot(finished_run, capsys):
         with open(path, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert main(["eval"]) == 2 and "pass --run" in capsys.readouterr().err
+
+
+def test_rm_and_prm_runs_plug_into_grpo(tmp_path, capsys):
+    base = ["--eval-prompts", "16", "--progress", "false", "--runs-dir", str(tmp_path)]
+    assert main(["train", "rm", "--num-pairs", "96", "--name", "rm", *base]) == 0
+    assert "held-out pairwise accuracy" in capsys.readouterr().out
+    assert main(["train", "prm", "--num-pairs", "48", "--name", "prm", *base]) == 0
+    assert "held-out step accuracy" in capsys.readouterr().out
+    assert main(["train", "grpo", "--steps", "1", "--prompts", "2", "--group-size", "2", "--advantage", "process",
+                 "--reward-model", str(tmp_path / "rm" / "model"), "--prm-model", str(tmp_path / "prm" / "model"),
+                 "--name", "g", *base]) == 0
+    rows = metrics(str(tmp_path / "g"))
+    assert rows[1]["step"] == 1 and "reward/mean" in rows[1]
+    assert main(["train", "grpo", "--reward-model", str(tmp_path / "nope"), "--name", "h", *base]) == 2
+    assert "train one with `tokengym train rm`" in capsys.readouterr().err
