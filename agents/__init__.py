@@ -7,7 +7,7 @@ from . import functional
 from .critic import Critic
 from .dpo import DPOConfig, DPOLearner, iterative_dpo
 from .grpo import GRPOAgent, GRPOConfig
-from .models import PRESETS, build_preset, load_model
+from .models import PRESETS, build_preset, load_classifier, load_model
 from .pairs import PairData, arithmetic_pairs, load_pairs, mine_pairs, split_pairs
 from .policy import Policy
 from .ppo import PPOAgent, PPOConfig
@@ -35,6 +35,7 @@ __all__ = [
     "functional",
     "heldout_samples",
     "iterative_dpo",
+    "load_classifier",
     "load_model",
     "load_pairs",
     "mine_pairs",

@@ -22,7 +22,8 @@ from torch import nn
 
 from tokengym.envs.tokenizer import char_tokenizer, check_tokenizer
 
-__all__ = ["PRESETS", "CHECKPOINTS", "preset_config", "build_preset", "load_model", "frozen_copy", "count_parameters"]
+__all__ = ["PRESETS", "CHECKPOINTS", "preset_config", "build_preset", "load_model", "load_classifier", "frozen_copy",
+           "count_parameters"]
 
 CHECKPOINTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoints")
 CHECKPOINTS: tuple[str, ...] = ("tiny-arithmetic",)
@@ -72,24 +73,100 @@ def load_model(name_or_path: str, tokenizer: Any = None, device: str | torch.dev
     if isinstance(name_or_path, str) and name_or_path in PRESETS:
         model, tok = build_preset(name_or_path, tokenizer)
     else:
-        if isinstance(name_or_path, str) and name_or_path in CHECKPOINTS:
-            name_or_path = os.path.join(CHECKPOINTS_DIR, name_or_path)
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
 
-        path = os.fspath(name_or_path)
-        if not os.path.isdir(path):
-            raise FileNotFoundError(
-                f"model {path!r} is neither a preset ({', '.join(sorted(PRESETS))}), a shipped checkpoint "
-                f"({', '.join(CHECKPOINTS)}) nor a local folder; "
-                "tokengym never downloads, pass a folder written by save_pretrained"
-            )
+        path = _model_folder(name_or_path)
         model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, trust_remote_code=False, use_safetensors=True)
-        if tokenizer is None:
-            has_tok = any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
-            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False) if has_tok else char_tokenizer()
-        tok = check_tokenizer(tokenizer)
+        tok = _folder_tokenizer(path, tokenizer)
     model = model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
     return model, tok
+
+
+def _model_folder(name_or_path: str) -> str:
+    """The folder of a shipped checkpoint name or a local path (never a download)."""
+    if isinstance(name_or_path, str) and name_or_path in CHECKPOINTS:
+        name_or_path = os.path.join(CHECKPOINTS_DIR, name_or_path)
+    path = os.fspath(name_or_path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(
+            f"model {path!r} is neither a preset ({', '.join(sorted(PRESETS))}), a shipped checkpoint "
+            f"({', '.join(CHECKPOINTS)}) nor a local folder; "
+            "tokengym never downloads, pass a folder written by save_pretrained"
+        )
+    return path
+
+
+def _folder_tokenizer(path: str, tokenizer: Any = None) -> Any:
+    """``tokenizer`` if given, else the folder's own, else the bundled char tokenizer; checked."""
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        has_tok = any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False) if has_tok else char_tokenizer()
+    return check_tokenizer(tokenizer)
+
+
+CLASSIFIER_HEADS = {"sequence": "AutoModelForSequenceClassification", "token": "AutoModelForTokenClassification"}
+"""``head`` of :func:`load_classifier`: one score per text (a reward model) or per token (a learned PRM)."""
+
+
+def load_classifier(name_or_path: str, head: str = "sequence", num_labels: int | None = None, tokenizer: Any = None,
+                    device: str | torch.device = "cpu", seed: int = 0):
+    """``(model, tokenizer)``: a sequence- or token-classification model for learned rewards.
+
+    ``name_or_path`` is a preset (random weights), a shipped checkpoint name (``"tiny-arithmetic"``) or a
+    local folder. A folder holding a causal LM warm-starts the classifier's trunk from it (the LM head is
+    dropped and the new score head is initialised from ``seed``); a folder holding a classifier (e.g.
+    written by ``RewardModel.save_pretrained``) loads as is. Safetensors only, no remote code, no download.
+    The token head's dropout is off, so training is deterministic given the seed.
+
+    Args:
+        name_or_path: preset, shipped checkpoint or local folder.
+        head: ``"sequence"`` (``...ForSequenceClassification``, a reward model) or ``"token"``
+            (``...ForTokenClassification``, a learned PRM).
+        num_labels: outputs per position (default: a saved classifier's own, else 1: a scalar reward /
+            step logit).
+        tokenizer: overrides the folder's tokenizer (default: its own, else the bundled char tokenizer).
+        device: where the model goes.
+        seed: seeds the new head (and a preset's weights).
+
+    Example:
+        >>> model, tok = load_classifier("tiny-arithmetic", head="token")
+        >>> type(model).__name__, model.config.num_labels
+        ('LlamaForTokenClassification', 1)
+    """
+    import transformers
+
+    if head not in CLASSIFIER_HEADS:
+        raise ValueError(f"head must be one of {sorted(CLASSIFIER_HEADS)}, got {head!r}")
+    if num_labels is not None and (not isinstance(num_labels, int) or num_labels < 1):
+        raise ValueError(f"num_labels must be a positive int, got {num_labels!r}")
+    auto = getattr(transformers, CLASSIFIER_HEADS[head])
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if isinstance(name_or_path, str) and name_or_path in PRESETS:
+            tok = check_tokenizer(tokenizer) if tokenizer is not None else char_tokenizer()
+            cfg = preset_config(name_or_path, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
+                                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+            cfg.num_labels, cfg.classifier_dropout = num_labels or 1, 0.0
+            model = auto.from_config(cfg)
+        else:
+            path = _model_folder(name_or_path)
+            tok = _folder_tokenizer(path, tokenizer)
+            cfg = transformers.AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+            is_lm = not any(a.endswith(("SequenceClassification", "TokenClassification")) for a in cfg.architectures or [])
+            cfg.num_labels = num_labels or (1 if is_lm else cfg.num_labels)
+            cfg.classifier_dropout = 0.0
+            if cfg.pad_token_id is None:
+                cfg.pad_token_id = tok.pad_token_id
+            verbosity = transformers.logging.get_verbosity()
+            if is_lm:  # the report that the LM head is dropped and the score head is new is expected here
+                transformers.logging.set_verbosity_error()
+            try:
+                model = auto.from_pretrained(path, config=cfg, local_files_only=True, trust_remote_code=False, use_safetensors=True)
+            finally:
+                transformers.logging.set_verbosity(verbosity)
+    return model.to(device), tok
 
 
 def frozen_copy(model: nn.Module) -> nn.Module:

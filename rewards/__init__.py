@@ -1,4 +1,5 @@
-"""Rewards for tokengym: protocols, verifiers, a rule-based arithmetic PRM and reward combinators.
+"""Rewards for tokengym: protocols, verifiers, a rule-based arithmetic PRM, reward combinators, and learned
+reward models (a Bradley-Terry outcome reward model, a token-classification PRM) with their training.
 
 Outcome reward: ``fn(prompts, completions, **task_fields) -> list[float] | Tensor[N]``.
 Process reward: ``fn(prompts, steps, **task_fields) -> list[list[float]]``.
@@ -7,7 +8,9 @@ See :mod:`tokengym.rewards.protocols`.
 
 from .arithmetic_prm import ArithmeticStepReward, arithmetic_step_reward, next_reduction, parse_expression, solve_expression
 from .combinators import FormatReward, LengthPenalty, WeightedSum, format_reward, length_penalty, weighted_sum
+from .learned_prm import LearnedPRM, PRMConfig, train_prm
 from .protocols import OutcomeReward, ProcessReward, reward_name, score_outcome, score_process
+from .reward_model import RewardModel, RewardModelConfig, train_reward_model
 from .verifiers import (
     answer_match,
     arithmetic_correct,
@@ -46,4 +49,11 @@ __all__ = [
     "format_reward",
     "LengthPenalty",
     "length_penalty",
+    # learned rewards
+    "RewardModel",
+    "RewardModelConfig",
+    "train_reward_model",
+    "LearnedPRM",
+    "PRMConfig",
+    "train_prm",
 ]

@@ -1,0 +1,155 @@
+"""Training data for learned rewards that needs the environments or a policy.
+
+* :func:`sample_solutions`: a policy's sampled completions of task prompts, judged by the task's verifier.
+* :func:`sampled_pairs`: preference pairs "reference solution (chosen) vs the policy's own wrong sample
+  (rejected)": negatives from the distribution a reward model will score during RL.
+* :func:`arithmetic_step_labels`: step-labelled solutions for a learned PRM, with the labels of the
+  rule-based checker (:class:`~tokengym.rewards.ArithmeticStepReward`) on reference, corrupted and
+  (optionally) sampled solutions.
+
+The bundled pairs of :func:`tokengym.agents.pairs.arithmetic_pairs` (reference vs corrupted) need
+neither and live with the other pair code.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+import torch
+
+from tokengym.agents.pairs import CORRUPTIONS, corrupt_solution
+from tokengym.agents.rollout import collect
+from tokengym.envs.vector_env import TokenVectorEnv
+from tokengym.rewards.arithmetic_prm import arithmetic_step_reward
+
+__all__ = ["sample_solutions", "sampled_pairs", "arithmetic_step_labels"]
+
+
+def _prompts(task: Any, n: int, rng: np.random.Generator, exclude: set[str]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for _ in range(1000):
+        out += [s for s in task.batch(rng, n - len(out)) if s["prompt"] not in exclude]
+        if len(out) >= n:
+            return out
+    raise RuntimeError("could not draw enough prompts outside exclude_prompts: the task's prompt space is too small")
+
+
+def sample_solutions(policy: Any, task: Any, n: int, seed: int = 0, exclude_prompts: Iterable[str] = (),
+                     num_envs: int = 256, max_new_tokens: int | None = None) -> list[dict[str, Any]]:
+    """``n`` sampled completions of fresh prompts of ``task``, one per prompt, judged by the task's reward.
+
+    Each record is the task sample (``prompt``, ``solution``, ``answer``, ...) plus ``completion``
+    (decoded text), ``reward`` (the task's outcome reward), ``correct`` (``reward >= 1``) and
+    ``truncated``. Sampling uses the policy's own settings and is seeded by ``seed`` (which also draws the
+    prompts); the policy's generator state is restored afterwards.
+
+    Example:
+        >>> from tokengym.agents import Policy
+        >>> from tokengym.envs.tasks import ArithmeticTask
+        >>> recs = sample_solutions(Policy.from_pretrained("tiny"), ArithmeticTask(), 4, num_envs=4)
+        >>> len(recs), sorted(recs[0])
+        (4, ['answer', 'completion', 'correct', 'prompt', 'reward', 'solution', 'truncated'])
+    """
+    if n < 1 or num_envs < 1:
+        raise ValueError(f"n and num_envs must be >= 1, got {n}, {num_envs}")
+    rng = np.random.default_rng(seed)
+    prompts = _prompts(task, n, rng, set(exclude_prompts))
+    env = TokenVectorEnv(min(num_envs, n), task, tokenizer=policy.tokenizer, max_new_tokens=max_new_tokens)
+    state = policy.generator.get_state()
+    policy.seed(seed)
+    out: list[dict[str, Any]] = []
+    try:
+        for start in range(0, n, env.num_envs):
+            chunk = prompts[start : start + env.num_envs]
+            chunk = chunk + chunk[:1] * (env.num_envs - len(chunk))
+            ro = collect(env, policy, samples=chunk)
+            for i, s in enumerate(chunk[: min(env.num_envs, n - start)]):
+                r = float(ro.outcome[i])
+                out.append({**s, "completion": ro.completions[i], "reward": r, "correct": r >= 1.0 - 1e-6,
+                            "truncated": bool(ro.truncated[i])})
+    finally:
+        policy.generator.set_state(state)
+    return out
+
+
+def sampled_pairs(policy: Any, task: Any, n: int, seed: int = 0, exclude_prompts: Iterable[str] = (),
+                  num_envs: int = 256, max_draws: int = 20) -> list[dict[str, Any]]:
+    """``n`` pairs "reference solution (chosen) vs a wrong sample of ``policy`` (rejected)".
+
+    Prompts whose sample is correct give no pair; sampling goes on (up to ``max_draws`` rounds) until
+    ``n`` pairs are found. Records carry ``answer`` and ``kind="sampled"``, like
+    :func:`~tokengym.agents.pairs.arithmetic_pairs`, so both kinds can be mixed.
+    """
+    pairs: list[dict[str, Any]] = []
+    seen = set(exclude_prompts)
+    for draw in range(max_draws):
+        recs = sample_solutions(policy, task, max(2 * (n - len(pairs)), 16), seed + 7919 * draw, seen, num_envs)
+        for r in recs:
+            seen.add(r["prompt"])
+            if not r["correct"] and r["completion"].strip() and r["completion"] != r["solution"]:
+                pairs.append({"prompt": r["prompt"], "chosen": r["solution"], "rejected": r["completion"],
+                              "answer": r.get("answer"), "kind": "sampled"})
+        if len(pairs) >= n:
+            return pairs[:n]
+    raise RuntimeError(f"only {len(pairs)} of {n} wrong samples after {max_draws} rounds: the policy is almost always right")
+
+
+def _steps(text: str, delimiter: str) -> list[str]:
+    """The steps of a completion the way the environment cuts them (non-blank pieces)."""
+    return [p for p in text.split(delimiter) if p.strip()]
+
+
+def arithmetic_step_labels(task: Any, n: int, seed: int = 0, policy: Any = None, sampled_fraction: float = 0.5,
+                           reference_fraction: float = 0.2, kinds: Sequence[str] = ("step_digit", "step_operand", "answer_digit"),
+                           exclude_prompts: Iterable[str] = ()) -> list[dict[str, Any]]:
+    """``n`` step-labelled arithmetic solutions for :func:`tokengym.rewards.train_prm`.
+
+    Solutions come from three sources: the reference solution (``reference_fraction`` of them, every
+    step good), a policy's samples (``sampled_fraction``, only when ``policy`` is given; the mistakes a
+    policy really makes) and complete corrupted solutions (the rest; ``kinds`` from
+    :data:`~tokengym.agents.pairs.CORRUPTIONS`, the error carried on to the answer). Every solution is
+    labelled by the rule-based checker :data:`~tokengym.rewards.arithmetic_step_reward`, so a later step
+    that correctly uses an earlier wrong value is good, and only the answer line compares with the truth.
+
+    Returns:
+        dicts with ``prompt``, ``steps`` (list of str), ``labels`` (0/1 per step), ``answer`` and
+        ``source`` (``"reference"``, ``"sampled"`` or the corruption kind).
+
+    Example:
+        >>> from tokengym.envs.tasks import ArithmeticTask
+        >>> ex = arithmetic_step_labels(ArithmeticTask(n_operands=3, operators="+"), 10, seed=1)
+        >>> sorted(ex[0]), all(len(e["steps"]) == len(e["labels"]) for e in ex)
+        (['answer', 'labels', 'prompt', 'source', 'steps'], True)
+        >>> any(0.0 in e["labels"] for e in ex)
+        True
+    """
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    if not (0 <= sampled_fraction <= 1 and 0 <= reference_fraction <= 1 and sampled_fraction + reference_fraction <= 1):
+        raise ValueError(f"sampled_fraction and reference_fraction must be in [0, 1] and sum to at most 1, "
+                         f"got {sampled_fraction}, {reference_fraction}")
+    bad = [k for k in kinds if k not in CORRUPTIONS]
+    if bad or not kinds:
+        raise ValueError(f"kinds must be a non-empty subset of {sorted(CORRUPTIONS)}, got {list(kinds)!r}")
+    delim = task.step_delimiter or "\n"
+    rng = np.random.default_rng(seed)
+    exclude = set(exclude_prompts)
+    n_sampled = round(sampled_fraction * n) if policy is not None else 0
+    n_ref = round(reference_fraction * n)
+    rows: list[tuple[dict[str, Any], str, str]] = []  # (sample, completion, source)
+    if n_sampled:
+        for r in sample_solutions(policy, task, n_sampled, seed=seed + 1, exclude_prompts=exclude):
+            rows.append((r, r["completion"], "sampled"))
+            exclude.add(r["prompt"])
+    for i, s in enumerate(_prompts(task, n - n_sampled, rng, exclude)):
+        if i < n_ref:
+            rows.append((s, s["solution"], "reference"))
+        else:
+            kind = kinds[int(rng.integers(len(kinds)))]
+            rows.append((s, corrupt_solution(s["prompt"], kind, rng, complete=True), kind))
+    rows = [(s, c, src) for s, c, src in rows if _steps(c, delim)]
+    labels = arithmetic_step_reward([s["prompt"] for s, _, _ in rows], [_steps(c, delim) for _, c, _ in rows])
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
+    return [{"prompt": rows[i][0]["prompt"], "steps": _steps(rows[i][1], delim), "labels": labels[i],
+             "answer": rows[i][0].get("answer"), "source": rows[i][2]} for i in order]

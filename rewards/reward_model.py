@@ -1,0 +1,397 @@
+"""Learned outcome rewards: a sequence-classification reward model and its Bradley-Terry training.
+
+Reads top to bottom: loading rows (preference pairs or PRM examples) -> the token layout a reward model
+reads -> :class:`RewardModel` (an outcome reward callable) -> :class:`RewardModelConfig` and
+:func:`train_reward_model` -> the small training loop that :mod:`tokengym.rewards.learned_prm` shares.
+
+**Layout.** A (prompt, completion) pair is read as ``ids(prompt, special tokens on) + ids(completion,
+special tokens off) + [eos]``, right-padded: the way the environments encode prompts, plus an explicit
+end marker (the env decodes completions without special tokens, so the marker is added back here, the
+same in training and in scoring). The model's scalar output at the last real token is the reward (what
+``transformers`` ``...ForSequenceClassification`` models return as ``logits[:, 0]``).
+
+**Bradley-Terry.** ``P(chosen > rejected) = sigmoid(r_c - r_r)``; training minimises
+``-log sigmoid(r_c - r_r)`` (optionally plus ``center_coef * mean((r_c + r_r)^2)``, which keeps rewards
+near 0 since the loss only fixes differences) and reports pairwise accuracy ``mean(r_c > r_r)`` on
+held-out pairs.
+
+Nothing here imports the environments or the agents: pass a model and its tokenizer (e.g. from
+``tokengym.agents.models.load_classifier``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["RewardModel", "RewardModelConfig", "train_reward_model", "load_rows", "split_rows"]
+
+
+# ============================================================================== rows
+def load_rows(source: Any, columns: Sequence[str], what: str = "rows") -> list[dict[str, Any]]:
+    """Rows with the given columns from a list of dicts, a JSONL path or a ``datasets.Dataset``.
+
+    Other columns are kept. Raises ``ValueError`` naming the row and the columns it has when one is
+    missing, and ``TypeError`` for a source of another type.
+
+    Example:
+        >>> load_rows([{"prompt": "1+1\\n", "chosen": "A: 2", "rejected": "A: 3"}], ("prompt", "chosen", "rejected"))
+        [{'prompt': '1+1\\n', 'chosen': 'A: 2', 'rejected': 'A: 3'}]
+    """
+    if isinstance(source, (str, os.PathLike)):
+        path = os.fspath(source)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{what}: no such JSONL file: {path!r}")
+        with open(path, encoding="utf-8") as f:
+            rows = []
+            for lineno, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        rows.append(json.loads(line))
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+        where = f"file {path!r}"
+    elif hasattr(source, "column_names") and hasattr(source, "to_list"):  # datasets.Dataset
+        rows, where = source.to_list(), "dataset"
+    elif isinstance(source, Sequence) and not isinstance(source, (str, bytes)):
+        rows, where = list(source), "list"
+    else:
+        raise TypeError(f"cannot read {what} from {type(source).__name__}; pass a list of dicts, a JSONL path or a datasets.Dataset")
+    if not rows:
+        raise ValueError(f"no {what}: the {where} is empty")
+    for i, row in enumerate(rows):
+        if not isinstance(row, Mapping):
+            raise ValueError(f"{what}: item {i} of the {where} is a {type(row).__name__}, expected a dict with {list(columns)}")
+        missing = [c for c in columns if c not in row]
+        if missing:
+            raise ValueError(f"{what}: item {i} of the {where} has no {missing} column(s); its columns are {sorted(row)}")
+    return [dict(r) for r in rows]
+
+
+def split_rows(rows: list[dict[str, Any]], val_fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
+    """``(train, held_out)`` split by prompt (no prompt in both), about ``val_fraction`` of the prompts held out."""
+    prompts = list(dict.fromkeys(str(r["prompt"]) for r in rows))
+    if len(prompts) < 2:
+        raise ValueError(f"need at least 2 distinct prompts to hold some out, got {len(prompts)}; pass eval data or val_fraction=0")
+    order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(seed)).tolist()
+    k = min(max(1, round(val_fraction * len(prompts))), len(prompts) - 1)
+    held = {prompts[i] for i in order[:k]}
+    return [r for r in rows if str(r["prompt"]) not in held], [r for r in rows if str(r["prompt"]) in held]
+
+
+# ============================================================================== layout
+def _eos(tokenizer: Any) -> list[int]:
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [int(eos[0] if isinstance(eos, (list, tuple)) else eos)]
+
+
+def encode_texts(tokenizer: Any, prompts: Sequence[str], completions: Sequence[str], max_length: int | None = None) -> list[list[int]]:
+    """Token ids of ``prompt + completion + <eos>`` per row (see the module docstring); longer rows keep their last ``max_length``."""
+    p = tokenizer(list(prompts), add_special_tokens=True)["input_ids"]
+    c = tokenizer(list(completions), add_special_tokens=False)["input_ids"]
+    eos = _eos(tokenizer)
+    ids = [list(a) + list(b) + eos for a, b in zip(p, c)]
+    return [x[-max_length:] for x in ids] if max_length else ids
+
+
+def pad_right(ids: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tokens[N, L], mask[N, L])`` right-padded to the longest row."""
+    width = max(len(x) for x in ids)
+    tokens = torch.full((len(ids), width), int(pad_id), dtype=torch.long)
+    for i, x in enumerate(ids):
+        tokens[i, : len(x)] = torch.as_tensor(list(x), dtype=torch.long)
+    mask = torch.arange(width) < torch.tensor([len(x) for x in ids])[:, None]
+    return tokens.to(device), mask.to(device)
+
+
+def _pad_id(model: torch.nn.Module, tokenizer: Any) -> int:
+    """The pad id, also written into the model's config (sequence classifiers find the last token with it)."""
+    pad = getattr(tokenizer, "pad_token_id", None)
+    if pad is None:
+        raise ValueError("the tokenizer has no pad token; set one, e.g. tokenizer.pad_token = tokenizer.eos_token")
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "pad_token_id", None) is None:
+        config.pad_token_id = int(pad)
+    return int(pad)
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+# ============================================================================== the reward model
+class RewardModel:
+    """A sequence-classification model as an outcome reward ``(prompts, completions, **fields) -> Tensor[N]``.
+
+    Scores are the model's scalar output at the last token of ``prompt + completion + <eos>``, computed
+    in batches of ``batch_size`` rows (sorted by length to cut padding) under ``torch.inference_mode``
+    and in eval mode. Pass it as ``reward=`` to any environment; task fields are ignored.
+
+    Args:
+        model: a ``transformers`` ``AutoModelForSequenceClassification`` with ``num_labels=1`` (or any
+            module whose ``model(input_ids=..., attention_mask=...).logits`` is ``[N, 1]``).
+        tokenizer: its tokenizer (needs a pad token; EOS, when it has one, ends every scored text).
+        batch_size: rows per forward pass when scoring.
+        max_length: keep only the last ``max_length`` tokens of a row (``None`` = all).
+        name: the reward's name in logs.
+
+    Example:
+        >>> from tokengym.agents.models import load_classifier
+        >>> rm = RewardModel(*load_classifier("tiny", head="sequence"))
+        >>> rm(["1+2\\n", "2+2\\n"], ["1+2=3\\nA: 3", "2+2=5\\nA: 5"]).shape
+        torch.Size([2])
+    """
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, batch_size: int = 64, max_length: int | None = None,
+                 name: str = "reward_model"):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module (a sequence classifier), got {type(model).__name__}")
+        labels = getattr(getattr(model, "config", None), "num_labels", 1)
+        if labels != 1:
+            raise ValueError(f"a reward model has one output (num_labels=1), got num_labels={labels}")
+        if batch_size < 1 or (max_length is not None and max_length < 2):
+            raise ValueError(f"batch_size must be >= 1 and max_length None or >= 2, got {batch_size}, {max_length}")
+        self.model, self.tokenizer = model, tokenizer
+        self.pad_id = _pad_id(model, tokenizer)
+        self.batch_size, self.max_length, self.name = int(batch_size), max_length, name
+
+    def encode(self, prompts: Sequence[str], completions: Sequence[str]) -> list[list[int]]:
+        """Token ids of each row as the model reads them (see the module docstring)."""
+        return encode_texts(self.tokenizer, prompts, completions, self.max_length)
+
+    def forward_ids(self, ids: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Rewards ``[N]`` (float32, with autograd) of already encoded rows, in one forward pass."""
+        tokens, mask = pad_right(ids, self.pad_id, _device(self.model))
+        logits = self.model(input_ids=tokens, attention_mask=mask.long()).logits
+        if logits.dim() != 2 or logits.shape != (len(ids), 1):
+            raise ValueError(f"the reward model returned logits of shape {tuple(logits.shape)}; expected ({len(ids)}, 1)")
+        return logits[:, 0].float()
+
+    def score_ids(self, ids: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Rewards ``[N]`` of encoded rows, batched, in eval mode, without autograd."""
+        was_training = self.model.training
+        self.model.eval()
+        order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+        out = torch.empty(len(ids), dtype=torch.float32)
+        try:
+            with torch.inference_mode():
+                for s in range(0, len(order), self.batch_size):
+                    chunk = order[s : s + self.batch_size]
+                    out[chunk] = self.forward_ids([ids[i] for i in chunk]).cpu()
+        finally:
+            self.model.train(was_training)
+        return out
+
+    def __call__(self, prompts: list[str], completions: list[str], **fields: Any) -> torch.Tensor:
+        if len(prompts) != len(completions):
+            raise ValueError(f"{self.name}: got {len(prompts)} prompts for {len(completions)} completions")
+        if not completions:
+            return torch.zeros(0)
+        return self.score_ids(self.encode(prompts, completions))
+
+    def save_pretrained(self, path: str | os.PathLike) -> None:
+        """Write the model (safetensors), its tokenizer and ``reward_model.json`` (the wrapper's settings)."""
+        _save(self.model, self.tokenizer, path, "reward_model.json",
+              {"batch_size": self.batch_size, "max_length": self.max_length, "name": self.name})
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, tokenizer: Any = None, device: str | torch.device = "cpu",
+                        trust_remote_code: bool = False, **kwargs: Any) -> "RewardModel":
+        """Load a local folder (written by :meth:`save_pretrained` or any sequence classifier with ``num_labels=1``).
+
+        Safetensors weights only, nothing downloaded, ``trust_remote_code`` off unless asked for;
+        ``kwargs`` override the saved wrapper settings.
+        """
+        from transformers import AutoModelForSequenceClassification
+
+        model, tok, settings = _load(AutoModelForSequenceClassification, path, tokenizer, device, trust_remote_code, "reward_model.json")
+        return cls(model, tok, **{**settings, **kwargs})
+
+    def __repr__(self) -> str:
+        return f"RewardModel({type(self.model).__name__}, name={self.name!r})"
+
+
+def _save(model: torch.nn.Module, tokenizer: Any, path: str | os.PathLike, settings_file: str, settings: dict) -> None:
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    with open(os.path.join(path, settings_file), "w") as f:
+        json.dump(settings, f, indent=1)
+
+
+def _load(auto_cls: Any, path: str | os.PathLike, tokenizer: Any, device: Any, trust_remote_code: bool, settings_file: str):
+    from transformers import AutoTokenizer
+
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path!r} is not a local folder (nothing is downloaded); pass a folder written by save_pretrained")
+    model = auto_cls.from_pretrained(path, local_files_only=True, use_safetensors=True, trust_remote_code=trust_remote_code)
+    if tokenizer is None:
+        if not any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+            raise ValueError(f"{path!r} holds no tokenizer files; pass tokenizer=")
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+    settings_path = os.path.join(path, settings_file)
+    settings = {}
+    if os.path.exists(settings_path):
+        with open(settings_path) as f:
+            settings = json.load(f)
+    return model.to(device).eval(), tokenizer, settings
+
+
+# ============================================================================== training
+def _check(cfg: Any, checks: Mapping[str, bool]) -> None:
+    for name, ok in checks.items():
+        if not ok:
+            raise ValueError(f"{type(cfg).__name__}.{name} has an invalid value: {getattr(cfg, name)!r}")
+
+
+@dataclass
+class RewardModelConfig:
+    """Hyper-parameters of :func:`train_reward_model` (Bradley-Terry training)."""
+
+    lr: float = 1e-4
+    """AdamW learning rate."""
+    epochs: int = 1
+    """Passes over the training pairs."""
+    batch_size: int = 32
+    """Pairs per optimiser step (each step scores 2 x batch_size rows)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping norm (0 = off)."""
+    center_coef: float = 0.0
+    """Weight of mean((r_c + r_r)^2), which keeps rewards centred on 0 (0 = off)."""
+    max_length: int | None = None
+    """Keep only the last max_length tokens of a row (None = all)."""
+    val_fraction: float = 0.1
+    """Fraction of prompts held out for pairwise accuracy when no eval pairs are given (0 = none)."""
+    eval_every: int = 0
+    """Held-out evaluation every this many steps (0 = only at the end)."""
+    seed: int = 0
+    """Seeds the held-out split and the shuffling."""
+
+    def __post_init__(self) -> None:
+        _check(self, {"lr": self.lr > 0, "epochs": self.epochs >= 1, "batch_size": self.batch_size >= 1,
+                      "weight_decay": self.weight_decay >= 0, "max_grad_norm": self.max_grad_norm >= 0,
+                      "center_coef": self.center_coef >= 0, "max_length": self.max_length is None or self.max_length >= 2,
+                      "val_fraction": 0 <= self.val_fraction < 1, "eval_every": self.eval_every >= 0})
+
+
+PAIR_COLUMNS = ("prompt", "chosen", "rejected")
+
+
+def _check_texts(rows: list[dict], columns: Sequence[str], what: str) -> None:
+    for i, r in enumerate(rows):
+        for c in columns:
+            if not isinstance(r[c], str):
+                raise ValueError(f"{what} {i}: {c!r} must be a string, got {type(r[c]).__name__}: {r[c]!r:.60}")
+
+
+def train_reward_model(model: torch.nn.Module, tokenizer: Any, pairs: Any, config: RewardModelConfig | None = None,
+                       eval_pairs: Any = None, callback: Callable[[dict[str, float]], Any] | None = None) -> list[dict[str, float]]:
+    """Train ``model`` (in place) as a Bradley-Terry reward model on preference pairs.
+
+    Args:
+        model: a sequence classifier with one output (see :class:`RewardModel`); wrap it in
+            ``RewardModel(model, tokenizer, max_length=config.max_length)`` afterwards to score.
+        tokenizer: its tokenizer.
+        pairs: dicts with string ``prompt``, ``chosen`` and ``rejected`` (a list, a JSONL path or a
+            ``datasets.Dataset``).
+        config: :class:`RewardModelConfig`.
+        eval_pairs: held-out pairs; default: ``config.val_fraction`` of the prompts of ``pairs``.
+        callback: called with every logged record; returning ``False`` stops training.
+
+    Returns:
+        The logged records: per step ``train/loss``, ``train/accuracy``, ``train/margin`` (mean
+        ``r_c - r_r``), ``train/reward_mean``; at evaluations ``eval/loss``, ``eval/accuracy`` (held-out
+        pairwise accuracy), ``eval/margin``, ``eval/reward_mean``. Each has ``step`` and ``epoch``.
+    """
+    cfg = config or RewardModelConfig()
+    rows = load_rows(pairs, PAIR_COLUMNS, "preference pairs")
+    if eval_pairs is not None:
+        held = load_rows(eval_pairs, PAIR_COLUMNS, "eval pairs")
+    elif cfg.val_fraction > 0:
+        rows, held = split_rows(rows, cfg.val_fraction, cfg.seed)
+    else:
+        held = []
+    _check_texts(rows + held, PAIR_COLUMNS, "pair")
+    rm = RewardModel(model, tokenizer, batch_size=2 * cfg.batch_size, max_length=cfg.max_length)
+
+    def encode(rs: list[dict]) -> tuple[list[list[int]], list[list[int]]]:
+        prompts = [r["prompt"] for r in rs]
+        return rm.encode(prompts, [r["chosen"] for r in rs]), rm.encode(prompts, [r["rejected"] for r in rs])
+
+    train_c, train_r = encode(rows)
+    held_c, held_r = encode(held) if held else ([], [])
+
+    def stats(rc: torch.Tensor, rr: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        loss = -F.logsigmoid(rc - rr).mean()
+        return loss, {"loss": loss.item(), "accuracy": (rc > rr).float().mean().item(),
+                      "margin": (rc - rr).mean().item(), "reward_mean": torch.cat([rc, rr]).mean().item()}
+
+    def step_loss(idx: list[int]) -> tuple[torch.Tensor, dict[str, float]]:
+        r = rm.forward_ids([train_c[i] for i in idx] + [train_r[i] for i in idx])
+        rc, rr = r[: len(idx)], r[len(idx):]
+        loss, s = stats(rc, rr)
+        if cfg.center_coef > 0:
+            loss = loss + cfg.center_coef * ((rc + rr) ** 2).mean()
+        return loss, s
+
+    def evaluate() -> dict[str, float]:
+        r = rm.score_ids(held_c + held_r)
+        return stats(r[: len(held_c)], r[len(held_c):])[1]
+
+    return fit(model, len(train_c), step_loss, evaluate if held else None, cfg, callback)
+
+
+def fit(model: torch.nn.Module, n: int, step_loss: Callable[[list[int]], tuple[torch.Tensor, dict[str, float]]],
+        evaluate: Callable[[], dict[str, float]] | None, cfg: Any,
+        callback: Callable[[dict[str, float]], Any] | None = None) -> list[dict[str, float]]:
+    """The loop both learned rewards train with: seeded shuffles, AdamW, clipping, periodic evaluation.
+
+    ``step_loss(indices)`` returns the loss of a batch of training items and its statistics (logged as
+    ``train/<key>``); ``evaluate()`` the held-out statistics (logged as ``eval/<key>``).
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    history: list[dict[str, float]] = []
+    step, evaluated_at = 0, -1
+
+    def log(record: dict[str, float]) -> bool:
+        history.append(record)
+        return callback is None or callback(record) is not False
+
+    def run_eval(epoch: int) -> bool:
+        nonlocal evaluated_at
+        evaluated_at = step
+        return log({"step": step, "epoch": epoch, **{f"eval/{k}": v for k, v in evaluate().items()}})
+
+    model.train()
+    try:
+        for epoch in range(cfg.epochs):
+            for batch in torch.randperm(n, generator=gen).split(cfg.batch_size):
+                loss, s = step_loss(batch.tolist())
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf)
+                opt.step()
+                step += 1
+                if not log({"step": step, "epoch": epoch, **{f"train/{k}": v for k, v in s.items()}, "train/grad_norm": float(norm)}):
+                    return history
+                if evaluate is not None and cfg.eval_every and step % cfg.eval_every == 0 and not run_eval(epoch):
+                    return history
+        if evaluate is not None and evaluated_at != step:
+            run_eval(cfg.epochs - 1)
+    finally:
+        model.eval()
+    return history
