@@ -22,9 +22,14 @@ model's own weights, with everything that does not change from step to step prep
   ``addcmul``) and attention (``baddbmm``, softmax, ``bmm``) are a handful of kernels per layer. The fused weights are a copy, rebuilt
   at every prefill (once per rollout batch), so any optimiser step between rollouts is picked up,
   fused optimisers included (they update parameters without bumping their version counters).
+* **bf16 weights under autocast.** A prefill inside ``torch.autocast(device, dtype=torch.bfloat16)``
+  (what ``GRPOConfig(bf16=True)`` wraps its rollout in) keeps the fused matrices in bf16 and multiplies
+  in bf16, as autocast would; the residual stream, norms, RoPE, attention and the KV cache stay fp32.
+  The small preset's decode is bound by its weight GEMMs, which then read half the bytes.
 * **No host sync** and no Python-side work that depends on the data.
 
-Numerics follow the ``transformers`` implementation (fp32 maths agrees with a full forward to ~1e-6).
+Numerics follow the ``transformers`` implementation (fp32 maths agrees with a full forward to ~1e-6;
+under bf16 autocast it agrees with an autocast forward to bf16 rounding).
 Supported: ``LlamaForCausalLM``, ``MistralForCausalLM`` and ``Qwen2ForCausalLM`` (q/k/v biases,
 grouped-query attention, explicit ``head_dim``, tied embeddings, static RoPE variants; sliding windows
 only when wider than the cache). :func:`unsupported_reason` says why a model is not; ``Policy`` then
@@ -146,8 +151,8 @@ class StaticDecoder:
             out += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
         return out
 
-    def _refresh(self) -> None:
-        """(Re)build the fused weights from the model's current parameters.
+    def _refresh(self, mm_dtype: torch.dtype | None = None) -> None:
+        """(Re)build the fused weights from the model's current parameters (matrices in ``mm_dtype``).
 
         Called at every prefill (once per rollout batch): version counters alone cannot tell whether
         weights changed (a fused optimizer step, for one, updates parameters without bumping them), and
@@ -155,6 +160,11 @@ class StaticDecoder:
         """
         key = tuple((t.data_ptr(), _version(t), t.dtype, t.device) for t in self._sources())
         G, rep, hd = self.n_kv, self.rep, self.head_dim
+        mm_dtype = mm_dtype or self.model.model.embed_tokens.weight.dtype
+
+        def mat(w: torch.Tensor) -> torch.Tensor:  # [out, in] -> contiguous [in, out] in mm_dtype, one copy
+            return w.detach().t().to(mm_dtype, memory_format=torch.contiguous_format)
+
         layers = []
         with torch.no_grad():
             for layer in self.model.model.layers:
@@ -163,7 +173,7 @@ class StaticDecoder:
                 # rows grouped per key-value head: [q_(g*rep) .. q_(g*rep+rep-1), k_g, v_g]
                 w = torch.cat([a.q_proj.weight.view(G, rep, hd, D), a.k_proj.weight.view(G, 1, hd, D),
                                a.v_proj.weight.view(G, 1, hd, D)], 1)
-                w_qkv = w.reshape(-1, D).t().contiguous()
+                w_qkv = mat(w.reshape(-1, D))
                 b_qkv = None
                 if a.q_proj.bias is not None or a.k_proj.bias is not None or a.v_proj.bias is not None:
                     zeros = lambda mod, n: mod.bias if mod.bias is not None else mod.weight.new_zeros(n)  # noqa: E731
@@ -171,7 +181,7 @@ class StaticDecoder:
                                    zeros(a.v_proj, G * hd).view(G, 1, hd)], 1)
                     b_qkv = b.reshape(-1).clone()
                 I = p.gate_proj.weight.shape[0]
-                w_gu = torch.cat([p.gate_proj.weight, p.up_proj.weight], 0).t().contiguous()
+                w_gu = mat(torch.cat([p.gate_proj.weight, p.up_proj.weight], 0))
                 b_gu = None
                 if p.gate_proj.bias is not None or p.up_proj.bias is not None:
                     gb = p.gate_proj.bias if p.gate_proj.bias is not None else p.gate_proj.weight.new_zeros(I)
@@ -180,15 +190,15 @@ class StaticDecoder:
                 layers.append((
                     layer.input_layernorm.weight.detach(), float(layer.input_layernorm.variance_epsilon),
                     w_qkv, b_qkv,
-                    a.o_proj.weight.detach().t().contiguous(), None if a.o_proj.bias is None else a.o_proj.bias.detach(),
+                    mat(a.o_proj.weight), None if a.o_proj.bias is None else a.o_proj.bias.detach(),
                     layer.post_attention_layernorm.weight.detach(), float(layer.post_attention_layernorm.variance_epsilon),
                     w_gu, b_gu, I,
-                    p.down_proj.weight.detach().t().contiguous(), None if p.down_proj.bias is None else p.down_proj.bias.detach(),
+                    mat(p.down_proj.weight), None if p.down_proj.bias is None else p.down_proj.bias.detach(),
                 ))
             self._embed = self.model.model.embed_tokens.weight.detach()
             self._norm_w = self.model.model.norm.weight.detach()
             self._norm_eps = float(self.model.model.norm.variance_epsilon)
-            self._head_t = self.model.lm_head.weight.detach().t().contiguous()
+            self._head_t = mat(self.model.lm_head.weight)
         self._layers = layers
         self._key = key
 
@@ -226,7 +236,9 @@ class StaticDecoder:
         """Encode left-padded prompts ``tokens[N, P]`` into cache columns ``[0, P)``; return logits ``[N, V]`` (fp32).
 
         Reserves room for ``max_new_tokens`` decode steps. Must run under ``torch.no_grad`` or
-        ``torch.inference_mode`` (``Policy`` does).
+        ``torch.inference_mode`` (``Policy`` does). Under an enabled ``torch.autocast`` for the model's
+        device, the weight matrices of this batch (prefill and its decode steps) are kept and multiplied
+        in the autocast dtype.
         """
         if tokens.dim() != 2 or mask.shape != tokens.shape:
             raise ValueError(f"tokens and mask must both be [N, P], got {tuple(tokens.shape)} and {tuple(mask.shape)}")
@@ -236,7 +248,13 @@ class StaticDecoder:
         reason = unsupported_reason(self.model, width)
         if reason is not None:
             raise ValueError(f"StaticDecoder cannot run this model: {reason}")
-        self._refresh()
+        dev_type = self.model.model.embed_tokens.weight.device.type
+        amp = torch.get_autocast_dtype(dev_type) if torch.is_autocast_enabled(dev_type) else None
+        self._refresh(amp)
+        with torch.autocast(dev_type, enabled=False):  # dtypes are explicit below
+            return self._prefill(tokens, mask, int(max_new_tokens), width)
+
+    def _prefill(self, tokens: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, width: int) -> torch.Tensor:
         N, P = tokens.shape
         G, rep, hd, H = self.n_kv, self.rep, self.head_dim, self.n_heads
         emb = self._embed
@@ -256,10 +274,7 @@ class StaticDecoder:
         x = F.embedding(tokens, emb)  # [N, P, D]
         for li, (w_in, eps_in, w_qkv, b_qkv, w_o, b_o, w_post, eps_post, w_gu, b_gu, I, w_d, b_d) in enumerate(self._layers):
             h = F.rms_norm(x, (x.shape[-1],), w_in, eps_in)
-            qkv = h @ w_qkv
-            if b_qkv is not None:
-                qkv = qkv + b_qkv
-            qkv = qkv.view(N, P, G, rep + 2, hd)
+            qkv = _lin(h, w_qkv, b_qkv).view(N, P, G, rep + 2, hd)
             qk = qkv[:, :, :, : rep + 1]
             qk = qk * cos + _rotate_half(qk) * sin  # HF's apply_rotary_pos_emb
             q, k, v = qk[:, :, :, :rep], qk[:, :, :, rep], qkv[:, :, :, rep + 1]
@@ -271,20 +286,12 @@ class StaticDecoder:
             vh = v.permute(0, 2, 1, 3)[:, :, None]
             att = torch.softmax((qh @ kh.transpose(-1, -2)) * self.scaling + bias, -1, dtype=torch.float32).to(dtype)
             o = (att @ vh).permute(0, 3, 1, 2, 4).reshape(N, P, H * hd)
-            o = o @ w_o
-            if b_o is not None:
-                o = o + b_o
-            x = x + o
+            x = x + _lin(o, w_o, b_o)
             h = F.rms_norm(x, (x.shape[-1],), w_post, eps_post)
-            gu = h @ w_gu
-            if b_gu is not None:
-                gu = gu + b_gu
-            d = (self.act(gu[..., :I]) * gu[..., I:]) @ w_d
-            if b_d is not None:
-                d = d + b_d
-            x = x + d
+            gu = _lin(h, w_gu, b_gu)
+            x = x + _lin(self.act(gu[..., :I]) * gu[..., I:], w_d, b_d)
         h = F.rms_norm(x[:, -1], (x.shape[-1],), self._norm_w, self._norm_eps)
-        logits = h @ self._head_t
+        logits = _lin(h, self._head_t)
 
         # decode state, prepared once: attention bias over cache columns, per-step positions, signed RoPE table
         col_ok = torch.ones(N, width, dtype=torch.bool, device=device)
@@ -303,6 +310,13 @@ class StaticDecoder:
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
         """Append one token per slot (``tokens[N]``, written at column ``P + step``); return logits ``[N, V]`` (fp32)."""
+        dev_type = self._embed.device.type
+        if torch.is_autocast_enabled(dev_type):  # the matrices' dtype was fixed at prefill; the rest stays explicit
+            with torch.autocast(dev_type, enabled=False):
+                return self._decode(tokens)
+        return self._decode(tokens)
+
+    def _decode(self, tokens: torch.Tensor) -> torch.Tensor:
         t = self._step
         if t >= self._capacity:
             raise RuntimeError(
@@ -322,27 +336,40 @@ class StaticDecoder:
         D = x.shape[-1]
         for (k_t, v_c), (w_in, eps_in, w_qkv, b_qkv, w_o, b_o, w_post, eps_post, w_gu, b_gu, I, w_d, b_d) in zip(self._cache, self._layers):
             h = F.rms_norm(x, (D,), w_in, eps_in)
-            qkv = torch.mm(h, w_qkv) if b_qkv is None else torch.addmm(b_qkv, h, w_qkv)
-            qkv = qkv.view(N, G, rep + 2, hd)
+            qkv = _lin(h, w_qkv, b_qkv).view(N, G, rep + 2, hd)
             qk = qkv[:, :, : rep + 1]
             r = torch.addcmul(qk * cos, qk.view(N, G, rep + 1, 2, hd // 2).flip(3).view(N, G, rep + 1, hd), sin)  # [N, G, rep+1, hd]
             k_t[:, :, col].copy_(r[:, :, rep].view(N * G, hd))
             v_c[:, col].copy_(qkv[:, :, rep + 1].view(N * G, hd))
             s = torch.baddbmm(bias, r[:, :, :rep].view(N * G, rep, hd), k_t[:, :, :T], alpha=scale)
             o = torch.bmm(torch.softmax(s, -1), v_c[:, :T]).view(N, -1)
-            x = torch.addmm(x, o, w_o)
-            if b_o is not None:
-                x = x + b_o
+            x = _lin_add(x, o, w_o, b_o)
             h = F.rms_norm(x, (D,), w_post, eps_post)
-            gu = torch.mm(h, w_gu) if b_gu is None else torch.addmm(b_gu, h, w_gu)
+            gu = _lin(h, w_gu, b_gu)
             a = act(gu[:, :I])
             a.mul_(gu[:, I:])
-            x = torch.addmm(x, a, w_d)
-            if b_d is not None:
-                x = x + b_d
+            x = _lin_add(x, a, w_d, b_d)
         self._step = t + 1
         h = F.rms_norm(x, (D,), self._norm_w, self._norm_eps)
-        return torch.mm(h, self._head_t).float()
+        return _lin(h, self._head_t).float()
+
+
+def _lin(a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``a @ w + b`` with the product taken in ``w``'s dtype (as autocast would), returned in ``a``'s dtype."""
+    if w.dtype != a.dtype:
+        y = (a.to(w.dtype) @ w).to(a.dtype)
+        return y if b is None else y + b
+    if b is None:
+        return a @ w
+    return torch.addmm(b, a, w) if a.dim() == 2 else a @ w + b
+
+
+def _lin_add(x: torch.Tensor, a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``x + a @ w (+ b)``: one fused ``addmm`` when all dtypes agree (the residual adds of a decode step)."""
+    if w.dtype == x.dtype and a.dtype == x.dtype:
+        x = torch.addmm(x, a, w)
+        return x if b is None else x + b
+    return x + _lin(a, w, b)
 
 
 def _version(t: torch.Tensor) -> int | None:

@@ -112,6 +112,23 @@ def test_fast_rollout_logprobs_equal_full_forward(overrides):
     assert diff < TOL, diff
 
 
+def test_fast_rollout_under_bf16_autocast_multiplies_bf16_weights_and_matches_an_autocast_forward():
+    model, tok = tiny(num_key_value_heads=2)
+    policy = Policy(model, tok, seed=0)
+    env = TokenVectorEnv(16, "arithmetic", max_new_tokens=24)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ro = collect(env, policy, seed=0)
+        assert policy.fast_path_active and policy._fast._layers[0][2].dtype == torch.bfloat16  # fused qkv weight
+        assert policy._fast._cache[0][0].dtype == torch.float32  # KV cache, residual stream and norms stay fp32
+        with torch.inference_mode():
+            full = policy(ro.tokens, ro.attention_mask, ro.prompt_len)
+    diff = ((full - ro.logprobs) * ro.action_mask).abs()
+    assert diff.max().item() < 0.05 and 0 < diff.sum().item() / ro.action_mask.sum().item() < 5e-3, diff.max().item()
+    with torch.inference_mode():  # outside autocast the next prefill is fp32 again
+        policy.prefill(ro.tokens[:, :ro.prompt_len], ro.attention_mask[:, :ro.prompt_len], max_new_tokens=2)
+    assert policy._fast._layers[0][2].dtype == torch.float32
+
+
 def test_fast_and_generic_rollouts_sample_the_same_tokens():
     model, tok = tiny(num_key_value_heads=2)
     env = TokenVectorEnv(8, "arithmetic", max_new_tokens=16)
