@@ -26,23 +26,27 @@ class Critic(nn.Module):
     Args:
         trunk: a ``transformers`` base model returning ``last_hidden_state`` (e.g. ``LlamaModel``).
         hidden_size: width of the trunk's hidden states.
+        seed: seeds the value head's initialisation (the global RNG is left alone), so two critics built
+            with the same seed are identical.
 
     Build one with :meth:`from_policy` (a separate copy of the policy's trunk by default, as in
     classic RLHF PPO; ``share_trunk=True`` reuses the policy's trunk object).
     """
 
-    def __init__(self, trunk: nn.Module, hidden_size: int):
+    def __init__(self, trunk: nn.Module, hidden_size: int, seed: int = 0):
         super().__init__()
         self.trunk = trunk
         self.value_head = nn.Linear(hidden_size, 1)
-        nn.init.normal_(self.value_head.weight, std=1.0 / (hidden_size + 1))
+        gen = torch.Generator().manual_seed(seed)
+        nn.init.normal_(self.value_head.weight, std=1.0 / (hidden_size + 1), generator=gen)
         nn.init.zeros_(self.value_head.bias)
 
     @classmethod
-    def from_policy(cls, policy: Any, share_trunk: bool = False) -> "Critic":
+    def from_policy(cls, policy: Any, share_trunk: bool = False, seed: int = 0) -> "Critic":
+        """A critic on a copy of ``policy``'s transformer trunk (or the trunk itself with ``share_trunk``)."""
         base = policy.model.get_decoder() if hasattr(policy.model, "get_decoder") else policy.model.base_model
         trunk = base if share_trunk else copy.deepcopy(base)
-        return cls(trunk, policy.model.config.hidden_size).to(policy.device)
+        return cls(trunk, policy.model.config.hidden_size, seed=seed).to(policy.device)
 
     def forward(self, tokens: torch.Tensor, mask: torch.Tensor, prompt_len: int) -> torch.Tensor:
         out = self.trunk(input_ids=tokens, attention_mask=mask.long(), position_ids=position_ids(mask))

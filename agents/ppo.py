@@ -2,9 +2,16 @@
 
 Reads top to bottom: config -> KL controller -> agent -> ``learn``: for each update, roll out with
 pi_old and the old critic's values -> per-token reward = env reward (PRM step scores, outcome at the
-last token) - beta * KL(pi_old || ref) -> GAE (gamma, lambda; truncated rows bootstrap from V(s_M),
-terminated rows from 0) -> advantages and returns frozen -> mu epochs of minibatch updates of the
-clipped policy loss and the (optionally clipped) value regression -> adapt beta -> log.
+last token) - beta * KL(pi_old || ref) -> GAE (gamma, lambda) over the old values -> advantages and
+returns frozen -> mu epochs of minibatch updates of the clipped policy loss and the (optionally clipped)
+value regression -> adapt beta -> log.
+
+Truncated rows: a tokengym env scores a completion cut at the token budget like any other, so the
+episode's return is complete and GAE ends it at 0, as for terminated rows. Bootstrapping from V(s_M)
+on top of that paid reward (``bootstrap_truncated=True``) is only right for envs whose rewards go on
+past the budget: the critic is never regressed on s_M, so with gamma = 1 it chases its own bootstrap
+(V -> r + V; on Target-v0, where every episode is truncated, the values rose by about the mean reward
+per update, explained variance stayed near 0 and the policy stalled at half the target).
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ from tokengym.agents.policy import make_reference
 from tokengym.agents.rollout import Rollout, collect, evaluate
 
 __all__ = ["PPOConfig", "PPOAgent", "AdaptiveKLController", "ppo_rewards"]
+
+_STATE_KEYS = ("global_step", "policy_optimizer", "critic_optimizer", "kl_controller", "shuffle_rng", "policy_rng")
 
 
 @dataclass
@@ -59,6 +68,8 @@ class PPOConfig:
     """Target KL per sequence for the adaptive controller (None = fixed kl_coef)."""
     kl_horizon: int = 10_000
     """Horizon (in episodes) of the adaptive KL controller."""
+    bootstrap_truncated: bool = False
+    """Bootstrap truncated rows from V(s_M) in GAE (only for envs whose rewards continue past the budget; see the module docstring)."""
     whiten_advantages: bool = True
     """Whiten advantages over the batch's action tokens."""
     aggregation: str = "token-mean"
@@ -121,14 +132,14 @@ class PPOAgent:
     Args:
         policy: the :class:`~tokengym.agents.Policy` to train.
         config: :class:`PPOConfig`.
-        critic: a :class:`~tokengym.agents.Critic`; default: ``Critic.from_policy(policy, config.share_trunk)``.
+        critic: a :class:`~tokengym.agents.Critic`; default: ``Critic.from_policy(policy, config.share_trunk, config.seed)``.
         run_dir: where to write TensorBoard events and ``metrics.jsonl`` (None = memory only).
     """
 
     def __init__(self, policy, config: PPOConfig | None = None, critic: Critic | None = None, run_dir: str | None = None):
         self.policy = policy
         self.config = cfg = config or PPOConfig()
-        self.critic = critic if critic is not None else Critic.from_policy(policy, share_trunk=cfg.share_trunk)
+        self.critic = critic if critic is not None else Critic.from_policy(policy, share_trunk=cfg.share_trunk, seed=cfg.seed)
         self.logger = RunLogger(run_dir)
         policy_params = list(policy.parameters())
         ids = {id(p) for p in policy_params}
@@ -141,6 +152,7 @@ class PPOAgent:
             self.ref = make_reference(policy)
         self.global_step = 0
         self._shuffle = torch.Generator().manual_seed(cfg.seed)
+        self._resume_step: int | None = None  # set by load_state_dict: learn() continues its schedule from here
 
     # ------------------------------------------------------------------ rollout + advantages
     def _rollout(self, env) -> tuple[Rollout, dict[str, float]]:
@@ -157,7 +169,8 @@ class PPOAgent:
         cfg = self.config
         ref_logp = self.ref(ro.tokens, ro.attention_mask, ro.prompt_len) if self.ref is not None else None
         rewards, kl = ppo_rewards(ro, ref_logp, self.kl_ctl.value, cfg.kl_estimator)
-        adv, ret = F.gae(rewards, ro.values, ro.action_mask, cfg.gamma, cfg.lam, ro.last_values)
+        last_values = ro.last_values if cfg.bootstrap_truncated else None
+        adv, ret = F.gae(rewards, ro.values, ro.action_mask, cfg.gamma, cfg.lam, last_values)
         if cfg.whiten_advantages:
             adv = F.whiten(adv, ro.action_mask)
         seq_kl = kl.sum(1).mean()
@@ -208,12 +221,19 @@ class PPOAgent:
     # ------------------------------------------------------------------ loop
     def learn(self, env, eval_env=None, eval_samples: list | None = None,
               callback: Callable[[dict[str, float]], Any] | None = None) -> list[dict[str, float]]:
-        """Train for ``config.steps`` rollout/update cycles; return the logged records."""
+        """Train for ``config.steps`` rollout/update cycles; return the records logged.
+
+        ``callback(record)`` is called once per step; returning ``False`` stops after that step. The first
+        call after :meth:`load_state_dict` runs only the rest of the interrupted schedule. With ``eval_env``
+        (group_size 1) and ``eval_samples``, greedy held-out accuracy is logged every ``eval_every`` steps
+        and at the end.
+        """
         cfg = self.config
         if self.global_step == 0:
             self.policy.seed(cfg.seed)
         start = len(self.logger.history)
-        for _ in range(cfg.steps):
+        done, self._resume_step = self._resume_step or 0, None  # steps of this schedule already taken (resume)
+        for _ in range(cfg.steps - done):
             t_start = time.perf_counter()
             ro, timing = self._rollout(env)
             adv, ret, kstats = self.advantages(ro)
@@ -237,7 +257,7 @@ class PPOAgent:
                 metrics.update(self.evaluate(eval_env, eval_samples))
             record = self.logger.log(self.global_step, metrics)
             if callback is not None and callback(record) is False:
-                break
+                return self.logger.history[start:]
         if eval_env is not None and eval_samples and not (cfg.eval_every and self.global_step % cfg.eval_every == 0):
             self.logger.log(self.global_step, self.evaluate(eval_env, eval_samples))
         return self.logger.history[start:]
@@ -246,3 +266,36 @@ class PPOAgent:
         self.policy.eval()
         return {f"eval/{k}": v for k, v in evaluate(self.policy, eval_env, samples, greedy=True).items()}
 
+    # ------------------------------------------------------------------ exact resume
+    def checkpoint_modules(self) -> dict[str, torch.nn.Module]:
+        """Modules whose weights a checkpoint must hold: ``policy`` (the model), ``critic`` and, when the
+        reference is a separate frozen copy (``kl_coef > 0``, no LoRA adapter to disable), ``ref``."""
+        modules = {"policy": self.policy.model, "critic": self.critic}
+        if isinstance(getattr(self.ref, "model", None), torch.nn.Module):
+            modules["ref"] = self.ref.model
+        return modules
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything but :meth:`checkpoint_modules` needed to continue bit-exactly (``torch.load(weights_only=True)``-safe)."""
+        return {
+            "global_step": self.global_step,
+            "policy_optimizer": self.policy_opt.state_dict(),
+            "critic_optimizer": self.critic_opt.state_dict(),
+            "kl_controller": self.kl_ctl.state_dict(),
+            "shuffle_rng": self._shuffle.get_state(),
+            "policy_rng": self.policy.generator.get_state(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` (and load :meth:`checkpoint_modules` weights); the next :meth:`learn`
+        call runs the rest of the interrupted schedule."""
+        missing = sorted(set(_STATE_KEYS) - set(state))
+        if missing:
+            raise ValueError(f"PPOAgent state is missing {missing}; pass what PPOAgent.state_dict() returned")
+        self.global_step = int(state["global_step"])
+        self.policy_opt.load_state_dict(state["policy_optimizer"])
+        self.critic_opt.load_state_dict(state["critic_optimizer"])
+        self.kl_ctl.load_state_dict(state["kl_controller"])
+        self._shuffle.set_state(state["shuffle_rng"])
+        self.policy.generator.set_state(state["policy_rng"])
+        self._resume_step = self.global_step

@@ -35,18 +35,25 @@ def test_rewards_subtract_beta_kl_on_action_tokens_only():
     assert torch.allclose(shaped, (ro.rewards - 0.025) * ro.action_mask)
 
 
-def test_gae_uses_old_values_and_bootstraps_truncated_rows():
+@pytest.mark.parametrize("bootstrap", [False, True])
+def test_gae_uses_old_values_and_bootstraps_truncated_rows_only_when_asked(bootstrap):
     env = gym.make_vec("tokengym/Arithmetic-v0", num_envs=4, vectorization_mode="vector_entry_point", max_new_tokens=6)
-    agent = PPOAgent(Policy.from_pretrained("tiny"), PPOConfig(steps=0, kl_coef=0.0, whiten_advantages=False))
+    agent = PPOAgent(Policy.from_pretrained("tiny"),
+                     PPOConfig(steps=0, kl_coef=0.0, whiten_advantages=False, bootstrap_truncated=bootstrap))
     ro = collect(env, agent.policy, agent.critic, seed=0)
     assert ro.truncated.any()
-    adv, ret, _ = agent.advantages(ro)
-    expected_adv, expected_ret = F.gae(ro.rewards * ro.action_mask, ro.values, ro.action_mask, 1.0, 0.95, ro.last_values)
-    assert torch.allclose(adv, expected_adv) and torch.allclose(ret, expected_ret)
     m = ro.action_mask.shape[1]
     with torch.no_grad():
         v = agent.critic(ro.tokens, ro.attention_mask, ro.prompt_len)
     assert torch.allclose(ro.last_values, torch.where(ro.truncated, v[:, m], torch.zeros(4)))
+    adv, ret, _ = agent.advantages(ro)
+    # by default a truncated row's (already scored) return ends at 0 like a terminated one
+    last = ro.last_values if bootstrap else torch.zeros(4)
+    expected_adv, expected_ret = F.gae(ro.rewards * ro.action_mask, ro.values, ro.action_mask, 1.0, 0.95, last)
+    assert torch.allclose(adv, expected_adv) and torch.allclose(ret, expected_ret)
+    end = ro.lengths - 1
+    rows = torch.arange(4)
+    assert torch.allclose(ret[rows, end], ro.rewards[rows, end] + (ro.last_values if bootstrap else 0))
 
 
 def test_adaptive_kl_controller_moves_towards_target():
