@@ -142,6 +142,10 @@ class RewardModel:
         batch_size: rows per forward pass when scoring.
         max_length: keep only the last ``max_length`` tokens of a row (``None`` = all).
         name: the reward's name in logs.
+        shift, scale: the reward is ``(model output - shift) / scale``. Bradley-Terry training fixes
+            only differences, so the raw level is arbitrary; :meth:`normalize` sets both so that a
+            reference set of completions (e.g. the initial policy's samples) scores mean 0 and std 1,
+            which keeps an RL critic's targets and the KL penalty on a known scale.
 
     Example:
         >>> from tokengym.agents.models import load_classifier
@@ -151,7 +155,7 @@ class RewardModel:
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, batch_size: int = 64, max_length: int | None = None,
-                 name: str = "reward_model"):
+                 name: str = "reward_model", shift: float = 0.0, scale: float = 1.0):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module (a sequence classifier), got {type(model).__name__}")
         labels = getattr(getattr(model, "config", None), "num_labels", 1)
@@ -161,7 +165,10 @@ class RewardModel:
             raise ValueError(f"batch_size must be >= 1 and max_length None or >= 2, got {batch_size}, {max_length}")
         self.model, self.tokenizer = model, tokenizer
         self.pad_id = _pad_id(model, tokenizer)
+        if not (math.isfinite(shift) and math.isfinite(scale) and scale > 0):
+            raise ValueError(f"shift must be finite and scale finite and > 0, got {shift}, {scale}")
         self.batch_size, self.max_length, self.name = int(batch_size), max_length, name
+        self.shift, self.scale = float(shift), float(scale)
 
     def encode(self, prompts: Sequence[str], completions: Sequence[str]) -> list[list[int]]:
         """Token ids of each row as the model reads them (see the module docstring)."""
@@ -176,7 +183,7 @@ class RewardModel:
         return logits[:, 0].float()
 
     def score_ids(self, ids: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Rewards ``[N]`` of encoded rows, batched, in eval mode, without autograd."""
+        """Raw model outputs ``[N]`` (no shift/scale) of encoded rows, batched, in eval mode, without autograd."""
         was_training = self.model.training
         self.model.eval()
         order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
@@ -195,12 +202,21 @@ class RewardModel:
             raise ValueError(f"{self.name}: got {len(prompts)} prompts for {len(completions)} completions")
         if not completions:
             return torch.zeros(0)
-        return self.score_ids(self.encode(prompts, completions))
+        return (self.score_ids(self.encode(prompts, completions)) - self.shift) / self.scale
+
+    def normalize(self, prompts: Sequence[str], completions: Sequence[str]) -> "RewardModel":
+        """Set ``shift``/``scale`` so these completions score mean 0 and std 1; returns ``self``."""
+        if len(completions) < 2 or len(prompts) != len(completions):
+            raise ValueError(f"normalize needs at least 2 (prompt, completion) rows, got {len(prompts)} and {len(completions)}")
+        raw = self.score_ids(self.encode(prompts, completions))
+        self.shift, self.scale = raw.mean().item(), max(raw.std().item(), 1e-6)
+        return self
 
     def save_pretrained(self, path: str | os.PathLike) -> None:
         """Write the model (safetensors), its tokenizer and ``reward_model.json`` (the wrapper's settings)."""
         _save(self.model, self.tokenizer, path, "reward_model.json",
-              {"batch_size": self.batch_size, "max_length": self.max_length, "name": self.name})
+              {"batch_size": self.batch_size, "max_length": self.max_length, "name": self.name,
+               "shift": self.shift, "scale": self.scale})
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, tokenizer: Any = None, device: str | torch.device = "cpu",

@@ -91,6 +91,20 @@ def test_save_and_load_round_trip(tiny_rm, tmp_path):
         RewardModel.from_pretrained(tmp_path / "missing")
 
 
+def test_normalize_centres_and_scales_a_reference_set(tiny_rm, tmp_path):
+    model, tok = tiny_rm
+    prompts, comps = [f"{i}+1\n" for i in range(8)], [f"A: {i}" for i in range(8)]
+    rm = RewardModel(model, tok)
+    raw = rm(prompts, comps)
+    scores = rm.normalize(prompts, comps)(prompts, comps)
+    assert abs(scores.mean().item()) < 1e-5 and scores.std().item() == pytest.approx(1.0, abs=1e-5)
+    torch.testing.assert_close(scores, (raw - raw.mean()) / raw.std())
+    rm.save_pretrained(tmp_path / "rm")
+    torch.testing.assert_close(RewardModel.from_pretrained(tmp_path / "rm")(prompts, comps), scores)
+    with pytest.raises(ValueError, match="scale"):
+        RewardModel(model, tok, scale=0.0)
+
+
 def test_training_learns_a_preference_and_reports_heldout_accuracy():
     model, tok = load_classifier("tiny", head="sequence", seed=0)
     pairs = marked_pairs(192)
