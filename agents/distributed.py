@@ -1,0 +1,327 @@
+"""Data-parallel training on ``torch.distributed``: one process per device, launched with ``torchrun``.
+
+``torchrun --nproc_per_node=K -m tokengym.agents.cli train grpo|ppo|dpo ...`` runs K processes (ranks).
+The global batch stays what the config says; each rank owns a slice of it, and a K-process run takes
+the same optimiser steps as a 1-process one with the same global batch (up to float rounding):
+
+* **Rollouts.** Every rank's env is seeded alike and draws the *global* batch of prompts, keeping its own
+  ``1/K`` of the groups (:class:`ShardedTask`; whole GRPO groups stay on one rank). Sampling uses
+  inverse-CDF draws whose uniforms come from a stream all ranks share, one per row of the global
+  batch, reseeded from the policy's generator at every new batch (:class:`SharedNoise`), so rank r
+  samples exactly what rows r of a 1-process rollout would. (A plain, non-distributed run keeps
+  ``torch.multinomial`` and its existing random stream.)
+* **Statistics.** After the rollout every rank gathers the global batch (:meth:`DataParallel.gather`:
+  a few ``[N, P + M]`` tensors), so advantages (``scale_rewards="batch"``, whitening) and the logged
+  rollout metrics are those of the global batch, not of a shard.
+* **Updates.** Each minibatch of the global batch (same shuffle on every rank) is split into K
+  contiguous shares (:meth:`DataParallel.shard`); a rank's loss is weighted by its share of the
+  minibatch's loss denominator (rows, or tokens for ``token-mean``), gradients are summed with one
+  flat all-reduce before clipping (:meth:`DataParallel.sync_gradients`), so clipping and AdamW see the
+  global gradient and every rank takes the same step. Logged training metrics are share-weighted
+  sums over ranks, i.e. global means.
+* **Runs.** Rank 0 alone writes logs, checkpoints and the config; every rank loads the checkpoint on
+  resume; each rank's global RNGs start from a per-rank seed (:func:`seed_rank`) and are saved per rank.
+
+Why not ``DistributedDataParallel``: the policy calls its ``transformers`` model directly and the loss
+weights differ per rank; one all-reduce after ``backward`` is the same arithmetic. DDP's overlap of
+communication with the backward pass (buckets) would be the next step for large models, and sharding
+the model itself (FSDP) is not supported yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+__all__ = ["DataParallel", "LOCAL", "init", "shutdown", "prepare", "ShardedTask", "SharedNoise", "seed_rank",
+           "aggregation_weights"]
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """Where this process stands in a data-parallel run, and the collectives the agents need.
+
+    ``LOCAL`` (``distributed=False``) is a plain single-process run: every method is the identity, so
+    agents call them unconditionally at no cost. ``distributed=True`` with ``world_size=1`` (a
+    1-process ``torchrun``) needs no communication but uses the shared-stream sampling, so it is the
+    reference a K-process run reproduces.
+    """
+
+    rank: int = 0
+    """This process's rank in [0, world_size)."""
+    world_size: int = 1
+    """Number of processes (K)."""
+    distributed: bool = False
+    """Launched under torch.distributed (shared prompt and sampling streams); False = a plain run."""
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the process that writes logs, checkpoints and the config."""
+        return self.rank == 0
+
+    @property
+    def _comm(self) -> bool:
+        return self.distributed and self.world_size > 1
+
+    @classmethod
+    def current(cls) -> "DataParallel":
+        """The running process group's rank and size, or :data:`LOCAL` when none is initialised."""
+        if dist.is_available() and dist.is_initialized():
+            return cls(dist.get_rank(), dist.get_world_size(), True)
+        return LOCAL
+
+    # ------------------------------------------------------------------ data
+    def shard(self, idx: torch.Tensor, weights: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
+        """This rank's contiguous share of a global minibatch ``idx`` and the share's loss weight.
+
+        The weight is ``weights[share].sum() / weights[idx].sum()`` (``weights[i]``: row i's part of the
+        loss's denominator, default 1 per row), so the ranks' weighted losses add up to the global one.
+
+        Raises:
+            ValueError: when the minibatch has fewer rows than there are ranks.
+        """
+        if not self.distributed:
+            return idx, 1.0
+        if len(idx) < self.world_size:
+            raise ValueError(f"a minibatch of {len(idx)} rows cannot be split over {self.world_size} processes: "
+                             "use a larger batch or fewer minibatches (each needs at least one row per process)")
+        share = idx.tensor_split(self.world_size)[self.rank]
+        if weights is None:
+            return share, len(share) / len(idx)
+        w = weights.to(torch.float64)
+        total = float(w[idx.to(w.device)].sum())
+        return share, float(w[share.to(w.device)].sum()) / total if total > 0 else 0.0
+
+    def gather(self, *items: Any) -> Any:
+        """Every rank's shard concatenated along dim 0 (rank order), for tensors, Rollouts (tensor and list
+        fields) and None; returns the items unchanged in a plain run."""
+        if not self._comm:
+            return items if len(items) != 1 else items[0]
+        out = tuple(self._gather_one(x) for x in items)
+        return out if len(out) != 1 else out[0]
+
+    def _gather_one(self, x: Any) -> Any:
+        if x is None:
+            return None
+        if isinstance(x, torch.Tensor):
+            parts = [torch.empty_like(x) for _ in range(self.world_size)]
+            dist.all_gather(parts, x.contiguous())
+            return torch.cat(parts)
+        if isinstance(x, list):
+            return [v for part in self.all_gather_object(x) for v in part]
+        if dataclasses.is_dataclass(x):  # a Rollout: its tensors, lists and dicts of [N] tensors
+            out = {f.name: self._gather_one(getattr(x, f.name)) for f in dataclasses.fields(x)
+                   if isinstance(getattr(x, f.name), (torch.Tensor, list))}
+            for f in dataclasses.fields(x):
+                d = getattr(x, f.name)
+                if isinstance(d, dict):  # a name some rank lacks counts 0 on that rank's rows
+                    names = sorted({k for part in self.all_gather_object(sorted(d)) for k in part})
+                    zero = x.tokens.new_zeros(x.tokens.shape[0], dtype=torch.float32)
+                    out[f.name] = {k: self._gather_one(d.get(k, zero)) for k in names}
+            return dataclasses.replace(x, **out)
+        raise TypeError(f"cannot gather {type(x).__name__}")
+
+    # ------------------------------------------------------------------ gradients and statistics
+    def sync_gradients(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """Sum the gradients over ranks in place (each rank's loss is already weighted by its share)."""
+        if not self._comm:
+            return
+        grads = [p.grad for p in params if p.grad is not None]
+        for dtype in sorted({g.dtype for g in grads}, key=str):  # one flat buffer per dtype
+            group = [g for g in grads if g.dtype == dtype]
+            flat = torch.cat([g.reshape(-1) for g in group])
+            dist.all_reduce(flat)
+            for g, v in zip(group, flat.split([g.numel() for g in group])):
+                g.copy_(v.view_as(g))
+
+    def sum(self, values: dict[str, float]) -> dict[str, float]:
+        """Sum each number over ranks (every rank passes the same keys)."""
+        if not self._comm:
+            return values
+        t = torch.tensor([float(v) for v in values.values()], dtype=torch.float64)
+        dist.all_reduce(t)
+        return dict(zip(values, t.tolist()))
+
+    def weighted(self, stats: dict[str, Any], weight: float) -> dict[str, Any]:
+        """Global statistics of a minibatch from each rank's statistics of its share: ``sum over ranks of
+        weight * stat`` (the global mean, with :meth:`shard`'s weights), the maximum for ``*_max`` keys."""
+        if not self.distributed:
+            return stats
+        out = self.sum({k: float(v) * weight for k, v in stats.items() if not k.endswith("_max")})
+        maxima = {k: float(v) for k, v in stats.items() if k.endswith("_max")}
+        if maxima and self._comm:
+            t = torch.tensor(list(maxima.values()), dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            maxima = dict(zip(maxima, t.tolist()))
+        return {k: out[k] if k in out else maxima[k] for k in stats}
+
+    def all_same(self, modules: dict[str, torch.nn.Module]) -> str | None:
+        """None when every rank holds bit-identical weights, else the name of the first tensor that differs."""
+        if not self._comm:
+            return None
+        for name, module in modules.items():
+            tensors = module.state_dict()
+            mine = torch.cat([t.detach().reshape(-1).float() for t in tensors.values()])
+            ref = mine.clone()
+            dist.broadcast(ref, 0)  # rank 0's weights
+            bad = torch.stack([(m != r).any() for m, r in zip(mine.split([t.numel() for t in tensors.values()]),
+                                                                ref.split([t.numel() for t in tensors.values()]))]).float()
+            dist.all_reduce(bad)  # which tensors differ on some rank
+            if bool(bad.any()):
+                return f"{name}.{list(tensors)[int(bad.nonzero()[0, 0])]}"
+        return None
+
+    def broadcast_module(self, module: torch.nn.Module) -> None:
+        """Copy rank 0's parameters and buffers to every rank."""
+        if not self._comm:
+            return
+        with torch.no_grad():
+            for t in list(module.parameters()) + list(module.buffers()):
+                dist.broadcast(t.data, 0)
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's value of ``obj`` on every rank."""
+        if not self._comm:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, 0)
+        return box[0]
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order."""
+        if not self._comm:
+            return [obj]
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def barrier(self) -> None:
+        if self._comm:
+            dist.barrier()
+
+
+LOCAL = DataParallel()
+"""A plain single-process run."""
+
+
+def aggregation_weights(mask: torch.Tensor, aggregation: str) -> torch.Tensor:
+    """Row i's part of the loss denominator of :func:`~tokengym.agents.functional.masked_aggregate`: its
+    valid tokens (``token-mean``), 1 if it has any (``seq-mean-token-mean``), or 1 (``seq-mean-token-sum``)."""
+    n_tok = (mask != 0).sum(1)
+    if aggregation == "token-mean":
+        return n_tok
+    if aggregation == "seq-mean-token-mean":
+        return (n_tok > 0).long()
+    if aggregation == "seq-mean-token-sum":
+        return torch.ones_like(n_tok)
+    raise ValueError(f"unknown aggregation {aggregation!r}")
+
+
+# ---------------------------------------------------------------------------------------------- process group
+_OWNED = False  # whether init() created the process group (then shutdown() destroys it)
+
+
+def init(device: str = "cpu") -> tuple[DataParallel, str]:
+    """Join the ``torchrun`` process group when ``WORLD_SIZE`` is set; return ``(dp, device)``.
+
+    The backend is nccl for a CUDA device and gloo otherwise; ``device="cuda"`` becomes
+    ``cuda:<LOCAL_RANK>``. Without ``WORLD_SIZE`` (a plain run) returns ``(LOCAL, device)``.
+    """
+    global _OWNED
+    if "WORLD_SIZE" not in os.environ:
+        return DataParallel.current(), device
+    if device == "cuda":
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+    if not dist.is_initialized():
+        cuda = device.startswith("cuda")
+        if cuda:
+            torch.cuda.set_device(torch.device(device))
+        dist.init_process_group("nccl" if cuda else "gloo")
+        _OWNED = True
+    return DataParallel.current(), device
+
+
+def shutdown() -> None:
+    """Destroy the process group if :func:`init` created it."""
+    global _OWNED
+    if _OWNED and dist.is_initialized():
+        dist.destroy_process_group()
+    _OWNED = False
+
+
+def seed_rank(seed: int, dp: DataParallel) -> None:
+    """Seed Python, numpy and torch's global generators from ``(seed, rank)``: different per rank, reproducible.
+
+    (What must be identical on every rank, prompts and sampling, uses the agents' own shared-seed generators.)
+    """
+    s = int(np.random.SeedSequence([seed, dp.rank]).generate_state(1)[0])
+    random.seed(s)
+    np.random.seed(s)
+    torch.manual_seed(s)
+
+
+# ---------------------------------------------------------------------------------------------- shared streams
+class ShardedTask:
+    """A task whose ``batch(rng, n)`` draws the global batch of ``n * world_size`` prompts and keeps rows
+    ``rank * n .. (rank + 1) * n``; everything else is the wrapped task's."""
+
+    def __init__(self, task: Any, rank: int, world_size: int, on_batch: Any = None):
+        self.task, self.rank, self.world_size, self.on_batch = task, rank, world_size, on_batch
+
+    def batch(self, rng: np.random.Generator, n: int) -> list[dict[str, Any]]:
+        rows = self.task.batch(rng, n * self.world_size)
+        if self.on_batch is not None:
+            self.on_batch()
+        return rows[self.rank * n:(self.rank + 1) * n]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.task, name)
+
+
+class SharedNoise:
+    """Uniforms for inverse-CDF sampling: each call draws one per row of the global batch (``n * world_size``)
+    from a generator every rank holds alike and returns this rank's ``n`` rows.
+
+    :meth:`reseed` (called at every new global batch of prompts) reseeds that generator from the policy's
+    own generator, so each rollout consumes the same randomness however early a rank's episodes end, and
+    the policy generator (saved in checkpoints) stays the only state.
+    """
+
+    def __init__(self, source: torch.Generator, rank: int, world_size: int):
+        self.source, self.rank, self.world_size = source, rank, world_size
+        self.generator = torch.Generator(device=source.device)
+
+    def reseed(self) -> None:
+        seed = torch.randint(0, 2**62, (1,), generator=self.source, device=self.source.device)
+        self.generator.manual_seed(int(seed))
+
+    def __call__(self, n: int) -> torch.Tensor:
+        u = torch.rand(n * self.world_size, generator=self.generator, device=self.generator.device)
+        return u[self.rank * n:(self.rank + 1) * n]
+
+
+def prepare(agent: Any, env: Any = None, dp: DataParallel | None = None) -> DataParallel:
+    """Make ``agent`` (and its rollout ``env``) data-parallel under the current process group.
+
+    Sets ``agent.dp``, copies rank 0's weights of ``agent.checkpoint_modules()`` to every rank, and for
+    an env shards its prompt stream (:class:`ShardedTask`) and the policy's sampling (:class:`SharedNoise`).
+    A plain run (no process group) is left as it is.
+    """
+    dp = dp or DataParallel.current()
+    if not dp.distributed:
+        return dp
+    agent.dp = dp
+    for module in agent.checkpoint_modules().values():
+        dp.broadcast_module(module)
+    if env is not None:
+        noise = SharedNoise(agent.policy.generator, dp.rank, dp.world_size)
+        env.task = ShardedTask(env.task, dp.rank, dp.world_size, on_batch=noise.reseed)
+        agent.policy.noise = noise
+    return dp

@@ -1,0 +1,138 @@
+"""Data-parallel training (agents/distributed.py): a 2-process gloo run equals a 1-process one.
+
+The 2-process run is a real ``torchrun`` launch of ``tokengym train`` (through ``dist_worker.py``); the
+1-process reference runs ``tokengym train`` in this process as a 1-process torch.distributed job (same
+shared prompt and sampling streams, no communication). Both use the same global batch, so the final
+parameters and logged metrics must agree up to float rounding; the 2-process run also checks at every
+checkpoint that its ranks hold bit-identical weights (it fails otherwise).
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tokengym.agents import distributed as D
+from tokengym.agents.cli import main
+from tokengym.agents.policy import sample_logits
+from tokengym.envs.tasks import ArithmeticTask
+
+COMMON = ["--eval-prompts", "0", "--save-every", "1", "--threads", "1", "--progress", "false"]
+RUNS = {  # name -> command line (GRPO with minibatches, batch scaling and token-mean; DPO with a live reference)
+    "grpo": ["train", "grpo", "--steps", "3", "--prompts", "2", "--group-size", "4", "--minibatches", "2",
+             "--scale-rewards", "batch", "--aggregation", "token-mean", *COMMON],
+    "dpo": ["train", "dpo", "--steps", "3", "--batch-size", "8", "--num-pairs", "64", *COMMON],
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _commands(runs_dir: str) -> list[list[str]]:
+    return [argv + ["--runs-dir", runs_dir, "--name", name] for name, argv in RUNS.items()]
+
+
+def _metrics(path: str) -> list[dict]:
+    with open(path) as f:
+        return [{k: v for k, v in json.loads(line).items() if k != "time" and not k.startswith(("time/", "perf/"))} for line in f]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """``(two_process_dir, one_process_dir)``: the same runs with 2 ranks (torchrun) and 1 rank (in-process)."""
+    root = tmp_path_factory.mktemp("dist")
+    worker = os.path.join(os.path.dirname(__file__), "dist_worker.py")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    two = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
+         f"--rdzv-endpoint=127.0.0.1:{_free_port()}", "--rdzv-backend=c10d", worker, str(root / "two"),
+         json.dumps(_commands(str(root / "two")))],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    threads = torch.get_num_threads()
+    saved = {k: os.environ.get(k) for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    os.environ.update(WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    try:
+        for argv in _commands(str(root / "one")):
+            assert main(argv) == 0
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        torch.set_num_threads(threads)
+    out, _ = two.communicate(timeout=300)
+    assert two.returncode == 0, out[-4000:]
+    return root / "two", root / "one"
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_two_processes_match_one(runs, name):
+    two, one = runs
+    a = load_file(str(two / name / "model" / "model.safetensors"))
+    b = load_file(str(one / name / "model" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    init = load_file(str(one / name / "checkpoints" / "step-00000002" / "policy.safetensors"))
+    moved = max(float((b[k] - init[k]).abs().max()) for k in b)
+    assert moved > 1e-5  # the last step changed the weights, so the comparison means something
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name} {k}: {m}")
+    m2, m1 = _metrics(str(two / name / "metrics.jsonl")), _metrics(str(one / name / "metrics.jsonl"))
+    assert [r["step"] for r in m2] == [r["step"] for r in m1]  # rank 0 alone wrote the log (no duplicates)
+    assert sorted({r["step"] for r in m2}) == [1, 2, 3]
+    for r2, r1 in zip(m2, m1):
+        assert r2.keys() == r1.keys()
+        for k in r1:
+            assert r2[k] == pytest.approx(r1[k], rel=1e-4, abs=1e-5), (name, r1["step"], k)
+
+
+def test_all_same_spots_a_diverged_rank(runs):
+    with open(runs[0] / "all_same.json") as f:
+        assert json.load(f) == {"same": None, "differs": "m.1.bias"}
+
+
+def test_inverse_cdf_sampling_matches_the_distribution():
+    logits = torch.log(torch.tensor([[0.1, 0.0, 0.6, 0.3]])).expand(4000, -1)
+    u = torch.rand(4000, generator=torch.Generator().manual_seed(0))
+    tok, logp = sample_logits(logits, uniform=u)
+    freq = torch.bincount(tok, minlength=4).float() / 4000
+    torch.testing.assert_close(freq, torch.tensor([0.1, 0.0, 0.6, 0.3]), atol=0.03, rtol=0)
+    assert torch.equal(logp, logits.log_softmax(-1).gather(1, tok[:, None])[:, 0])
+    # hand-computed: cumulative [0.1, 0.1, 0.7, 1.0]; a zero-probability token is never returned
+    edge = torch.tensor([0.0, 0.0999, 0.1001, 0.7001, 1.0 - 1e-7])
+    tok, _ = sample_logits(logits[:5], uniform=edge)
+    assert tok.tolist() == [0, 0, 2, 3, 3]
+    tok, _ = sample_logits(torch.tensor([[3.0, 2.0, 1.0, 0.0]]).expand(3, -1), top_k=2, uniform=torch.tensor([0.0, 0.5, 1.0 - 1e-7]))
+    assert set(tok.tolist()) <= {0, 1}
+
+
+def test_sharded_task_keeps_the_global_prompt_stream():
+    task = ArithmeticTask(n_operands=2, digits=2, operators="+")
+    full = task.batch(np.random.default_rng(3), 6)
+    rngs = [np.random.default_rng(3) for _ in range(3)]
+    calls = []
+    shards = [D.ShardedTask(task, r, 3, on_batch=lambda: calls.append(1)).batch(rngs[r], 2) for r in range(3)]
+    assert [s for shard in shards for s in shard] == full and len(calls) == 3
+    assert D.ShardedTask(task, 0, 3).name == task.name  # everything else is the task's
+
+
+def test_shard_weights_add_up_and_local_is_the_identity():
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0], [1, 1, 1]])
+    idx = torch.tensor([3, 0, 1, 2])
+    assert D.LOCAL.shard(idx) == (idx, 1.0)
+    for agg, total in (("token-mean", 6), ("seq-mean-token-mean", 3), ("seq-mean-token-sum", 4)):
+        w = D.aggregation_weights(mask, agg)
+        shares = [D.DataParallel(r, 2, True).shard(idx, w) for r in range(2)]
+        assert torch.equal(torch.cat([s for s, _ in shares]), idx)
+        assert sum(x for _, x in shares) == pytest.approx(1.0)
+        assert shares[0][1] == pytest.approx(float(w[idx[:2]].sum()) / total)
+    with pytest.raises(ValueError, match="cannot be split over 3 processes"):
+        D.DataParallel(0, 3, True).shard(idx[:2])
+    ro = object()
+    assert D.LOCAL.gather(ro) is ro and D.LOCAL.weighted({"a": 1}, 0.5) == {"a": 1}
