@@ -17,12 +17,41 @@ def target_env(n=32):
 
 
 def test_ppo_learns_the_toy_target_and_its_critic_explains_returns():
-    agent = PPOAgent(Policy.from_pretrained("tiny"), PPOConfig(steps=45, lr=1e-3, mu=2, minibatches=1, kl_coef=0.0))
+    # defaults but a higher lr (the default is tuned for warm starts; see the slow test below)
+    agent = PPOAgent(Policy.from_pretrained("tiny"), PPOConfig(steps=70, lr=1e-4))
     history = agent.learn(target_env())
     assert history[0]["objective/score"] < 0.1
     assert max(r["objective/score"] for r in history[-5:]) > 0.9
-    # the critic regresses onto the returns: positive explained variance while rewards still vary
-    assert max(r["train/explained_variance"] for r in history) > 0.3
+    # the critic regresses onto the returns: explained variance turns clearly positive and stays there
+    assert history[0]["train/explained_variance"] < 0.1
+    assert min(r["train/explained_variance"] for r in history[-5:]) > 0.5
+    assert max(abs(r["train/value_mean"]) for r in history) < 1.5  # no drift: rewards are in [0, 1]
+
+
+@pytest.mark.slow
+def test_default_config_learns_the_toy_target():
+    history = PPOAgent(Policy.from_pretrained("tiny"), PPOConfig(steps=160)).learn(target_env())
+    assert max(r["objective/score"] for r in history[-10:]) > 0.9
+
+
+@pytest.mark.slow
+def test_default_config_raises_heldout_greedy_accuracy_from_the_sft_warm_start():
+    """Measured here: 65.5% -> 73.5% after 40 updates (seeds 0 and 1), 200 held-out prompts, verifier reward."""
+    from tokengym.agents import evaluate, heldout_samples
+    from tokengym.envs import TokenVectorEnv
+    from tokengym.envs.tasks import ArithmeticTask
+
+    def task():
+        return ArithmeticTask(n_operands=(2, 3), digits=2, operators="+")
+
+    policy = Policy.from_pretrained("tiny-arithmetic")
+    eval_env, samples = TokenVectorEnv(100, task()), heldout_samples(task(), 200)
+    before = evaluate(policy, eval_env, samples)["accuracy"]
+    history = PPOAgent(policy, PPOConfig(steps=40)).learn(TokenVectorEnv(64, task()))
+    after = evaluate(policy, eval_env, samples)["accuracy"]
+    assert 0.55 < before < 0.75, before
+    assert after >= before + 0.05, (before, after)
+    assert max(r["train/explained_variance"] for r in history) > 0.2
 
 
 def test_rewards_subtract_beta_kl_on_action_tokens_only():
