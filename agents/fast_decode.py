@@ -22,6 +22,13 @@ model's own weights, with everything that does not change from step to step prep
   ``addcmul``) and attention (``baddbmm``, softmax, ``bmm``) are a handful of kernels per layer. The fused weights are a copy, rebuilt
   at every prefill (once per rollout batch), so any optimiser step between rollouts is picked up,
   fused optimisers included (they update parameters without bumping their version counters).
+* **Prepacked GEMMs on CPU.** Where PyTorch's oneDNN linear kernels are available (and pass a
+  one-time check against ``torch.mm``), the fused matrices are reordered once per prefill into
+  oneDNN's blocked layout and multiplied with ``torch.ops.mkldnn._linear_pointwise`` (the residual
+  add fused in): for the few-row GEMMs of a decode step that is ~1.3x faster than ``torch.mm`` (MKL)
+  on the AVX-512 CPU measured here, for matrices of at least ``_PACK_MIN_NUMEL`` entries (smaller
+  ones, e.g. all of the ``tiny`` preset's, are faster with ``torch.mm``). Elsewhere (GPU, other builds) the matrices are plain
+  ``[in, out]`` tensors for ``torch.mm``.
 * **bf16 weights under autocast.** A prefill inside ``torch.autocast(device, dtype=torch.bfloat16)``
   (what ``GRPOConfig(bf16=True)`` wraps its rollout in) keeps the fused matrices in bf16 and multiplies
   in bf16, as autocast would; the residual stream, norms, RoPE, attention and the KV cache stay fp32.
@@ -38,6 +45,7 @@ uses the generic ``transformers`` path.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -46,6 +54,8 @@ from torch import nn
 
 __all__ = ["StaticDecoder", "unsupported_reason"]
 
+_PACK_MIN_NUMEL = 1 << 17
+"""Smaller matrices stay on ``torch.mm``: below ~256 x 512 oneDNN's per-call cost outweighs its faster GEMM."""
 _ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
 _STATIC_ROPE = {"default", "linear", "llama3", "yarn"}  # inverse frequencies do not depend on the length
 _LAYER_MODULES = ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
@@ -151,8 +161,9 @@ class StaticDecoder:
             out += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
         return out
 
-    def _refresh(self, mm_dtype: torch.dtype | None = None) -> None:
-        """(Re)build the fused weights from the model's current parameters (matrices in ``mm_dtype``).
+    def _refresh(self, mm_dtype: torch.dtype | None = None, rows: int = 1) -> None:
+        """(Re)build the fused weights from the model's current parameters (matrices in ``mm_dtype``,
+        oneDNN-packed for GEMMs of about ``rows`` rows where :func:`_packed_ok`).
 
         Called at every prefill (once per rollout batch): version counters alone cannot tell whether
         weights changed (a fused optimizer step, for one, updates parameters without bumping them), and
@@ -161,9 +172,15 @@ class StaticDecoder:
         key = tuple((t.data_ptr(), _version(t), t.dtype, t.device) for t in self._sources())
         G, rep, hd = self.n_kv, self.rep, self.head_dim
         mm_dtype = mm_dtype or self.model.model.embed_tokens.weight.dtype
+        pack = _packed_ok(self.model.model.embed_tokens.weight.device, mm_dtype)
 
-        def mat(w: torch.Tensor) -> torch.Tensor:  # [out, in] -> contiguous [in, out] in mm_dtype, one copy
+        def mat(w: torch.Tensor) -> torch.Tensor:  # [out, in] -> packed, or contiguous [in, out], in mm_dtype
+            if pack and w.numel() >= _PACK_MIN_NUMEL:
+                return torch.ops.mkldnn._reorder_linear_weight(w.detach().to(mm_dtype).contiguous(), rows)
             return w.detach().t().to(mm_dtype, memory_format=torch.contiguous_format)
+
+        def vec(b: torch.Tensor | None) -> torch.Tensor | None:  # biases are added in the matrices' dtype (as autocast does)
+            return None if b is None else b.detach().to(mm_dtype).contiguous()
 
         layers = []
         with torch.no_grad():
@@ -179,21 +196,21 @@ class StaticDecoder:
                     zeros = lambda mod, n: mod.bias if mod.bias is not None else mod.weight.new_zeros(n)  # noqa: E731
                     b = torch.cat([zeros(a.q_proj, G * rep * hd).view(G, rep, hd), zeros(a.k_proj, G * hd).view(G, 1, hd),
                                    zeros(a.v_proj, G * hd).view(G, 1, hd)], 1)
-                    b_qkv = b.reshape(-1).clone()
+                    b_qkv = vec(b.reshape(-1))
                 I = p.gate_proj.weight.shape[0]
                 w_gu = mat(torch.cat([p.gate_proj.weight, p.up_proj.weight], 0))
                 b_gu = None
                 if p.gate_proj.bias is not None or p.up_proj.bias is not None:
                     gb = p.gate_proj.bias if p.gate_proj.bias is not None else p.gate_proj.weight.new_zeros(I)
                     ub = p.up_proj.bias if p.up_proj.bias is not None else p.up_proj.weight.new_zeros(I)
-                    b_gu = torch.cat([gb, ub]).clone()
+                    b_gu = vec(torch.cat([gb, ub]))
                 layers.append((
                     layer.input_layernorm.weight.detach(), float(layer.input_layernorm.variance_epsilon),
                     w_qkv, b_qkv,
-                    mat(a.o_proj.weight), None if a.o_proj.bias is None else a.o_proj.bias.detach(),
+                    mat(a.o_proj.weight), vec(a.o_proj.bias),
                     layer.post_attention_layernorm.weight.detach(), float(layer.post_attention_layernorm.variance_epsilon),
                     w_gu, b_gu, I,
-                    mat(p.down_proj.weight), None if p.down_proj.bias is None else p.down_proj.bias.detach(),
+                    mat(p.down_proj.weight), vec(p.down_proj.bias),
                 ))
             self._embed = self.model.model.embed_tokens.weight.detach()
             self._norm_w = self.model.model.norm.weight.detach()
@@ -250,7 +267,7 @@ class StaticDecoder:
             raise ValueError(f"StaticDecoder cannot run this model: {reason}")
         dev_type = self.model.model.embed_tokens.weight.device.type
         amp = torch.get_autocast_dtype(dev_type) if torch.is_autocast_enabled(dev_type) else None
-        self._refresh(amp)
+        self._refresh(amp, rows=tokens.shape[0])
         with torch.autocast(dev_type, enabled=False):  # dtypes are explicit below
             return self._prefill(tokens, mask, int(max_new_tokens), width)
 
@@ -355,21 +372,48 @@ class StaticDecoder:
 
 
 def _lin(a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """``a @ w + b`` with the product taken in ``w``'s dtype (as autocast would), returned in ``a``'s dtype."""
-    if w.dtype != a.dtype:
-        y = (a.to(w.dtype) @ w).to(a.dtype)
-        return y if b is None else y + b
-    if b is None:
-        return a @ w
-    return torch.addmm(b, a, w) if a.dim() == 2 else a @ w + b
+    """``a @ W^T + b`` for a matrix from ``StaticDecoder._refresh`` (packed, or ``[in, out]``): the product
+    is taken in ``w``'s dtype (as autocast would) and returned in ``a``'s dtype."""
+    x = a.to(w.dtype)
+    if w.is_mkldnn:
+        y = torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+    elif b is None:
+        y = x @ w
+    else:
+        y = torch.addmm(b, x, w) if x.dim() == 2 else x @ w + b
+    return y.to(a.dtype)
 
 
 def _lin_add(x: torch.Tensor, a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """``x + a @ w (+ b)``: one fused ``addmm`` when all dtypes agree (the residual adds of a decode step)."""
-    if w.dtype == x.dtype and a.dtype == x.dtype:
-        x = torch.addmm(x, a, w)
-        return x if b is None else x + b
-    return x + _lin(a, w, b)
+    """``x + a @ W^T (+ b)``, the residual add fused into the GEMM when all dtypes agree (decode steps)."""
+    if w.dtype != x.dtype or a.dtype != x.dtype:
+        return x + _lin(a, w, b)
+    if w.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise.binary(a, x, w, b, "add")
+    y = torch.addmm(x, a, w)
+    return y if b is None else y + b
+
+
+@functools.lru_cache(maxsize=None)
+def _packed_ok(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether oneDNN's prepacked linear runs here for ``dtype`` and agrees with ``torch.mm`` (checked once)."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        g = torch.Generator().manual_seed(0)
+        w, a, x = (torch.randn(*shape, generator=g) for shape in ((24, 40), (5, 40), (5, 24)))
+        w, a = w.to(dtype), a.to(dtype)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, 5)
+        ref = (a.float() @ w.float().t())
+        out = torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], "").float()
+        tol = 1e-4 if dtype == torch.float32 else 0.1
+        ok = (out - ref).abs().max().item() < tol * 40
+        if dtype == x.dtype:
+            fused = torch.ops.mkldnn._linear_pointwise.binary(a, x, packed, None, "add")
+            ok = ok and (fused - (x + ref)).abs().max().item() < tol * 40
+        return bool(ok)
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
 
 
 def _version(t: torch.Tensor) -> int | None:

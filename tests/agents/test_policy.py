@@ -75,8 +75,19 @@ def prompts(n=6, seed=1, max_new_tokens=8):
     return tokens, mask
 
 
+@pytest.fixture(params=[False, True], ids=["mm", "packed"])
+def packed(request, monkeypatch):
+    """Run the fast decoder's GEMMs on torch.mm, or on oneDNN-packed weights for every matrix (when available)."""
+    from tokengym.agents import fast_decode
+
+    if request.param and not fast_decode._packed_ok(torch.device("cpu"), torch.float32):
+        pytest.skip("oneDNN linear not available in this torch build")
+    monkeypatch.setattr(fast_decode, "_PACK_MIN_NUMEL", 0 if request.param else 1 << 62)
+    return request.param
+
+
 @pytest.mark.parametrize("name", ["llama-mha", "llama-gqa", "llama-mqa-bias-headdim", "llama3-rope-tied", "qwen2", "mistral"])
-def test_fast_logits_equal_generic_logits(models, name):
+def test_fast_logits_equal_generic_logits(models, name, packed):
     model = models[name]
     tok = char_tokenizer()
     tokens, mask = prompts()
@@ -87,6 +98,8 @@ def test_fast_logits_equal_generic_logits(models, name):
         a = fast.prefill(tokens, mask, max_new_tokens=steps)
         b = generic.prefill(tokens, mask, max_new_tokens=steps)
         assert fast.fast_path_active and not generic.fast_path_active
+        layer = fast._fast._layers[0]
+        assert all(layer[i].is_mkldnn == packed for i in (2, 4, 8, 11))  # w_qkv, w_o, w_gate_up, w_down
         diffs = [(a - b).abs().max().item()]
         for _ in range(steps):
             nxt = torch.randint(3, len(tok), (tokens.shape[0],), generator=g)
@@ -112,7 +125,7 @@ def test_fast_rollout_logprobs_equal_full_forward(overrides):
     assert diff < TOL, diff
 
 
-def test_fast_rollout_under_bf16_autocast_multiplies_bf16_weights_and_matches_an_autocast_forward():
+def test_fast_rollout_under_bf16_autocast_multiplies_bf16_weights_and_matches_an_autocast_forward(packed):
     model, tok = tiny(num_key_value_heads=2)
     policy = Policy(model, tok, seed=0)
     env = TokenVectorEnv(16, "arithmetic", max_new_tokens=24)
