@@ -104,14 +104,21 @@ class LearnedPRM:
             ends.append(len(ids) - 1)
         return ids, ends
 
-    def step_logprobs(self, encoded: Sequence[tuple[list[int], list[int]]]) -> list[torch.Tensor]:
-        """Log-probability that each step is good, per solution (with autograd), in one forward pass."""
+    def step_logits(self, encoded: Sequence[tuple[list[int], list[int]]]) -> torch.Tensor:
+        """Logits ``[S, num_labels]`` at the step ends of encoded solutions (all their steps, in order), with
+        autograd, from one forward pass."""
         tokens, mask = pad_right([ids for ids, _ in encoded], self.pad_id, _device(self.model))
         logits = self.model(input_ids=tokens, attention_mask=mask.long()).logits
         if logits.shape[:2] != tokens.shape or logits.shape[-1] != self.num_labels:
             raise ValueError(f"the PRM returned logits of shape {tuple(logits.shape)}; expected {tuple(tokens.shape) + (self.num_labels,)}")
-        good = HEADS[self.num_labels][0](logits)
-        return [good[i, ends] for i, (_, ends) in enumerate(encoded)]
+        rows = torch.tensor([i for i, (_, ends) in enumerate(encoded) for _ in ends], dtype=torch.long, device=tokens.device)
+        cols = torch.tensor([e for _, ends in encoded for e in ends], dtype=torch.long, device=tokens.device)
+        return logits[rows, cols]
+
+    def step_logprobs(self, encoded: Sequence[tuple[list[int], list[int]]]) -> list[torch.Tensor]:
+        """Log-probability that each step is good, one tensor per solution (with autograd)."""
+        good = HEADS[self.num_labels][0](self.step_logits(encoded))
+        return list(good.split([len(ends) for _, ends in encoded]))
 
     def __call__(self, prompts: list[str], steps: list[list[str]], **fields: Any) -> list[list[float]]:
         if len(prompts) != len(steps):
@@ -228,17 +235,12 @@ def train_prm(model: torch.nn.Module, tokenizer: Any, examples: Any, config: PRM
 
     train_x, train_y = encode(rows)
     held_x, held_y = encode(held) if held else ([], [])
-    device = _device(model)
 
-    def batch_stats(x: list, y: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
-        tokens, mask = pad_right([ids for ids, _ in x], prm.pad_id, device)
-        logits = model(input_ids=tokens, attention_mask=mask.long()).logits
-        rows_, cols = zip(*[(i, e) for i, (_, ends) in enumerate(x) for e in ends])
-        step_logits = logits[torch.tensor(rows_, device=device), torch.tensor(cols, device=device)]
-        labels = torch.cat(y).to(device)
-        loss = loss_fn(step_logits, labels).mean()
-        right = (HEADS[prm.num_labels][0](step_logits).exp() >= 0.5) == (labels >= 0.5)
-        return loss, right
+    def batch_stats(x: list, y: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = prm.step_logits(x)
+        labels = torch.cat(y).to(logits.device)
+        right = (HEADS[prm.num_labels][0](logits).exp() >= 0.5) == (labels >= 0.5)
+        return loss_fn(logits, labels).mean(), right
 
     def step_loss(idx: list[int]) -> tuple[torch.Tensor, dict[str, float]]:
         loss, right = batch_stats([train_x[i] for i in idx], [train_y[i] for i in idx])
