@@ -84,6 +84,8 @@ class PPOConfig:
     """Entropy bonus coefficient."""
     max_grad_norm: float = 1.0
     """Gradient clipping norm for policy and critic (0 = off)."""
+    bf16: bool = False
+    """bf16 autocast in the rollout, the reference/critic passes and the update's forward (faster on CPUs with bf16 matmuls; ratios are 1 only up to bf16 rounding)."""
     share_trunk: bool = False
     """Critic shares the policy's transformer trunk (one backbone, two heads) instead of its own copy."""
     eval_every: int = 0
@@ -120,6 +122,12 @@ class AdaptiveKLController:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.value, self.target, self.horizon = state["value"], state["target"], state["horizon"]
+
+
+def _used_columns(action_mask: torch.Tensor) -> int:
+    """Generated columns up to the end of the longest row of ``action_mask[N, M]``; later columns are all
+    padding, so the passes over the batch (reference, minibatch updates) skip them."""
+    return max(int(action_mask.sum(1).max()), 1) if action_mask.numel() else 1
 
 
 def ppo_rewards(ro: Rollout, ref_logp: torch.Tensor | None, beta: float, estimator: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,15 +173,25 @@ class PPOAgent:
         t0, r0 = time.perf_counter(), env.reward_seconds
         self.policy.eval()
         self.critic.eval()
-        ro = collect(env, self.policy, self.critic, seed=self.config.seed if self.global_step == 0 else None)
+        with self._autocast(env.device):
+            ro = collect(env, self.policy, self.critic, seed=self.config.seed if self.global_step == 0 else None)
         reward_t = env.reward_seconds - r0
         return ro, {"time/rollout": time.perf_counter() - t0 - reward_t, "time/reward": reward_t}
+
+    def _autocast(self, device: torch.device | str):
+        """bf16 autocast on ``device`` when ``config.bf16`` (a no-op context otherwise)."""
+        return torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=self.config.bf16)
 
     @torch.no_grad()
     def advantages(self, ro: Rollout) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
         """Frozen ``(advantages, returns)`` of a rollout and the KL statistics."""
-        cfg = self.config
-        ref_logp = self.ref(ro.tokens, ro.attention_mask, ro.prompt_len) if self.ref is not None else None
+        cfg, P, M = self.config, ro.prompt_len, ro.action_mask.shape[1]
+        ref_logp = None
+        if self.ref is not None:
+            m = _used_columns(ro.action_mask)
+            with self._autocast(ro.tokens.device):
+                ref_logp = self.ref(ro.tokens[:, : P + m], ro.attention_mask[:, : P + m], P)
+            ref_logp = torch.nn.functional.pad(ref_logp, (0, M - m))
         rewards, kl = ppo_rewards(ro, ref_logp, self.kl_ctl.value, cfg.kl_estimator)
         last_values = ro.last_values if cfg.bootstrap_truncated else None
         adv, ret = F.gae(rewards, ro.values, ro.action_mask, cfg.gamma, cfg.lam, last_values)
@@ -192,7 +210,7 @@ class PPOAgent:
 
     # ------------------------------------------------------------------ update
     def _update(self, ro: Rollout, adv: torch.Tensor, ret: torch.Tensor) -> dict[str, float]:
-        cfg, n, P, M = self.config, ro.num_episodes, ro.prompt_len, ro.action_mask.shape[1]
+        cfg, n, P = self.config, ro.num_episodes, ro.prompt_len
         self.policy.train()
         self.critic.train()
         sums: dict[str, float] = {}
@@ -201,11 +219,13 @@ class PPOAgent:
         for _ in range(cfg.mu):
             order = torch.randperm(n, generator=self._shuffle).to(ro.tokens.device)
             for mb in order.chunk(cfg.minibatches):
-                am = ro.action_mask[mb]
-                logp, ent = self.policy(ro.tokens[mb], ro.attention_mask[mb], P, return_entropy=True)
-                pg, pstats = F.policy_loss(logp, ro.logprobs[mb], adv[mb], am, cfg.clip_eps, cfg.clip_eps_high, cfg.aggregation)
-                values = self.critic(ro.tokens[mb], ro.attention_mask[mb], P)[:, :M]
-                vf, vstats = F.value_loss(values, ro.values[mb], ret[mb], am, cfg.value_clip)
+                m = _used_columns(ro.action_mask[mb])
+                tokens, mask, am = ro.tokens[mb, : P + m], ro.attention_mask[mb, : P + m], ro.action_mask[mb, :m]
+                with self._autocast(tokens.device):
+                    logp, ent = self.policy(tokens, mask, P, return_entropy=True)
+                    values = self.critic(tokens, mask, P)[:, :m]
+                pg, pstats = F.policy_loss(logp, ro.logprobs[mb, :m], adv[mb, :m], am, cfg.clip_eps, cfg.clip_eps_high, cfg.aggregation)
+                vf, vstats = F.value_loss(values, ro.values[mb, :m], ret[mb, :m], am, cfg.value_clip)
                 loss = pg + vf
                 if cfg.entropy_coef > 0:
                     loss = loss - cfg.entropy_coef * F.masked_aggregate(ent, am, cfg.aggregation)

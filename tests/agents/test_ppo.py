@@ -85,6 +85,33 @@ def test_gae_uses_old_values_and_bootstraps_truncated_rows_only_when_asked(boots
     assert torch.allclose(ret[rows, end], ro.rewards[rows, end] + (ro.last_values if bootstrap else 0))
 
 
+def test_passes_over_the_batch_skip_columns_after_the_longest_row():
+    from tokengym.envs import TokenVectorEnv
+    from tokengym.envs.tasks import ArithmeticTask
+
+    policy = Policy.from_pretrained("tiny-arithmetic")  # stops after ~20 tokens, well inside the budget of 48
+    env = TokenVectorEnv(8, ArithmeticTask(n_operands=(2, 3), digits=2, operators="+"), max_new_tokens=48)
+    agent = PPOAgent(policy, PPOConfig(steps=1, minibatches=2))
+    widths = []
+    for module in (policy, agent.ref, agent.critic):
+        forward = module.forward
+        module.forward = lambda tokens, *a, _f=forward, **k: (widths.append(tokens.shape[1]), _f(tokens, *a, **k))[1]
+    history = agent.learn(env)
+    longest, full = env.max_prompt_len + int(history[0]["completion/length_max"]), env.max_prompt_len + 48
+    assert longest < full
+    # collect's critic pass sees the whole buffer; the reference pass and the 2 x 4 minibatch passes of policy
+    # and critic stop at the longest row of their (mini)batch
+    assert widths.count(full) == 1 and len(widths) == 1 + 1 + 2 * 2 * 4
+    assert max(widths[1:]) == longest
+
+
+def test_bf16_rollout_and_update_agree_to_bf16_rounding():
+    agent = PPOAgent(Policy.from_pretrained("tiny"), PPOConfig(steps=1, bf16=True, lr=1e-9, critic_lr=1e-9))
+    record = agent.learn(target_env(8))[0]
+    assert abs(record["train/ratio_mean"] - 1) < 0.02 and record["train/clipfrac"] == 0.0
+    assert all(torch.isfinite(torch.tensor(v)) for v in record.values())
+
+
 def test_adaptive_kl_controller_moves_towards_target():
     ctl = AdaptiveKLController(0.1, target=6.0, horizon=100)
     ctl.update(kl=12.0, n_episodes=10)  # too much KL: beta grows by at most 20% * n / horizon
