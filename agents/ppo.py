@@ -148,6 +148,16 @@ class PPOAgent:
         config: :class:`PPOConfig`.
         critic: a :class:`~tokengym.agents.Critic`; default: ``Critic.from_policy(policy, config.share_trunk, config.seed)``.
         run_dir: where to write TensorBoard events and ``metrics.jsonl`` (None = memory only).
+
+    Example:
+        >>> import gymnasium as gym, tokengym.envs
+        >>> from tokengym.agents import Policy, PPOAgent, PPOConfig
+        >>> env = gym.make_vec("tokengym/Target-v0", num_envs=8, vectorization_mode="vector_entry_point",
+        ...                    partial_credit=True)
+        >>> agent = PPOAgent(Policy.from_pretrained("tiny"), PPOConfig(steps=2))
+        >>> history = agent.learn(env)
+        >>> len(history), sorted(agent.checkpoint_modules())
+        (2, ['critic', 'policy', 'ref'])
     """
 
     def __init__(self, policy, config: PPOConfig | None = None, critic: Critic | None = None, run_dir: str | None = None):
