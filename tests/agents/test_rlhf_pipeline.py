@@ -124,7 +124,8 @@ def test_ppo_against_the_learned_rm_raises_verifier_accuracy(trained_rm):
     * This test's set-up (RM of the fixture, normalised on the warm start's samples, 20 PPO steps):
       lr 5e-5, mu 2, 2 minibatches, kl 0.05: RM score 0.20 -> 0.15, verifier 0.655 -> 0.435;
       lr 2e-5, mu 1, 1 minibatch, kl 0.2: 0.655 -> 0.615; lr 1e-5, mu 4, kl 0.05: 0.655 -> 0.455;
-      lr 5e-5, kl 0.1, no advantage whitening: 0.655 -> 0.51. The RM score never rises: the pairs taught
+      lr 5e-5, kl 0.1, no advantage whitening: 0.655 -> 0.51; PPO's defaults (lr 3e-5, mu 4, kl 0.05) for
+      40 steps, which take the verifier itself 65.5% -> ~73.5%: 0.655 -> 0.295. The RM score never rises: the pairs taught
       it what the policy already does (full, well-formed solutions), so its signal on the policy's samples
       is noise and PPO drifts.
     * For reference, PPO against the verifier itself on the 128-prompt pool: 0.655 -> 0.725 in 20 steps.
