@@ -145,7 +145,7 @@ class DataParallel:
         """Sum each number over ranks (every rank passes the same keys)."""
         if not self._comm:
             return values
-        t = torch.tensor([float(v) for v in values.values()], dtype=torch.float64)
+        t = torch.tensor([float(v) for v in values.values()], dtype=torch.float64, device=_comm_device())
         dist.all_reduce(t)
         return dict(zip(values, t.tolist()))
 
@@ -157,7 +157,7 @@ class DataParallel:
         out = self.sum({k: float(v) * weight for k, v in stats.items() if not k.endswith("_max")})
         maxima = {k: float(v) for k, v in stats.items() if k.endswith("_max")}
         if maxima and self._comm:
-            t = torch.tensor(list(maxima.values()), dtype=torch.float64)
+            t = torch.tensor(list(maxima.values()), dtype=torch.float64, device=_comm_device())
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             maxima = dict(zip(maxima, t.tolist()))
         return {k: out[k] if k in out else maxima[k] for k in stats}
@@ -209,6 +209,13 @@ class DataParallel:
 
 LOCAL = DataParallel()
 """A plain single-process run."""
+
+
+def _comm_device() -> torch.device:
+    """Where small host values go for a collective: the current GPU under nccl, else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def aggregation_weights(mask: torch.Tensor, aggregation: str) -> torch.Tensor:

@@ -62,6 +62,7 @@ import torch
 from tokengym.agents import functional as F
 from tokengym.agents.logger import RunLogger
 from tokengym.agents.config import check_config
+from tokengym.agents.distributed import LOCAL
 from tokengym.agents.models import frozen_copy
 from tokengym.agents.optim import adamw
 from tokengym.agents.policy import AdapterDisabledReference, make_reference
@@ -223,6 +224,7 @@ class DPOLearner:
         self.global_step = 0
         self.epoch = 0
         self._shuffle = torch.Generator().manual_seed(cfg.seed)
+        self.dp = LOCAL  # data parallel: set by distributed.prepare under torchrun
         self._share_prefix = cfg.share_prefix  # None until resolved (see share_prefix)
         self._fit: dict[str, Any] | None = None  # the latest fit's position (what state_dict saves)
         self._resume_fit: dict[str, Any] | None = None  # set by load_state_dict: the next fit continues it
@@ -467,16 +469,18 @@ class DPOLearner:
                 run["pos"] = 0
                 self.epoch += 1
             t0 = time.perf_counter()
-            idx = run["order"][run["pos"] * bs:(run["pos"] + 1) * bs]
+            idx, share = self.dp.shard(run["order"][run["pos"] * bs:(run["pos"] + 1) * bs])  # share = 1 in one process
             batch = self._batch(data, idx)
             for g in self.optimizer.param_groups:
                 g["lr"] = self._lr(run["step"], total)
             ref_seq = self._ref_batch(batch, run["ref_cache"])
             loss, stats = self._loss(batch, ref_seq)
             self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            (loss * share).backward()
+            self.dp.sync_gradients(self.policy.parameters())
             norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf)
             self.optimizer.step()
+            stats = self.dp.weighted(stats, share)  # global means of the batch's statistics
             run["pos"] += 1
             run["step"] += 1
             self.global_step += 1

@@ -17,6 +17,7 @@ import torch
 
 from tokengym.agents import functional as F
 from tokengym.agents.config import check_config
+from tokengym.agents.distributed import LOCAL, aggregation_weights
 from tokengym.agents.logger import RunLogger
 from tokengym.agents.optim import adamw
 from tokengym.agents.policy import make_reference
@@ -126,6 +127,7 @@ class GRPOAgent:
         self.global_step = 0
         self._resume_step: int | None = None  # set by load_state_dict: learn() continues its schedule from here
         self._shuffle = torch.Generator().manual_seed(self.config.seed)
+        self.dp = LOCAL  # data parallel: set by distributed.prepare under torchrun
 
     # ------------------------------------------------------------------ checkpoint state
     def checkpoint_modules(self) -> dict[str, torch.nn.Module]:
@@ -178,6 +180,7 @@ class GRPOAgent:
         for _ in range(cfg.mu):
             order = torch.randperm(n, generator=self._shuffle).to(ro.tokens.device)
             for mb in order.chunk(cfg.minibatches):
+                mb, share = self.dp.shard(mb, aggregation_weights(ro.action_mask, cfg.aggregation))
                 am = ro.action_mask[mb]
                 with self._autocast(ro.tokens.device):
                     logp, ent = self.policy(ro.tokens[mb], ro.attention_mask[mb], ro.prompt_len, return_entropy=True)
@@ -190,12 +193,13 @@ class GRPOAgent:
                 if cfg.entropy_coef > 0:
                     loss = loss - cfg.entropy_coef * F.masked_aggregate(ent, am, cfg.aggregation)
                 self.optimizer.zero_grad(set_to_none=True)
-                loss.backward()
+                (loss * share).backward()  # share = 1 in a single process
+                self.dp.sync_gradients(self.policy.parameters())
                 norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf)
                 self.optimizer.step()
                 stats["grad_norm"] = norm
                 stats["loss"] = loss.detach()
-                for k, v in stats.items():
+                for k, v in self.dp.weighted(stats, share).items():  # global statistics of the minibatch
                     sums[k] = sums.get(k, 0.0) + float(v)
                 count += 1
         return {f"train/{k}": v / count for k, v in sums.items()}
@@ -230,13 +234,14 @@ class GRPOAgent:
             for _ in range(cfg.steps - max(0, done - it * cfg.steps)):
                 t_start = time.perf_counter()
                 ro, timing = self._rollout(env)
-                adv = grpo_advantages(ro, cfg.advantage, cfg.scale_rewards)
-                if cfg.reuse_rollout_logprobs:
-                    old_logp = ro.logprobs
-                else:
+                old_logp = None
+                if not cfg.reuse_rollout_logprobs:
                     with torch.no_grad(), self._autocast(ro.tokens.device):
                         old_logp = self.policy(ro.tokens, ro.attention_mask, ro.prompt_len)
                 ref_logp = self._ref_logprobs(ro)
+                ro, old_logp, ref_logp = self.dp.gather(ro, old_logp, ref_logp)  # data parallel: the global batch
+                old_logp = ro.logprobs if old_logp is None else old_logp
+                adv = grpo_advantages(ro, cfg.advantage, cfg.scale_rewards)
                 t_up = time.perf_counter()
                 metrics = self._update(ro, adv, old_logp, ref_logp)
                 timing["time/update"] = time.perf_counter() - t_up

@@ -53,12 +53,15 @@ def sample_logits(
     top_p: float = 1.0,
     greedy: bool = False,
     generator: torch.Generator | None = None,
+    uniform: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row of ``logits[N, V]``; return ``(tokens[N], logprobs[N])``.
 
     The log-probability is under the distribution actually sampled from (temperature, then top-k,
     then top-p). ``greedy`` takes the argmax and reports its log-probability under the temperature-scaled
-    distribution. Everything stays on the device (no host sync).
+    distribution. Everything stays on the device (no host sync). ``uniform[N]`` in [0, 1) switches from
+    ``torch.multinomial`` to inverse-CDF sampling with one given uniform per row (data-parallel runs draw
+    them from a stream shared by all ranks, see :mod:`tokengym.agents.distributed`).
     """
     logits = logits.float()
     if greedy:
@@ -76,7 +79,14 @@ def sample_logits(
         drop = (cum - sorted_logits.softmax(-1)) >= top_p  # keep the smallest prefix whose mass reaches top_p
         logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
     logp = torch.log_softmax(logits, -1)
-    tok = torch.multinomial(logp.exp(), 1, generator=generator)[:, 0]
+    if uniform is None:
+        tok = torch.multinomial(logp.exp(), 1, generator=generator)[:, 0]
+    else:  # the first token whose cumulative probability exceeds u; never one of probability 0
+        probs = logp.exp()
+        cdf = probs.cumsum(-1)
+        tok = torch.searchsorted(cdf, (uniform.to(cdf) * cdf[:, -1])[:, None], right=True)[:, 0]
+        last = probs.shape[-1] - 1 - (probs > 0).flip(-1).long().argmax(-1)
+        tok = torch.minimum(tok, last)
     return tok, logp.gather(-1, tok[:, None])[:, 0]
 
 
@@ -204,8 +214,14 @@ class Policy(nn.Module):
         return self._forward_cached(tokens[:, None], self._mask, self._pos[:, None], self._cache)
 
     def sample(self, logits: torch.Tensor, greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sample with the policy's settings and generator; see :func:`sample_logits`."""
-        return sample_logits(logits, self.temperature, self.top_k, self.top_p, greedy, self.generator)
+        """Sample with the policy's settings and generator; see :func:`sample_logits`.
+
+        A data-parallel run sets ``policy.noise`` (:class:`~tokengym.agents.distributed.SharedNoise`):
+        then each row's uniform comes from it (inverse-CDF sampling) instead of ``torch.multinomial``.
+        """
+        noise = getattr(self, "noise", None)
+        uniform = noise(logits.shape[0]) if noise is not None and not greedy else None
+        return sample_logits(logits, self.temperature, self.top_k, self.top_p, greedy, self.generator, uniform)
 
     @torch.inference_mode()
     def act(self, obs: dict[str, torch.Tensor], prompt_len: int, greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -73,6 +73,9 @@ class RunConfig:
     """Show a progress bar (on a terminal; otherwise a line every 10% of the run)."""
 
 
+# Algorithms that run data-parallel under torchrun with several processes (see agents/distributed.py).
+DATA_PARALLEL = {"grpo", "dpo"}
+
 # Keys that may differ when resuming; everything else must match the saved config.
 RESUMABLE = {"save_every", "keep_checkpoints", "threads", "progress", "device"}
 
@@ -119,6 +122,16 @@ def load_policy(run: RunConfig, seed: int):
         return Policy.from_pretrained(run.model, device=run.device, temperature=run.temperature, seed=seed)
     except (FileNotFoundError, ValueError, OSError) as e:
         raise R.UsageError(f"cannot load model {run.model!r}: {str(e).splitlines()[0]}") from None
+
+
+def rank_prompts(run: RunConfig) -> int:
+    """Prompts of the rollout batch this process owns: ``prompts / K`` under torchrun with K processes."""
+    from tokengym.agents.distributed import DataParallel
+
+    k = DataParallel.current().world_size
+    if run.prompts % k:
+        raise R.UsageError(f"prompts={run.prompts} is not divisible by the {k} processes (each owns prompts / {k} whole groups)")
+    return run.prompts // k
 
 
 def eval_setup(run: RunConfig, tokenizer: Any):
@@ -187,7 +200,10 @@ class Trainer:
     """The part every algorithm shares: run folder, logger, checkpoints, resume, progress, kill hook."""
 
     def __init__(self, run: RunConfig, run_dir: str, resume: bool, total: int, agent: Any, env: Any = None):
+        from tokengym.agents import distributed
+
         self.run, self.run_dir, self.agent, self.env, self.total = run, run_dir, agent, env, total
+        self.dp = distributed.prepare(agent, env)  # under torchrun: shard the env batch, rank 0 writes
         self.start_step = 0
         kill = os.environ.get("TOKENGYM_SIGKILL_AFTER_STEP")
         self.kill_at = int(kill) if kill else None
@@ -197,13 +213,16 @@ class Trainer:
             if env is not None and state.get("env") is not None:
                 env.load_state_dict(state["env"])
             self.start_step = int(state["step"])
-        kept = R.truncate_metrics(run_dir, self.start_step) if resume else []
+            if len(state.get("rank_rng") or []) == self.dp.world_size:  # each rank's own global RNGs
+                R.set_rng_state(state["rank_rng"][self.dp.rank])
+        main = self.dp.is_main
+        kept = R.truncate_metrics(run_dir, self.start_step) if resume and main else []
         from tokengym.agents.logger import RunLogger
 
         agent.logger.close()
-        agent.logger = RunLogger(run_dir, purge_step=self.start_step + 1 if resume else None)
+        agent.logger = RunLogger(run_dir if main else None, purge_step=self.start_step + 1 if resume else None)
         agent.logger.history.extend(kept)
-        self.progress = Progress(total, self.start_step, run.progress, os.path.basename(run_dir))
+        self.progress = Progress(total, self.start_step, run.progress and main, os.path.basename(run_dir))
 
     def callback(self, record: dict[str, Any]) -> bool:
         self.progress.update(record)
@@ -216,12 +235,19 @@ class Trainer:
 
     def save(self, step: int) -> None:
         state = {"agent": self.agent.state_dict(), "env": self.env.state_dict() if self.env is not None else None}
+        if self.dp.distributed:  # every rank takes part: check the ranks agree, collect their RNG states
+            if (bad := self.dp.all_same(self.agent.checkpoint_modules())) is not None:
+                raise RuntimeError(f"data-parallel ranks diverged at step {step}: {bad} differs from rank 0's")
+            state["rank_rng"] = self.dp.all_gather_object(R.rng_state())
+            if not self.dp.is_main:
+                return
         R.save_checkpoint(self.run_dir, step, self.agent.checkpoint_modules(), state, keep=self.run.keep_checkpoints)
 
     def finish(self) -> None:
         self.progress.close()
         self.save(self.agent.global_step)
-        self.agent.policy.save_pretrained(os.path.join(self.run_dir, "model"))
+        if self.dp.is_main:
+            self.agent.policy.save_pretrained(os.path.join(self.run_dir, "model"))
         self.agent.logger.close()
 
 
@@ -245,7 +271,7 @@ def run_grpo(run: RunConfig, cfg: Any, run_dir: str, resume: bool) -> dict[str, 
 
     g = run.group_size or 8
     policy = load_policy(run, cfg.seed)
-    env = make_env(run, run.prompts * g, g, tokenizer=policy.tokenizer, **learned_rewards(run, cfg.advantage == "process"))
+    env = make_env(run, rank_prompts(run) * g, g, tokenizer=policy.tokenizer, **learned_rewards(run, cfg.advantage == "process"))
     eval_env, samples = eval_setup(run, policy.tokenizer)
     agent = GRPOAgent(policy, cfg)
     trainer = Trainer(run, run_dir, resume, cfg.iterations * cfg.steps, agent, env)
@@ -260,7 +286,7 @@ def run_ppo(run: RunConfig, cfg: Any, run_dir: str, resume: bool) -> dict[str, A
 
     g = run.group_size or 1
     policy = load_policy(run, cfg.seed)
-    env = make_env(run, run.prompts * g, g, tokenizer=policy.tokenizer, **learned_rewards(run, run.prm_model is not None))
+    env = make_env(run, rank_prompts(run) * g, g, tokenizer=policy.tokenizer, **learned_rewards(run, run.prm_model is not None))
     eval_env, samples = eval_setup(run, policy.tokenizer)
     agent = PPOAgent(policy, cfg)
     trainer = Trainer(run, run_dir, resume, cfg.steps, agent, env)
@@ -483,21 +509,49 @@ def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def train(algo: str, values_file: dict[str, Any], values_flags: dict[str, Any], resume_dir: str | None = None) -> int:
-    """Run ``tokengym train <algo>``; return the exit code (bad input raises :class:`UsageError`)."""
+    """Run ``tokengym train <algo>``; return the exit code (bad input raises :class:`UsageError`).
+
+    Under ``torchrun`` (``WORLD_SIZE`` set) the run is data-parallel: see :mod:`tokengym.agents.distributed`.
+    """
+    from tokengym.agents import distributed
+
     run, cfg, run_dir = resolve(algo, values_file, values_flags, resume_dir)
     if run.threads:
         torch.set_num_threads(run.threads)
-    resume = resume_dir is not None
+    dp, device = distributed.init(run.device)
+    try:
+        return _train(algo, run, cfg, run_dir, resume_dir is not None, dp, device)
+    finally:
+        distributed.shutdown()
+
+
+def _train(algo: str, run: RunConfig, cfg: Any, run_dir: str, resume: bool, dp: Any, device: str) -> int:
+    from tokengym.agents import distributed
+
+    if dp.world_size > 1 and algo not in DATA_PARALLEL:
+        raise R.UsageError(f"tokengym train {algo} is not data-parallel yet; run it in one process "
+                           f"(torchrun with several processes supports {', '.join(sorted(DATA_PARALLEL))})")
+    run_dir = dp.broadcast_object(run_dir)  # rank 0's (timestamped) name
+    say = print if dp.is_main else (lambda *a, **k: None)
     if resume and os.path.isdir(os.path.join(run_dir, "model")):
-        print(f"{run_dir} already finished; nothing to resume (the trained model is in {run_dir}/model)")
+        say(f"{run_dir} already finished; nothing to resume (the trained model is in {run_dir}/model)")
         return 0
-    os.makedirs(run_dir, exist_ok=True)
-    if not resume:
-        R.write_json_atomic(os.path.join(run_dir, "config.json"), {
-            "algorithm": algo, "run": _jsonable(dataclasses.asdict(run)), "config": _jsonable(dataclasses.asdict(cfg))})
-    print(f"tokengym train {algo}: {run.env} from {run.model} -> {run_dir}", flush=True)
-    print(f"  TensorBoard: tensorboard --logdir {run.runs_dir}", flush=True)
+    dp.barrier()  # every rank has checked the run folder before rank 0 writes to it
+    if dp.is_main:
+        os.makedirs(run_dir, exist_ok=True)
+        if not resume:
+            R.write_json_atomic(os.path.join(run_dir, "config.json"), {
+                "algorithm": algo, "run": _jsonable(dataclasses.asdict(run)), "config": _jsonable(dataclasses.asdict(cfg))})
+    if dp.distributed:
+        distributed.seed_rank(getattr(cfg, "seed", 0), dp)
+        run = dataclasses.replace(run, device=device)
+        say(f"data parallel: {dp.world_size} processes, {run.device} (rank 0 writes the run)", flush=True)
+    dp.barrier()
+    say(f"tokengym train {algo}: {run.env} from {run.model} -> {run_dir}", flush=True)
+    say(f"  TensorBoard: tensorboard --logdir {run.runs_dir}", flush=True)
     result = algorithms()[algo].run(run, cfg, run_dir, resume)
+    if not dp.is_main:
+        return 0
     if "start" in result:
         print(f"held-out greedy accuracy: {result['start']:.1%} -> {result['final']:.1%}")
     elif result:
