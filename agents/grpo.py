@@ -23,7 +23,14 @@ from tokengym.agents.optim import adamw
 from tokengym.agents.policy import make_reference
 from tokengym.agents.rollout import Rollout, collect, evaluate
 
-__all__ = ["GRPOConfig", "GRPOAgent", "grpo_advantages"]
+__all__ = ["GRPOConfig", "GRPOAgent", "grpo_advantages", "LR_SCHEDULES"]
+
+LR_SCHEDULES: dict[str, Callable[[float], float]] = {
+    "constant": lambda progress: 1.0,
+    "linear": lambda progress: 1.0 - progress,
+    "cosine": lambda progress: 0.5 * (1.0 + math.cos(math.pi * progress)),
+}
+"""Learning-rate multiplier as a function of the fraction of sampling steps already taken (0 at the first)."""
 
 
 @dataclass
@@ -31,7 +38,9 @@ class GRPOConfig:
     """Hyper-parameters of :class:`GRPOAgent` (defaults: a quick, stable run on the tiny preset)."""
 
     lr: float = 1e-4
-    """AdamW learning rate."""
+    """AdamW learning rate (peak value of lr_schedule)."""
+    lr_schedule: str = "constant"
+    """Learning-rate schedule over all iterations * steps sampling steps: constant, linear or cosine (both decay to 0)."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     iterations: int = 1
@@ -80,7 +89,8 @@ class GRPOConfig:
             "eval_every": self.eval_every >= 0,
         }
         check_config(self, checks, {"advantage": ("outcome", "process"), "scale_rewards": F.GROUP_SCALES,
-                                    "aggregation": F.AGGREGATIONS, "kl_estimator": F.KL_ESTIMATORS})
+                                    "aggregation": F.AGGREGATIONS, "kl_estimator": F.KL_ESTIMATORS,
+                                    "lr_schedule": LR_SCHEDULES})
 
     @property
     def reuse_rollout_logprobs(self) -> bool:
@@ -171,6 +181,15 @@ class GRPOAgent:
         with self._autocast(ro.tokens.device):
             return self.ref(ro.tokens, ro.attention_mask, ro.prompt_len)
 
+    def _schedule_lr(self) -> float:
+        """Set the learning rate of the coming sampling step from ``global_step`` (so a resumed run continues the schedule)."""
+        cfg = self.config
+        progress = min(self.global_step / max(cfg.iterations * cfg.steps, 1), 1.0)
+        lr = cfg.lr * LR_SCHEDULES[cfg.lr_schedule](progress)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
     # ------------------------------------------------------------------ update
     def _update(self, ro: Rollout, adv: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor | None) -> dict[str, float]:
         cfg, n = self.config, ro.num_episodes
@@ -243,7 +262,9 @@ class GRPOAgent:
                 old_logp = ro.logprobs if old_logp is None else old_logp
                 adv = grpo_advantages(ro, cfg.advantage, cfg.scale_rewards)
                 t_up = time.perf_counter()
+                lr = self._schedule_lr()
                 metrics = self._update(ro, adv, old_logp, ref_logp)
+                metrics["train/lr"] = lr
                 timing["time/update"] = time.perf_counter() - t_up
                 self.global_step += 1
                 metrics.update(timing)

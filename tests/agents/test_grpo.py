@@ -117,3 +117,28 @@ def test_bf16_update_still_learns_the_toy():
     history = agent.learn(target_env())
     assert max(r["reward/mean"] for r in history[-10:]) > 0.9
     assert all(abs(r["train/ratio_mean"] - 1) < 0.05 for r in history)  # bf16 rounding only
+
+
+def test_lr_schedule_follows_global_step_and_continues_after_a_resume():
+    import io
+    import math
+
+    def fresh(seed=0):
+        return GRPOAgent(Policy.from_pretrained("tiny", seed=seed), GRPOConfig(steps=4, lr=1e-3, lr_schedule="cosine", seed=0))
+
+    full = fresh().learn(target_env(16, 8))
+    assert [r["train/lr"] for r in full] == pytest.approx([1e-3 * 0.5 * (1 + math.cos(math.pi * k / 4)) for k in range(4)])
+    env, b = target_env(16, 8), fresh()
+    b.learn(env, callback=lambda rec: rec["step"] < 2)
+    buf = io.BytesIO()
+    torch.save(b.state_dict(), buf)
+    buf.seek(0)
+    c, c_env = fresh(seed=1), target_env(16, 8)
+    c.policy.model.load_state_dict(b.policy.model.state_dict())
+    c.load_state_dict(torch.load(buf, weights_only=True))
+    c_env.load_state_dict(env.state_dict())
+    rest = c.learn(c_env)
+    assert [r["train/lr"] for r in rest] == [r["train/lr"] for r in full[2:]]
+    assert [r["reward/mean"] for r in rest] == [r["reward/mean"] for r in full[2:]]
+    with pytest.raises(ValueError, match="lr_schedule"):
+        GRPOConfig(lr_schedule="step")
