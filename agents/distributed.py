@@ -11,14 +11,18 @@ the same optimiser steps as a 1-process one with the same global batch (up to fl
   samples exactly what rows r of a 1-process rollout would. (A plain, non-distributed run keeps
   ``torch.multinomial`` and its existing random stream.)
 * **Statistics.** After the rollout every rank gathers the global batch (:meth:`DataParallel.gather`:
-  a few ``[N, P + M]`` tensors), so advantages (``scale_rewards="batch"``, whitening) and the logged
-  rollout metrics are those of the global batch, not of a shard.
+  a few ``[N, P + M]`` tensors, with PPO's critic values and reference log-probs, each computed by the
+  rank that owns the rows), so advantages (``scale_rewards="batch"``, PPO's GAE and whitening), PPO's
+  adaptive KL controller (it measures the global batch's KL, so beta stays the same on every rank) and
+  the logged rollout metrics are those of the global batch, not of a shard.
 * **Updates.** Each minibatch of the global batch (same shuffle on every rank) is split into K
   contiguous shares (:meth:`DataParallel.shard`); a rank's loss is weighted by its share of the
-  minibatch's loss denominator (rows, or tokens for ``token-mean``), gradients are summed with one
-  flat all-reduce before clipping (:meth:`DataParallel.sync_gradients`), so clipping and AdamW see the
-  global gradient and every rank takes the same step. Logged training metrics are share-weighted
-  sums over ranks, i.e. global means.
+  minibatch's loss denominator (rows, or tokens for ``token-mean``; PPO's value loss, a token mean,
+  by its share of the tokens), gradients are summed with one flat all-reduce before clipping
+  (:meth:`DataParallel.sync_gradients`; PPO's policy and critic gradients go in the same buffer), so
+  clipping and AdamW see the global gradient and every rank takes the same step (for PPO: both
+  optimisers). Logged training metrics are share-weighted sums over ranks, i.e. global means (PPO's
+  explained variance from the summed moments of the minibatch's returns and residuals).
 * **Runs.** Rank 0 alone writes logs, checkpoints and the config; every rank loads the checkpoint on
   resume; each rank's global RNGs start from a per-rank seed (:func:`seed_rank`) and are saved per rank.
 

@@ -12,6 +12,11 @@ on top of that paid reward (``bootstrap_truncated=True``) is only right for envs
 past the budget: the critic is never regressed on s_M, so with gamma = 1 it chases its own bootstrap
 (V -> r + V; on Target-v0, where every episode is truncated, the values rose by about the mean reward
 per update, explained variance stayed near 0 and the policy stalled at half the target).
+
+Under ``torchrun`` (``self.dp``, set by :func:`~tokengym.agents.distributed.prepare`) each rank rolls out
+its rows of the global batch and scores them with the critic and the reference, the ranks gather the
+global batch for GAE, whitening and the KL controller, and every minibatch's policy and critic gradients
+are summed over ranks before clipping: see :mod:`tokengym.agents.distributed`.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import torch
 from tokengym.agents import functional as F
 from tokengym.agents.critic import Critic
 from tokengym.agents.config import check_config
+from tokengym.agents.distributed import LOCAL, aggregation_weights
 from tokengym.agents.logger import RunLogger
 from tokengym.agents.optim import adamw
 from tokengym.agents.policy import make_reference
@@ -177,6 +183,7 @@ class PPOAgent:
         self.global_step = 0
         self._shuffle = torch.Generator().manual_seed(cfg.seed)
         self._resume_step: int | None = None  # set by load_state_dict: learn() continues its schedule from here
+        self.dp = LOCAL  # data parallel: set by distributed.prepare under torchrun
 
     # ------------------------------------------------------------------ rollout + advantages
     def _rollout(self, env) -> tuple[Rollout, dict[str, float]]:
@@ -193,15 +200,25 @@ class PPOAgent:
         return torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=self.config.bf16)
 
     @torch.no_grad()
-    def advantages(self, ro: Rollout) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-        """Frozen ``(advantages, returns)`` of a rollout and the KL statistics."""
-        cfg, P, M = self.config, ro.prompt_len, ro.action_mask.shape[1]
-        ref_logp = None
-        if self.ref is not None:
-            m = _used_columns(ro.action_mask)
-            with self._autocast(ro.tokens.device):
-                ref_logp = self.ref(ro.tokens[:, : P + m], ro.attention_mask[:, : P + m], P)
-            ref_logp = torch.nn.functional.pad(ref_logp, (0, M - m))
+    def _ref_logprobs(self, ro: Rollout) -> torch.Tensor | None:
+        """Reference log-probs ``[N, M]`` of the rollout's tokens (None without a reference)."""
+        if self.ref is None:
+            return None
+        P, M = ro.prompt_len, ro.action_mask.shape[1]
+        m = _used_columns(ro.action_mask)
+        with self._autocast(ro.tokens.device):
+            ref_logp = self.ref(ro.tokens[:, : P + m], ro.attention_mask[:, : P + m], P)
+        return torch.nn.functional.pad(ref_logp, (0, M - m))
+
+    @torch.no_grad()
+    def advantages(self, ro: Rollout, ref_logp: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+        """Frozen ``(advantages, returns)`` of a rollout and the KL statistics.
+
+        ``ref_logp``: the reference's log-probs of the rollout (default: computed here when there is a reference).
+        """
+        cfg = self.config
+        if ref_logp is None:
+            ref_logp = self._ref_logprobs(ro)
         rewards, kl = ppo_rewards(ro, ref_logp, self.kl_ctl.value, cfg.kl_estimator)
         last_values = ro.last_values if cfg.bootstrap_truncated else None
         adv, ret = F.gae(rewards, ro.values, ro.action_mask, cfg.gamma, cfg.lam, last_values)
@@ -220,15 +237,21 @@ class PPOAgent:
 
     # ------------------------------------------------------------------ update
     def _update(self, ro: Rollout, adv: torch.Tensor, ret: torch.Tensor) -> dict[str, float]:
-        cfg, n, P = self.config, ro.num_episodes, ro.prompt_len
+        cfg, n, P, dp = self.config, ro.num_episodes, ro.prompt_len, self.dp
         self.policy.train()
         self.critic.train()
         sums: dict[str, float] = {}
         count = 0
         clip = (lambda params: torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf))
+        policy_params, critic_params = self.policy_opt.param_groups[0]["params"], self.critic_opt.param_groups[0]["params"]
+        # Data parallel: a rank's policy loss is weighted by its share of the minibatch's policy-loss denominator,
+        # its value loss (and token means) by its share of the minibatch's action tokens (1 and 1 in one process).
+        policy_w, token_w = aggregation_weights(ro.action_mask, cfg.aggregation), aggregation_weights(ro.action_mask, "token-mean")
         for _ in range(cfg.mu):
             order = torch.randperm(n, generator=self._shuffle).to(ro.tokens.device)
             for mb in order.chunk(cfg.minibatches):
+                _, pshare = dp.shard(mb, policy_w)
+                mb, tshare = dp.shard(mb, token_w)
                 m = _used_columns(ro.action_mask[mb])
                 tokens, mask, am = ro.tokens[mb, : P + m], ro.attention_mask[mb, : P + m], ro.action_mask[mb, :m]
                 with self._autocast(tokens.device):
@@ -236,23 +259,46 @@ class PPOAgent:
                     values = self.critic(tokens, mask, P)[:, :m]
                 pg, pstats = F.policy_loss(logp, ro.logprobs[mb, :m], adv[mb, :m], am, cfg.clip_eps, cfg.clip_eps_high, cfg.aggregation)
                 vf, vstats = F.value_loss(values, ro.values[mb, :m], ret[mb, :m], am, cfg.value_clip)
-                loss = pg + vf
+                loss = pg + vf if not dp.distributed else pg * pshare + vf * tshare
                 if cfg.entropy_coef > 0:
-                    loss = loss - cfg.entropy_coef * F.masked_aggregate(ent, am, cfg.aggregation)
+                    loss = loss - cfg.entropy_coef * pshare * F.masked_aggregate(ent, am, cfg.aggregation)
                 self.policy_opt.zero_grad(set_to_none=True)
                 self.critic_opt.zero_grad(set_to_none=True)
                 loss.backward()
-                pnorm = clip(self.policy_opt.param_groups[0]["params"])
-                vnorm = clip(self.critic_opt.param_groups[0]["params"])
+                dp.sync_gradients(policy_params + critic_params)  # one flat all-reduce: every rank clips and steps alike
+                pnorm = clip(policy_params)
+                vnorm = clip(critic_params)
                 self.policy_opt.step()
                 self.critic_opt.step()
                 stats = {**pstats, **vstats, "policy_loss": pg.detach(), "value_loss": vf.detach(),
                          "entropy": F.masked_aggregate(ent.detach(), am, "token-mean"),
                          "grad_norm": pnorm, "critic_grad_norm": vnorm}
+                if dp.distributed:
+                    stats = self._global_stats(stats, pshare, tshare, values.detach(), ret[mb, :m], am)
                 for k, v in stats.items():
                     sums[k] = sums.get(k, 0.0) + float(v)
                 count += 1
         return {f"train/{k}": v / count for k, v in sums.items()}
+
+    def _global_stats(self, stats: dict[str, Any], pshare: float, tshare: float, values: torch.Tensor,
+                      returns: torch.Tensor, am: torch.Tensor) -> dict[str, float]:
+        """A minibatch's statistics over all ranks from this rank's share: token means weighted by the share's
+        tokens, the policy loss by its share of the loss, maxima by max, explained variance from the summed
+        moments of the returns and residuals (one all-reduce, plus one for the maxima)."""
+        weight = {"policy_loss": pshare, "grad_norm": 1.0 / self.dp.world_size, "critic_grad_norm": 1.0 / self.dp.world_size}
+        valid = am.bool()
+        r, e = returns.double()[valid], (returns.double() - values.double())[valid]
+        moments = {"n": float(valid.sum()), "r": float(r.sum()), "r2": float((r * r).sum()),
+                   "e": float(e.sum()), "e2": float((e * e).sum())}
+        local = {k: (float(v) if k.endswith("_max") else float(v) * weight.get(k, tshare)) for k, v in stats.items()
+                 if k != "explained_variance"}
+        out = self.dp.weighted({**local, **{f"moment/{k}": v for k, v in moments.items()}}, 1.0)
+        s = {k: out.pop(f"moment/{k}") for k in moments}
+        n = s["n"]
+        var = {k: (s[f"{k}2"] - s[k] ** 2 / n) / (n - 1) if n >= 2 else 0.0 for k in "re"}
+        eps = torch.finfo(torch.float32).eps  # value_loss's rule: Var(R) negligible next to Var(R - V) -> 0
+        out["explained_variance"] = 1.0 - var["e"] / var["r"] if var["r"] > eps * var["e"] else 0.0
+        return out
 
     # ------------------------------------------------------------------ loop
     def learn(self, env, eval_env=None, eval_samples: list | None = None,
@@ -272,7 +318,9 @@ class PPOAgent:
         for _ in range(cfg.steps - done):
             t_start = time.perf_counter()
             ro, timing = self._rollout(env)
-            adv, ret, kstats = self.advantages(ro)
+            ref_logp = self._ref_logprobs(ro)
+            ro, ref_logp = self.dp.gather(ro, ref_logp)  # data parallel: the global batch on every rank
+            adv, ret, kstats = self.advantages(ro, ref_logp)
             t_up = time.perf_counter()
             metrics = self._update(ro, adv, ret)
             timing["time/update"] = time.perf_counter() - t_up

@@ -74,7 +74,7 @@ class RunConfig:
 
 
 # Algorithms that run data-parallel under torchrun with several processes (see agents/distributed.py).
-DATA_PARALLEL = {"grpo", "dpo"}
+DATA_PARALLEL = {"grpo", "ppo", "dpo"}
 
 # Keys that may differ when resuming; everything else must match the saved config.
 RESUMABLE = {"save_every", "keep_checkpoints", "threads", "progress", "device"}

@@ -24,9 +24,13 @@ from tokengym.agents.policy import sample_logits
 from tokengym.envs.tasks import ArithmeticTask
 
 COMMON = ["--eval-prompts", "0", "--save-every", "1", "--threads", "1", "--progress", "false"]
-RUNS = {  # name -> command line (GRPO with minibatches, batch scaling and token-mean; DPO with a live reference)
+RUNS = {  # name -> command line (GRPO with minibatches, batch scaling and token-mean; PPO with 2 epochs of 2
+    # minibatches, whitening, an adaptive KL controller, an entropy bonus and a per-sequence policy loss, so its
+    # policy and value losses are weighted by different shares; DPO with a live reference)
     "grpo": ["train", "grpo", "--steps", "3", "--prompts", "2", "--group-size", "4", "--minibatches", "2",
              "--scale-rewards", "batch", "--aggregation", "token-mean", *COMMON],
+    "ppo": ["train", "ppo", "--steps", "3", "--prompts", "8", "--mu", "2", "--minibatches", "2", "--whiten-advantages", "true",
+            "--aggregation", "seq-mean-token-mean", "--kl-target", "0.01", "--kl-horizon", "100", "--entropy-coef", "0.01", *COMMON],
     "dpo": ["train", "dpo", "--steps", "3", "--batch-size", "8", "--num-pairs", "64", *COMMON],
 }
 
@@ -90,6 +94,37 @@ def test_two_processes_match_one(runs, name):
         assert r2.keys() == r1.keys()
         for k in r1:
             assert r2[k] == pytest.approx(r1[k], rel=1e-4, abs=1e-5), (name, r1["step"], k)
+
+
+def test_ppo_critic_and_kl_controller_match_one_process(runs):
+    two, one = runs
+    last, before = (f"ppo/checkpoints/step-0000000{k}" for k in (3, 2))
+    a, b = load_file(str(two / last / "critic.safetensors")), load_file(str(one / last / "critic.safetensors"))
+    init = load_file(str(one / before / "critic.safetensors"))
+    assert a.keys() == b.keys() and max(float((b[k] - init[k]).abs().max()) for k in b) > 1e-5
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=lambda m: f"critic {k}: {m}")
+    s2, s1 = (torch.load(str(d / last / "trainer_state.pt"), weights_only=False)["agent"] for d in (two, one))
+    assert s1["kl_controller"]["value"] != 0.05  # the adaptive controller moved beta
+    assert s2["kl_controller"]["value"] == pytest.approx(s1["kl_controller"]["value"], rel=1e-6)
+
+
+def test_ppo_global_explained_variance_is_the_one_value_loss_reports():
+    from types import SimpleNamespace
+
+    from tokengym.agents import functional as F
+    from tokengym.agents.ppo import PPOAgent
+
+    g = torch.Generator().manual_seed(0)
+    ret, values = torch.randn(4, 5, generator=g), torch.randn(4, 5, generator=g)
+    am = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0]])
+    _, stats = F.value_loss(values, values, ret, am)
+    agent = SimpleNamespace(dp=D.DataParallel(0, 1, True))  # a 1-process run: no communication
+    out = PPOAgent._global_stats(agent, dict(stats, ratio_max=2.0), 1.0, 1.0, values, ret, am)
+    assert out["explained_variance"] == pytest.approx(float(stats["explained_variance"]), rel=1e-5)
+    assert out["ratio_max"] == 2.0 and out["value_mean"] == pytest.approx(float(stats["value_mean"]))
+    same = PPOAgent._global_stats(agent, stats, 1.0, 1.0, torch.zeros(4, 5), torch.ones(4, 5), am)
+    assert same["explained_variance"] == 0.0  # constant returns: undefined, reported as 0 like value_loss
 
 
 def test_all_same_spots_a_diverged_rank(runs):
