@@ -8,9 +8,10 @@ length), the same Arithmetic prompts and reward function (`tokengym.rewards.arit
 group size 8, 2 prompts per step (16 completions), the same completion length, mu=1 (TRL's
 num_iterations=1), beta=0 (no reference model), lr 1e-4, temperature 1, fp32, CPU. Seconds per step
 is the median over steps after 2 warm-up steps. ``tiny_speedup``/``small_speedup`` = TRL seconds per
-step / tokengym seconds per step (both fp32); ``*_speedup_bf16`` uses tokengym's ``bf16=True`` (bf16
-autocast in the rollout, whose fast decoder then multiplies bf16 weights, and in the update; TRL's
-``bf16=True`` needs a GPU, so TRL stays fp32). ``--repeats`` reruns the three in rotating order.
+step / tokengym seconds per step (both fp32); ``*_speedup_bf16`` compares both with ``bf16=True``
+(tokengym: bf16 autocast in the rollout, whose fast decoder then multiplies bf16 weights, and in the
+update; TRL: ``bf16=True`` with ``use_cpu=True``, i.e. accelerate's CPU bf16 autocast over training and
+generation). ``--repeats`` reruns the four in rotating order.
 
 The race (tiny only): both start from the shipped warm checkpoint ``agents/checkpoints/tiny-arithmetic``
 (65.5% on the 200 held-out prompts) and train until greedy accuracy on those prompts first reaches 90%
@@ -96,7 +97,8 @@ def tokengym_run(model, tok, steps: int, eval_every: int = 0, eval_samples=None,
             "best_accuracy": max(accs, default=None), "final_accuracy": accs[-1] if accs else None, "steps": len(step_times)}
 
 
-def trl_run(model, tok, steps: int, eval_every: int = 0, eval_samples=None, budget_s: float = 0.0) -> dict:
+def trl_run(model, tok, steps: int, eval_every: int = 0, eval_samples=None, budget_s: float = 0.0,
+            bf16: bool = False) -> dict:
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig as TRLConfig
@@ -131,7 +133,7 @@ def trl_run(model, tok, steps: int, eval_every: int = 0, eval_samples=None, budg
         beta=0.0, learning_rate=LR, max_steps=steps, logging_strategy="no", disable_tqdm=True, log_level="error",
         report_to="none", use_cpu=True,
         save_strategy="no", loss_type="grpo", scale_rewards="group", temperature=1.0, top_k=0, top_p=1.0,
-        bf16=False, disable_dropout=True, seed=0, dataloader_num_workers=0,
+        bf16=bf16, disable_dropout=True, seed=0, dataloader_num_workers=0,
     )
     trainer = GRPOTrainer(model=model, reward_funcs=[arithmetic_correct], args=args, train_dataset=data, processing_class=tok,
                           callbacks=[Timer()])
@@ -143,21 +145,22 @@ def trl_run(model, tok, steps: int, eval_every: int = 0, eval_samples=None, budg
 
 
 def speed(preset: str, steps: int, repeats: int = 1) -> dict:
-    """Seconds per step of both (fp32), and tokengym with ``bf16=True`` (TRL: fp32 on CPU).
+    """Seconds per step of both in fp32 and both with ``bf16=True``.
 
-    The three contenders run ``repeats`` times in rotating order (a shared machine's load drifts);
+    The four contenders run ``repeats`` times in rotating order (a shared machine's load drifts);
     each figure is the median of its per-run medians.
     """
-    runs = [("tokengym", tokengym_run, {}), ("trl", trl_run, {}), ("tokengym_bf16", tokengym_run, {"bf16": True})]
+    runs = [("tokengym", tokengym_run, {}), ("trl", trl_run, {}), ("tokengym_bf16", tokengym_run, {"bf16": True}),
+            ("trl_bf16", trl_run, {"bf16": True})]
     times: dict[str, list[float]] = {}
     for r in range(repeats):
-        for name, fn, kw in runs[r % 3:] + runs[: r % 3]:
+        for name, fn, kw in runs[r % len(runs):] + runs[: r % len(runs)]:
             model, tok = build_preset(preset, seed=0)
             times.setdefault(name, []).append(fn(model, tok, steps, **kw)["step_s"])
     out = {name: statistics.median(t) for name, t in times.items()}
     out["runs"] = {name: [round(x, 4) for x in t] for name, t in times.items()}
     out["speedup"] = out["trl"] / out["tokengym"]
-    out["speedup_bf16"] = out["trl"] / out["tokengym_bf16"]
+    out["speedup_bf16"] = out["trl_bf16"] / out["tokengym_bf16"]
     return out
 
 
@@ -207,6 +210,7 @@ def main() -> None:
         result[f"{preset}_step_s_trl"] = round(s["trl"], 4)
         result[f"{preset}_speedup"] = round(s["speedup"], 3)
         result[f"{preset}_step_s_tokengym_bf16"] = round(s["tokengym_bf16"], 4)
+        result[f"{preset}_step_s_trl_bf16"] = round(s["trl_bf16"], 4)
         result[f"{preset}_speedup_bf16"] = round(s["speedup_bf16"], 3)
         result[f"{preset}_step_s_runs"] = s["runs"]
     if args.race_seconds > 0:

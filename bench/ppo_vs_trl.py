@@ -17,9 +17,9 @@ minibatch (TRL's ``num_ppo_epochs=4, num_mini_batches=1``), value clip 0.2, whit
 temperature 1, fp32, CPU, ``--threads`` torch threads. Seconds per update is the median wall time
 between consecutive updates (everything each trainer does per update: generation, reward, reference,
 values, advantages, epochs, logging) after ``--warmup`` updates. ``<preset>_speedup`` = TRL seconds per
-update / tokengym seconds per update (both fp32); ``<preset>_speedup_bf16`` uses tokengym's ``bf16=True``
-(bf16 autocast in rollout and update; TRL's ``bf16=True`` needs a GPU, so TRL stays fp32). ``--rounds R``
-repeats the tokengym/TRL/tokengym-bf16 sequence R times and pools the updates, so that a machine whose
+update / tokengym seconds per update (both fp32); ``<preset>_speedup_bf16`` compares both with
+``bf16=True`` (tokengym: bf16 autocast in rollout and update; TRL: ``bf16=True`` with ``use_cpu=True``,
+accelerate's CPU bf16 autocast). ``--rounds R`` repeats the four contenders R times and pools the updates, so that a machine whose
 load drifts does not favour whichever trainer ran first.
 """
 
@@ -91,7 +91,7 @@ def load_trl():
     return trl, importlib.import_module("trl.experimental.ppo")
 
 
-def trl_run(ppo, preset: str, steps: int, rollouts: int, length: int) -> list[float]:
+def trl_run(ppo, preset: str, steps: int, rollouts: int, length: int, bf16: bool = False) -> list[float]:
     from datasets import Dataset
     from transformers import TrainerCallback
 
@@ -114,7 +114,7 @@ def trl_run(ppo, preset: str, steps: int, rollouts: int, length: int) -> list[fl
         response_length=length, stop_token="eos", temperature=1.0, learning_rate=LR, kl_coef=KL_COEF, kl_estimator="k1",
         cliprange=0.2, cliprange_value=VALUE_CLIP, gamma=1.0, lam=0.95, whiten_rewards=False, num_sample_generations=0,
         logging_strategy="no", save_strategy="no", report_to="none", disable_tqdm=True, log_level="error", use_cpu=True,
-        bf16=False, seed=0, dataloader_num_workers=0, lr_scheduler_type="constant",
+        bf16=bf16, seed=0, dataloader_num_workers=0, lr_scheduler_type="constant",
     )
     trainer = ppo.PPOTrainer(args=args, processing_class=tok, model=model, ref_model=None, reward_model=rm,
                              train_dataset=data, value_model=value_model, callbacks=[Timer()])
@@ -127,9 +127,10 @@ def speed(ppo, preset: str, args) -> dict[str, float]:
     """Median seconds per update of each contender, updates pooled over ``args.rounds`` rounds."""
     runs = {"tokengym": lambda: tokengym_run(preset, args.steps, args.rollouts, args.response_length),
             "trl": lambda: trl_run(ppo, preset, args.steps, args.rollouts, args.response_length),
-            "tokengym_bf16": lambda: tokengym_run(preset, args.steps, args.rollouts, args.response_length, bf16=True)}
+            "tokengym_bf16": lambda: tokengym_run(preset, args.steps, args.rollouts, args.response_length, bf16=True),
+            "trl_bf16": lambda: trl_run(ppo, preset, args.steps, args.rollouts, args.response_length, bf16=True)}
     if ppo is None:
-        del runs["trl"]
+        del runs["trl"], runs["trl_bf16"]
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(args.rounds):
         for name, run in runs.items():
@@ -164,7 +165,7 @@ def main() -> None:
         for name, sec in s.items():
             result[f"{preset}_update_s_{name}"] = round(sec, 4)
         result[f"{preset}_speedup"] = round(s["trl"] / s["tokengym"], 3) if "trl" in s else None
-        result[f"{preset}_speedup_bf16"] = round(s["trl"] / s["tokengym_bf16"], 3) if "trl" in s else None
+        result[f"{preset}_speedup_bf16"] = round(s["trl_bf16"] / s["tokengym_bf16"], 3) if "trl" in s else None
     print(json.dumps(result))
 
 
