@@ -32,7 +32,9 @@ moved between 72% and 84%). A decaying lr lets it settle higher (tokengym, 8 pro
 at the end of a 300-step cosine, 86% at step 720 of an 800-step one, 84% best of a 1,200-step one);
 lr >= 3e-4 collapses it (30% after 10 steps), and process supervision, temperature 0.5-0.7, G=4/16,
 mu=2, token-mean aggregation, ``scale_rewards="none"``, Adam beta1=0.98 or eps=1e-3 did not lift the
-plateau. The previous race gave TRL ``max_steps=100_000``, so its linear decay never started and it
+plateau. Larger batches do not either: 32 prompts per step (256 completions), 300-step cosine,
+reached 87% (lr 2e-4) and 84.5% (lr 3e-4) at the end, in about 520 s of training on a loaded machine;
+both curves rose only as the lr decayed. The previous race gave TRL ``max_steps=100_000``, so its linear decay never started and it
 stayed at 55-65%; with ``max_steps=400`` it climbs from 55% back to 70% as the lr decays.
 """
 
