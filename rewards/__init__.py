@@ -1,5 +1,6 @@
 """Rewards for tokengym: protocols, verifiers, a rule-based arithmetic PRM, reward combinators, and learned
-reward models (a Bradley-Terry outcome reward model, a token-classification PRM) with their training.
+reward models (a Bradley-Terry outcome reward model on a sequence head or on a causal LM's likelihood, a
+token-classification PRM) with their training.
 
 Outcome reward: ``fn(prompts, completions, **task_fields) -> list[float] | Tensor[N]``.
 Process reward: ``fn(prompts, steps, **task_fields) -> list[list[float]]``.
@@ -10,7 +11,7 @@ from .arithmetic_prm import ArithmeticStepReward, arithmetic_step_reward, next_r
 from .combinators import FormatReward, LengthPenalty, WeightedSum, format_reward, length_penalty, weighted_sum
 from .learned_prm import LearnedPRM, PRMConfig, train_prm
 from .protocols import OutcomeReward, ProcessReward, reward_name, score_outcome, score_process
-from .reward_model import RewardModel, RewardModelConfig, train_reward_model
+from .reward_model import LikelihoodRewardModel, RewardModel, RewardModelConfig, train_reward_model
 from .verifiers import (
     answer_match,
     arithmetic_correct,
@@ -51,6 +52,7 @@ __all__ = [
     "length_penalty",
     # learned rewards
     "RewardModel",
+    "LikelihoodRewardModel",
     "RewardModelConfig",
     "train_reward_model",
     "LearnedPRM",

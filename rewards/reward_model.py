@@ -15,6 +15,9 @@ same in training and in scoring). The model's scalar output at the last real tok
 near 0 since the loss only fixes differences) and reports pairwise accuracy ``mean(r_c > r_r)`` on
 held-out pairs.
 
+:class:`LikelihoodRewardModel` scores with a causal LM instead: ``beta * log p(completion + <eos> | prompt)``,
+optionally minus a frozen reference's (DPO's implicit reward), and trains with the same loop.
+
 Nothing here imports the environments or the agents: pass a model and its tokenizer (e.g. from
 ``tokengym.agents.models.load_classifier``).
 """
@@ -30,7 +33,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-__all__ = ["RewardModel", "RewardModelConfig", "train_reward_model", "load_rows", "split_rows"]
+__all__ = ["RewardModel", "LikelihoodRewardModel", "RewardModelConfig", "train_reward_model", "load_rows", "split_rows"]
 
 
 # ============================================================================== rows
@@ -158,9 +161,7 @@ class RewardModel:
                  name: str = "reward_model", shift: float = 0.0, scale: float = 1.0):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module (a sequence classifier), got {type(model).__name__}")
-        labels = getattr(getattr(model, "config", None), "num_labels", 1)
-        if labels != 1:
-            raise ValueError(f"a reward model has one output (num_labels=1), got num_labels={labels}")
+        self._check_model(model)
         if batch_size < 1 or (max_length is not None and max_length < 2):
             raise ValueError(f"batch_size must be >= 1 and max_length None or >= 2, got {batch_size}, {max_length}")
         self.model, self.tokenizer = model, tokenizer
@@ -169,6 +170,12 @@ class RewardModel:
             raise ValueError(f"shift must be finite and scale finite and > 0, got {shift}, {scale}")
         self.batch_size, self.max_length, self.name = int(batch_size), max_length, name
         self.shift, self.scale = float(shift), float(scale)
+
+    @staticmethod
+    def _check_model(model: torch.nn.Module) -> None:
+        labels = getattr(getattr(model, "config", None), "num_labels", 1)
+        if labels != 1:
+            raise ValueError(f"a reward model has one output (num_labels=1), got num_labels={labels}")
 
     def encode(self, prompts: Sequence[str], completions: Sequence[str]) -> list[list[int]]:
         """Token ids of each row as the model reads them (see the module docstring)."""
@@ -233,6 +240,106 @@ class RewardModel:
 
     def __repr__(self) -> str:
         return f"RewardModel({type(self.model).__name__}, name={self.name!r})"
+
+
+class _Row(list):
+    """Token ids of one scored row; ``start`` is the index of its first completion token."""
+
+    start: int = 1
+
+
+class LikelihoodRewardModel(RewardModel):
+    """A causal LM as an outcome reward: ``beta * log p(completion + <eos> | prompt)``, optionally minus a reference's.
+
+    The score sums the LM's log-probabilities of the completion's tokens and the closing EOS (same layout
+    as :class:`RewardModel`), so a Bradley-Terry fit (:func:`train_reward_model` accepts this object in
+    place of a classifier) starts from what the LM already knows: how likely each next token is. A
+    sequence head on the same trunk has to learn that from scratch; on Arithmetic from the shipped
+    ``tiny-arithmetic`` warm start it ranked the policy's own correct samples above its wrong ones only
+    0.58 of the time after 15k pairs, the LM's likelihood 0.84 before any training (see
+    ``tests/agents/test_rlhf_pipeline.py``).
+
+    With ``reference`` (a frozen copy of the starting LM, e.g. ``frozen_copy(model)``), the score is
+    ``beta * (log p - log p_ref)``: DPO's implicit reward (Rafailov et al. 2023; as a reward model for RL,
+    PRIME, Cui et al. 2025), which scores 0 everywhere before training, so BT training moves only what
+    the pairs tell it. PPO against it needs a firm KL penalty: its maximum lies wherever the trained LM
+    moved most from the reference (on Arithmetic, PPO with kl_coef 0.05 took the verifier's accuracy
+    0.655 -> 0.72 in 5 steps, then exploited the reward down to 0.535 by step 30; numbers and the
+    kl_coef 0.2 runs in ``tests/agents/test_rlhf_pipeline.py``).
+
+    Args:
+        model: a ``transformers`` causal LM (``model(input_ids=..., attention_mask=...).logits`` is ``[N, L, V]``).
+        tokenizer: its tokenizer (a pad token needed; EOS, when it has one, ends every scored text).
+        beta: scale of the log-likelihood.
+        reference: optional frozen causal LM whose log-likelihood is subtracted (not saved by :meth:`save_pretrained`).
+        batch_size, max_length, name, shift, scale: as in :class:`RewardModel`.
+
+    Example:
+        >>> from tokengym.agents.models import load_model
+        >>> rm = LikelihoodRewardModel(*load_model("tiny"), beta=0.5)
+        >>> rm(["1+2\\n", "2+2\\n"], ["1+2=3\\nA: 3", "2+2=5\\nA: 5"]).shape
+        torch.Size([2])
+    """
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, beta: float = 1.0, reference: torch.nn.Module | None = None,
+                 batch_size: int = 64, max_length: int | None = None, name: str = "likelihood_reward_model",
+                 shift: float = 0.0, scale: float = 1.0):
+        super().__init__(model, tokenizer, batch_size, max_length, name, shift, scale)
+        if not (math.isfinite(beta) and beta > 0):
+            raise ValueError(f"beta must be finite and > 0, got {beta}")
+        if reference is not None and not isinstance(reference, torch.nn.Module):
+            raise TypeError(f"reference must be a torch.nn.Module (a causal LM) or None, got {type(reference).__name__}")
+        self.beta, self.reference = float(beta), reference
+
+    @staticmethod
+    def _check_model(model: torch.nn.Module) -> None:
+        pass  # a causal LM: its output is per token; forward_ids reduces it to one score
+
+    def encode(self, prompts: Sequence[str], completions: Sequence[str]) -> list[list[int]]:
+        """Token ids of each row (as :meth:`RewardModel.encode`), each knowing where its completion starts."""
+        p = self.tokenizer(list(prompts), add_special_tokens=True)["input_ids"]
+        rows = []
+        for a, ids in zip(p, encode_texts(self.tokenizer, prompts, completions, None)):
+            cut = len(ids) - self.max_length if self.max_length and len(ids) > self.max_length else 0
+            row = _Row(ids[cut:])
+            row.start = max(len(a) - cut, 1)  # position 0 has no prediction
+            rows.append(row)
+        return rows
+
+    @staticmethod
+    def _token_logprobs(lm: torch.nn.Module, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        logits = lm(input_ids=tokens, attention_mask=mask.long()).logits[:, :-1].float()
+        return torch.log_softmax(logits, -1).gather(2, tokens[:, 1:, None])[..., 0]
+
+    def forward_ids(self, ids: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Rewards ``[N]`` (with autograd through ``model``) of rows from :meth:`encode`, in one forward pass."""
+        tokens, mask = pad_right(ids, self.pad_id, _device(self.model))
+        lp = self._token_logprobs(self.model, tokens, mask)
+        if self.reference is not None:
+            with torch.no_grad():
+                ref = self._token_logprobs(self.reference, tokens, mask)
+            lp = lp - ref
+        starts = torch.tensor([getattr(x, "start", 1) for x in ids], device=tokens.device)
+        scored = mask[:, 1:] & (torch.arange(1, tokens.shape[1], device=tokens.device)[None] >= starts[:, None])
+        return self.beta * (lp * scored).sum(1)
+
+    def save_pretrained(self, path: str | os.PathLike) -> None:
+        """Write the LM (safetensors), its tokenizer and ``likelihood_reward_model.json`` (the reference is not saved)."""
+        _save(self.model, self.tokenizer, path, "likelihood_reward_model.json",
+              {"beta": self.beta, "batch_size": self.batch_size, "max_length": self.max_length, "name": self.name,
+               "shift": self.shift, "scale": self.scale})
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, tokenizer: Any = None, device: str | torch.device = "cpu",
+                        trust_remote_code: bool = False, **kwargs: Any) -> "LikelihoodRewardModel":
+        """Load a local folder holding a causal LM (e.g. written by :meth:`save_pretrained`); ``kwargs`` override saved settings."""
+        from transformers import AutoModelForCausalLM
+
+        model, tok, settings = _load(AutoModelForCausalLM, path, tokenizer, device, trust_remote_code, "likelihood_reward_model.json")
+        return cls(model, tok, **{**settings, **kwargs})
+
+    def __repr__(self) -> str:
+        return f"LikelihoodRewardModel({type(self.model).__name__}, beta={self.beta}, reference={self.reference is not None})"
 
 
 def _save(model: torch.nn.Module, tokenizer: Any, path: str | os.PathLike, settings_file: str, settings: dict) -> None:
@@ -317,7 +424,9 @@ def train_reward_model(model: torch.nn.Module, tokenizer: Any, pairs: Any, confi
     """Train ``model`` (in place) as a Bradley-Terry reward model on preference pairs.
 
     Args:
-        model: a sequence classifier with one output (see :class:`RewardModel`); wrap it in
+        model: a sequence classifier with one output (see :class:`RewardModel`), or a :class:`RewardModel`
+            (e.g. a :class:`LikelihoodRewardModel`) to train through its own scoring and settings (then
+            ``tokenizer`` and ``config.max_length`` are not used); wrap a classifier in
             ``RewardModel(model, tokenizer, max_length=config.max_length)`` afterwards to score.
         tokenizer: its tokenizer.
         pairs: dicts with string ``prompt``, ``chosen`` and ``rejected`` (a list, a JSONL path or a
@@ -340,7 +449,10 @@ def train_reward_model(model: torch.nn.Module, tokenizer: Any, pairs: Any, confi
     else:
         held = []
     _check_texts(rows + held, PAIR_COLUMNS, "pair")
-    rm = RewardModel(model, tokenizer, batch_size=2 * cfg.batch_size, max_length=cfg.max_length)
+    if isinstance(model, RewardModel):
+        rm = model
+    else:
+        rm = RewardModel(model, tokenizer, batch_size=2 * cfg.batch_size, max_length=cfg.max_length)
 
     def encode(rs: list[dict]) -> tuple[list[list[int]], list[list[int]]]:
         prompts = [r["prompt"] for r in rs]
@@ -366,7 +478,7 @@ def train_reward_model(model: torch.nn.Module, tokenizer: Any, pairs: Any, confi
         r = rm.score_ids(held_c + held_r)
         return stats(r[: len(held_c)], r[len(held_c):])[1]
 
-    return fit(model, len(train_c), step_loss, evaluate if held else None, cfg, callback)
+    return fit(rm.model, len(train_c), step_loss, evaluate if held else None, cfg, callback)
 
 
 def fit(model: torch.nn.Module, n: int, step_loss: Callable[[list[int]], tuple[torch.Tensor, dict[str, float]]],

@@ -191,3 +191,37 @@ def test_bad_inputs_are_named(tiny_rm):
 def test_config_validation(field, value):
     with pytest.raises(ValueError, match=f"RewardModelConfig.{field}"):
         RewardModelConfig(**{field: value})
+
+
+def test_likelihood_rm_scores_the_completion_given_the_prompt_and_trains_as_a_reward_model(tmp_path):
+    from tokengym.agents.models import frozen_copy, load_model
+    from tokengym.rewards import LikelihoodRewardModel
+
+    lm, tok = load_model("tiny")
+    rm = LikelihoodRewardModel(lm, tok, beta=0.5)
+    prompts, comps = ["1+2\n", "12+30\n", "1+2\n"], ["A: 3", "12+30=42\nA: 42", ""]
+    # by hand: 0.5 * sum of log p(token | prefix) over the completion's tokens and the closing EOS
+    expected = []
+    for p, c in zip(prompts, comps):
+        pid, cid = tok(p)["input_ids"], tok(c, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        with torch.no_grad():
+            lp = torch.log_softmax(lm(input_ids=torch.tensor([pid + cid])).logits[0, :-1], -1)
+        expected.append(0.5 * sum(lp[len(pid) - 1 + j, t].item() for j, t in enumerate(cid)))
+    torch.testing.assert_close(rm(prompts, comps), torch.tensor(expected), rtol=1e-4, atol=1e-4)
+    # batched like one by one (padding and sorting change nothing); max_length keeps the last tokens
+    torch.testing.assert_close(LikelihoodRewardModel(lm, tok, beta=0.5, batch_size=1)(prompts, comps), rm(prompts, comps))
+    short = LikelihoodRewardModel(lm, tok, beta=0.5, max_length=4)(["12+30\n"], ["12+30=42\nA: 42"])
+    assert torch.isfinite(short).all()
+    # with a reference equal to the model, the (implicit) reward is 0; training moves it off 0 the right way
+    implicit = LikelihoodRewardModel(lm, tok, beta=0.5, reference=frozen_copy(lm))
+    torch.testing.assert_close(implicit(prompts, comps), torch.zeros(3))
+    pairs = marked_pairs(96)
+    hist = train_reward_model(implicit, None, pairs[:64], RewardModelConfig(lr=2e-3, batch_size=16, epochs=2), eval_pairs=pairs[64:])
+    assert hist[-1]["eval/accuracy"] > 0.9, hist[-1]
+    assert not lm.training and all(not p.requires_grad for p in implicit.reference.parameters())
+    implicit.save_pretrained(tmp_path / "lrm")
+    loaded = LikelihoodRewardModel.from_pretrained(tmp_path / "lrm")  # the reference is not saved: log p alone
+    assert loaded.beta == 0.5 and loaded.reference is None
+    torch.testing.assert_close(loaded(prompts, comps), LikelihoodRewardModel(lm, tok, beta=0.5)(prompts, comps))
+    with pytest.raises(ValueError, match="beta"):
+        LikelihoodRewardModel(lm, tok, beta=0.0)
