@@ -3,6 +3,8 @@
 * :func:`sample_solutions`: a policy's sampled completions of task prompts, judged by the task's verifier.
 * :func:`sampled_pairs`: preference pairs "reference solution (chosen) vs the policy's own wrong sample
   (rejected)": negatives from the distribution a reward model will score during RL.
+* :func:`on_policy_pairs`: pairs within groups of a policy's samples of the same prompt, "a verifier-correct
+  sample (or the reference when none is) vs a verifier-wrong one": the ranking PPO asks of a reward model.
 * :func:`arithmetic_step_labels`: step-labelled solutions for a learned PRM, with the labels of the
   rule-based checker (:class:`~tokengym.rewards.ArithmeticStepReward`) on reference, corrupted and
   (optionally) sampled solutions.
@@ -23,7 +25,7 @@ from tokengym.agents.rollout import collect
 from tokengym.envs.vector_env import TokenVectorEnv
 from tokengym.rewards.arithmetic_prm import arithmetic_step_reward
 
-__all__ = ["sample_solutions", "sampled_pairs", "arithmetic_step_labels"]
+__all__ = ["sample_solutions", "sampled_pairs", "on_policy_pairs", "arithmetic_step_labels"]
 
 
 def _prompts(task: Any, n: int, rng: np.random.Generator, exclude: set[str]) -> list[dict[str, Any]]:
@@ -93,6 +95,63 @@ def sampled_pairs(policy: Any, task: Any, n: int, seed: int = 0, exclude_prompts
         if len(pairs) >= n:
             return pairs[:n]
     raise RuntimeError(f"only {len(pairs)} of {n} wrong samples after {max_draws} rounds: the policy is almost always right")
+
+
+def on_policy_pairs(policy: Any, task: Any, n_prompts: int, group_size: int = 8, pairs_per_prompt: int = 4, seed: int = 0,
+                    exclude_prompts: Iterable[str] = (), num_envs: int = 256) -> list[dict[str, Any]]:
+    """Pairs of the policy's own samples of one prompt: a verifier-correct one (chosen) vs a wrong one (rejected).
+
+    ``n_prompts`` fresh prompts (none from ``exclude_prompts``) are each sampled ``group_size`` times
+    and judged by the task's reward (correct = reward >= 1). A prompt with at least one wrong sample
+    gives up to ``pairs_per_prompt`` distinct (chosen, rejected) pairs of distinct texts, drawn
+    without replacement; its chosen side is a correct sample, or the task's reference solution (the
+    same format, e.g. ``"63+51=114\\n114+26=140\\nA: 140"``) when none of its samples is correct. Prompts
+    the policy always solves give none. Both sides of most pairs are then what a reward model meets
+    during RL from this policy, and they differ where the policy really slips (on Arithmetic: a carry),
+    unlike bundled corruptions (random digits) or "reference vs wrong sample" pairs, which the tiny
+    warm start's RM could not turn into a ranking of its samples (see ``tests/agents/test_rlhf_pipeline.py``).
+
+    Sampling uses the policy's own settings, is seeded by ``seed`` (which also draws the prompts) and
+    restores the policy's generator state afterwards. Records carry ``prompt``, ``chosen``, ``rejected``,
+    ``answer``, ``kind="on_policy"`` and ``chosen_source`` (``"sample"`` or ``"reference"``), in prompt order.
+
+    Example:
+        >>> from tokengym.agents import Policy
+        >>> from tokengym.envs.tasks import ArithmeticTask
+        >>> pairs = on_policy_pairs(Policy.from_pretrained("tiny"), ArithmeticTask(), 4, group_size=4, num_envs=16)
+        >>> sorted(pairs[0]), pairs[0]["chosen_source"]  # an untrained policy is never right
+        (['answer', 'chosen', 'chosen_source', 'kind', 'prompt', 'rejected'], 'reference')
+    """
+    if n_prompts < 1 or group_size < 2 or pairs_per_prompt < 1 or num_envs < group_size:
+        raise ValueError(f"need n_prompts >= 1, group_size >= 2, pairs_per_prompt >= 1 and num_envs >= group_size, "
+                         f"got {n_prompts}, {group_size}, {pairs_per_prompt}, {num_envs}")
+    rng = np.random.default_rng(seed)
+    prompts = _prompts(task, n_prompts, rng, set(exclude_prompts))
+    env = TokenVectorEnv(min(num_envs // group_size, n_prompts) * group_size, task, tokenizer=policy.tokenizer, group_size=group_size)
+    per_batch = env.n_groups
+    state = policy.generator.get_state()
+    policy.seed(seed)
+    pairs: list[dict[str, Any]] = []
+    try:
+        for start in range(0, n_prompts, per_batch):
+            chunk = prompts[start : start + per_batch]
+            ro = collect(env, policy, samples=chunk + chunk[:1] * (per_batch - len(chunk)))
+            correct = (ro.outcome >= 1.0 - 1e-6).view(per_batch, group_size).tolist()
+            for g, s in enumerate(chunk):
+                texts = ro.completions[g * group_size : (g + 1) * group_size]
+                good = sorted({t for t, ok in zip(texts, correct[g]) if ok})
+                bad = sorted({t for t, ok in zip(texts, correct[g]) if not ok})
+                if not bad:
+                    continue
+                source = "sample" if good else "reference"
+                good = good or [s["solution"]]
+                combos = [(c, r) for c in good for r in bad]
+                for k in rng.permutation(len(combos))[:pairs_per_prompt]:
+                    pairs.append({"prompt": s["prompt"], "chosen": combos[k][0], "rejected": combos[k][1],
+                                  "answer": s.get("answer"), "kind": "on_policy", "chosen_source": source})
+    finally:
+        policy.generator.set_state(state)
+    return pairs
 
 
 def _steps(text: str, delimiter: str) -> list[str]:
