@@ -1,4 +1,4 @@
-"""The RLHF pipeline on Arithmetic: SFT warm start -> reward model on bundled pairs -> PPO against it.
+"""The RLHF pipeline on Arithmetic: SFT warm start -> reward model on pairs -> PPO against it.
 
 What holds on CPU in this budget and is asserted here:
 
@@ -6,10 +6,11 @@ What holds on CPU in this budget and is asserted here:
 * the trained RM is the env's outcome reward: PPO's logged score is the RM's score, and the verifier
   still measures greedy held-out accuracy on the side.
 
-What does not hold yet (``test_ppo_against_the_learned_rm_raises_verifier_accuracy``, slow and
-``xfail``): PPO against the learned RM raising the *verifier's* greedy accuracy beyond seed noise. The
-tiny RM learns the bundled pairs' corruptions quickly but cannot verify the policy's own mistakes
-(carry slips in 2-digit additions) better than the policy makes them; numbers in that test's docstring.
+What does not hold reliably yet (``test_ppo_against_the_learned_rm_raises_verifier_accuracy``, slow and
+``xfail``): PPO against the learned RM raising the *verifier's* greedy accuracy by 5 points for every
+draw of the RM's data. With on-policy pairs (the warm start's own correct vs wrong samples) and an
+implicit likelihood RM it did for one RM on both seeds (0.655 -> 0.755 / 0.730) and for another RM of the
+same recipe on one seed (0.720 / 0.645); numbers in that test's docstring.
 """
 
 import numpy as np
@@ -104,41 +105,73 @@ def test_learned_prm_on_rule_based_labels_plugs_into_the_env_and_agrees_with_the
     assert (learned[rule == 0] == 0).mean() > 0.25 and (learned[rule == 1] == 1).mean() > 0.6
 
 
+@pytest.fixture(scope="module")
+def on_policy_rm():
+    """DPO's implicit reward ``0.5 * log(pi_rm / pi_sft)`` of the completion, Bradley-Terry-trained on 4,096 prompts'
+    on-policy pairs (the warm start's correct vs wrong samples of a prompt, 8 samples each; the reference
+    solution as the chosen side where none is correct), the 200 evaluation prompts excluded."""
+    from tokengym.agents.models import frozen_copy, load_model
+    from tokengym.agents.reward_data import on_policy_pairs
+    from tokengym.rewards import LikelihoodRewardModel
+
+    held = {s["prompt"] for s in heldout_samples(task(), 200)}
+    pairs = on_policy_pairs(Policy.from_pretrained(WARM), task(), 4096, group_size=8, pairs_per_prompt=4, seed=0,
+                            exclude_prompts=held)
+    train, val = split_pairs(pairs, val_fraction=0.05, seed=0)
+    lm, tok = load_model(WARM)
+    rm = LikelihoodRewardModel(lm, tok, beta=0.5, reference=frozen_copy(lm))
+    hist = train_reward_model(rm, None, train, RewardModelConfig(lr=1e-4, batch_size=32, epochs=2, seed=0), eval_pairs=val)
+    # within-prompt accuracy: the RM ranks the policy's own correct sample above its wrong one (held-out prompts)
+    own = [p for p in val if p["chosen_source"] == "sample"]
+    prompts = [p["prompt"] for p in own]
+    within = (rm(prompts, [p["chosen"] for p in own]) > rm(prompts, [p["rejected"] for p in own])).float().mean().item()
+    return rm, hist, within, len(train)
+
+
 @pytest.mark.slow
-@pytest.mark.xfail(reason="the tiny RM cannot verify the warm start's own carry slips; PPO against it does not raise "
-                          "the verifier's greedy accuracy (see the docstring)", strict=False)
-def test_ppo_against_the_learned_rm_raises_verifier_accuracy(trained_rm):
-    """The issue's must-learn claim, kept as a tracked expected failure.
+@pytest.mark.xfail(reason="PPO against the learned RM raises the verifier's accuracy by >= 5 points for some RMs and "
+                          "seeds, not reliably (see the docstring)", strict=False)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_ppo_against_the_learned_rm_raises_verifier_accuracy(on_policy_rm, seed):
+    """The issue's must-learn claim, kept as a tracked expected failure: it holds for some RMs of this recipe, not all.
 
-    Measured (seed 0, 200 held-out prompts, warm start 65.5% greedy), RM held-out pairwise accuracy 0.91 on
-    bundled pairs but only ~0.5-0.6 within-prompt accuracy on the policy's own samples (correct vs wrong):
-    the bundled corruptions are random digits the SFT trunk already finds surprising, the policy's errors
-    are carry slips it believes in. PPO then climbs the RM score and the verifier's accuracy drifts down:
+    Measured with ``torch.set_num_threads(1)`` (the test runs 2 threads: numbers differ a little) on the
+    200 held-out prompts, warm start 0.655 greedy; "within" = the RM ranks the warm start's correct sample
+    of a held-out prompt above its wrong one; bo8 = verifier accuracy of the RM's pick of 8 samples
+    (a random sample: 0.48). PPO: defaults but kl_coef, 30 steps, seeds 0 / 1.
 
-    * RM on 1,024 sampled pairs (reference vs the policy's wrong samples), PPO lr 1e-4, kl 0.01, 30 steps:
-      0.655 -> 0.225 (KL 4.7).
-    * RM memorising a 128-prompt pool (10 epochs, within-prompt 0.75), PPO lr 5e-5, kl 0.1: 0.655 -> 0.51.
-    * The same with a sum-pooled token-classifier RM (within-prompt 0.90) normalised to unit scale,
-      kl 0.05: 0.655 -> 0.70 (step 10) -> 0.665 (step 20).
-    * A 64-prompt pool, RM within-prompt 0.94, normalised, kl 0.05: RM score 0.05 -> 0.35, verifier 0.655 -> 0.65.
-    * This test's set-up (RM of the fixture, normalised on the warm start's samples, 20 PPO steps):
-      lr 5e-5, mu 2, 2 minibatches, kl 0.05: RM score 0.20 -> 0.15, verifier 0.655 -> 0.435;
-      lr 2e-5, mu 1, 1 minibatch, kl 0.2: 0.655 -> 0.615; lr 1e-5, mu 4, kl 0.05: 0.655 -> 0.455;
-      lr 5e-5, kl 0.1, no advantage whitening: 0.655 -> 0.51; PPO's defaults (lr 3e-5, mu 4, kl 0.05) for
-      40 steps, which take the verifier itself 65.5% -> ~73.5%: 0.655 -> 0.295. The RM score never rises: the pairs taught
-      it what the policy already does (full, well-formed solutions), so its signal on the policy's samples
-      is noise and PPO drifts.
-    * For reference, PPO against the verifier itself on the 128-prompt pool: 0.655 -> 0.725 in 20 steps.
+    * Pairs from bundled corruptions or "reference vs wrong sample": pairwise 0.91 on their own kind,
+      within 0.5-0.6; PPO then lowers the verifier's accuracy (0.655 -> 0.225 .. 0.665 over a dozen PPO
+      settings; PPO's defaults for 40 steps: 0.295).
+    * 15k on-policy pairs (4,096 prompts x 8 samples, 4 pairs per prompt drawn with repeats): a sequence
+      head on the SFT trunk reaches within 0.58 / bo8 0.39 (1 epoch), a sum-pooled token head 0.66 / 0.45.
+      The SFT LM's own log-likelihood, untrained, is already at 0.84 / 0.65 (PPO against it, kl 0.05: 0.585).
+    * Implicit RM (this fixture's form) on those 15k pairs, 1 epoch: within 0.85, bo8 0.645. PPO kl 0.05:
+      0.72 at step 5, 0.535 at step 30 (KL 2.5, exploited); **kl 0.2: 0.755 / 0.730**; the same weights
+      scored without the reference (0.5 log pi_rm), kl 0.05: 0.755 / 0.725.
+      Likelihood RM trained without a reference: a better verifier (within 0.90, bo8 0.74) but PPO kl
+      0.05 gives 0.710 / 0.690: its LM's own greedy accuracy fell to 0.60 (the implicit RM's rose to 0.735).
+    * This fixture (:func:`~tokengym.agents.reward_data.on_policy_pairs`, distinct pairs only: 9,870, 9,375
+      trained on): 1 epoch within 0.77 (the test run at 2 threads: seed 1 0.655 -> 0.620); 2 epochs
+      within 0.83 (0.86 on 200 held-out prompts x 8), bo8 0.66, **PPO kl 0.2: 0.720 / 0.645**.
+
+    So the gain is real for some RMs (both seeds +7.5 or more with the first implicit RM) but not beyond
+    the noise of drawing the RM's data: what is left is an RM recipe whose PPO gain survives re-drawing it
+    (more prompts or epochs, iterated RLHF with a refresh on the current policy's samples). Wall time
+    (1 thread, shared 2-core Xeon): pairs 65 s, RM 195 s (2 epochs), PPO 80 s per seed.
     """
-    rm, _ = trained_rm
+    rm, hist, within, n_train = on_policy_rm
+    print(f"RM on {n_train} on-policy pairs: held-out pairwise accuracy {hist[-1]['eval/accuracy']:.3f}, "
+          f"within-prompt accuracy on the policy's own samples {within:.3f}")
     policy = Policy.from_pretrained(WARM)
     ro = collect(TokenVectorEnv(256, task()), policy, seed=1)
-    rm.normalize([s["prompt"] for s in ro.samples], ro.completions)
+    rm.normalize([s["prompt"] for s in ro.samples], ro.completions)  # the warm start's samples score mean 0, std 1
     eval_env, samples = TokenVectorEnv(200, task()), heldout_samples(task(), 200)
     before = evaluate(policy, eval_env, samples)["accuracy"]
-    agent = PPOAgent(policy, PPOConfig(steps=20, lr=5e-5, mu=2, minibatches=2, kl_coef=0.05, seed=0))
+    agent = PPOAgent(policy, PPOConfig(steps=30, kl_coef=0.2, seed=seed))
     history = agent.learn(TokenVectorEnv(64, task(), reward=rm))
     after = evaluate(policy, eval_env, samples)["accuracy"]
-    print(f"RM score {history[0]['objective/score']:.3f} -> {history[-1]['objective/score']:.3f}; "
+    print(f"seed {seed}: RM score {history[0]['objective/score']:.3f} -> {history[-1]['objective/score']:.3f}; "
           f"verifier greedy accuracy {before:.3f} -> {after:.3f}")
+    assert within > 0.75, within
     assert after >= before + 0.05, (before, after)
