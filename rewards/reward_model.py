@@ -262,10 +262,11 @@ class LikelihoodRewardModel(RewardModel):
     With ``reference`` (a frozen copy of the starting LM, e.g. ``frozen_copy(model)``), the score is
     ``beta * (log p - log p_ref)``: DPO's implicit reward (Rafailov et al. 2023; as a reward model for RL,
     PRIME, Cui et al. 2025), which scores 0 everywhere before training, so BT training moves only what
-    the pairs tell it. PPO against it needs a firm KL penalty: its maximum lies wherever the trained LM
-    moved most from the reference (on Arithmetic, PPO with kl_coef 0.05 took the verifier's accuracy
-    0.655 -> 0.72 in 5 steps, then exploited the reward down to 0.535 by step 30; numbers and the
-    kl_coef 0.2 runs in ``tests/agents/test_rlhf_pipeline.py``).
+    the pairs tell it. As PPO's reward it is exploitable: its maximum lies wherever the trained LM moved
+    most from the reference (on Arithmetic, PPO with kl_coef 0.05 took the verifier's accuracy 0.655 ->
+    0.72 in 5 steps, then down to 0.535 by step 30). Scoring the trained LM *without* the reference
+    (``LikelihoodRewardModel(rm.model, rm.tokenizer, beta=rm.beta)``) keeps PPO on what that LM finds
+    likely, and is what raised the verifier's accuracy there (``tests/agents/test_rlhf_pipeline.py``).
 
     Args:
         model: a ``transformers`` causal LM (``model(input_ids=..., attention_mask=...).logits`` is ``[N, L, V]``).
