@@ -50,9 +50,14 @@ class RunConfig:
     temperature: float = 1.0
     """Sampling temperature of the policy during rollouts."""
     pairs: str | None = None
-    """DPO / RM: preference pairs as JSONL (prompt, chosen, rejected); None = bundled Arithmetic pairs."""
+    """DPO / RM: preference pairs as JSONL (prompt, chosen, rejected); None = bundled Arithmetic pairs; "on-policy" =
+    the model's own verifier-correct vs wrong samples of bundled Arithmetic prompts (``reward_data.on_policy_pairs``)."""
     num_pairs: int = 1024
-    """DPO / RM: how many bundled Arithmetic pairs to generate when no pairs file is given."""
+    """DPO / RM: how many bundled Arithmetic pairs to generate when no pairs file is given (prompts, for "on-policy")."""
+    rm_kind: str = "sequence"
+    """RM: "sequence" (a scalar head on the model's trunk: ``RewardModel``) or "likelihood" (the LM's log-likelihood,
+    Bradley-Terry-trained as DPO's implicit reward and saved to score without the reference: ``LikelihoodRewardModel``;
+    with ``--pairs on-policy`` the recipe that lifts the verifier under PPO on Arithmetic)."""
     step_labels: str | None = None
     """PRM: step-labelled examples as JSONL (prompt, steps, labels); None = generated Arithmetic examples (num_pairs of them)."""
     reward_model: str | None = None
@@ -154,6 +159,10 @@ def learned_rewards(run: RunConfig, process: bool) -> dict[str, Any]:
             continue
         if not os.path.isdir(path):
             raise R.UsageError(f"{cmd} model {path!r} is not a folder (train one with `tokengym train {cmd}`)")
+        if key == "reward" and os.path.isfile(os.path.join(path, "likelihood_reward_model.json")):
+            from tokengym.rewards import LikelihoodRewardModel  # written by `tokengym train rm --rm-kind likelihood`
+
+            cls = LikelihoodRewardModel
         try:
             out[key] = cls.from_pretrained(path, device=run.device)
         except (OSError, ValueError) as e:
@@ -301,6 +310,8 @@ def preference_pairs(run: RunConfig, task: Any, exclude: list[dict] | None) -> l
     from tokengym.agents.pairs import arithmetic_pairs, load_pairs
     from tokengym.envs.tasks import ArithmeticTask
 
+    if run.pairs == ON_POLICY:
+        return on_policy(run, task, exclude)
     if run.pairs is not None:
         if not os.path.isfile(run.pairs):
             raise R.UsageError(f"pairs file {run.pairs!r} does not exist")
@@ -311,6 +322,25 @@ def preference_pairs(run: RunConfig, task: Any, exclude: list[dict] | None) -> l
     if not isinstance(task, ArithmeticTask):
         raise R.UsageError(f"no bundled pairs for {run.env}; pass --pairs FILE.jsonl with prompt/chosen/rejected")
     return arithmetic_pairs(task, run.num_pairs, seed=0, exclude_prompts={s["prompt"] for s in exclude or []})
+
+
+ON_POLICY = "on-policy"
+LIKELIHOOD_RM_BETA = 0.5
+"""Scale of the likelihood reward model's log-likelihood (the recipe of ``tests/agents/test_rlhf_pipeline.py``)."""
+
+
+def on_policy(run: RunConfig, task: Any, exclude: list[dict] | None) -> list[dict[str, Any]]:
+    """``--pairs on-policy``: the run's model's own correct vs wrong samples of ``num_pairs`` bundled Arithmetic prompts."""
+    from tokengym.agents.reward_data import on_policy_pairs
+    from tokengym.envs.tasks import ArithmeticTask
+
+    if not isinstance(task, ArithmeticTask):
+        raise R.UsageError(f"--pairs {ON_POLICY} needs a task with a verifier and reference solutions (Arithmetic), not {run.env}")
+    pairs = on_policy_pairs(load_policy(run, 0), task, run.num_pairs, seed=0,
+                            exclude_prompts={s["prompt"] for s in exclude or []})
+    if len(pairs) < 2:
+        raise R.UsageError(f"the model's samples of {run.num_pairs} prompts gave {len(pairs)} pairs; raise --num-pairs")
+    return pairs
 
 
 def run_dpo(run: RunConfig, cfg: Any, run_dir: str, resume: bool) -> dict[str, Any]:
@@ -381,12 +411,45 @@ def run_rm(run: RunConfig, cfg: Any, run_dir: str, resume: bool) -> dict[str, An
 
     if resume:
         raise R.UsageError("rm runs cannot be resumed; start a new run")
-    model, tok = _classifier(run, "sequence", cfg.seed)
+    if run.rm_kind not in ("sequence", "likelihood"):
+        raise R.UsageError(f"rm_kind must be 'sequence' or 'likelihood', got {run.rm_kind!r}")
+    if run.rm_kind == "likelihood":
+        from tokengym.agents.models import frozen_copy
+        from tokengym.rewards import LikelihoodRewardModel
+
+        policy = load_policy(run, cfg.seed)
+        model, tok = policy.model, policy.tokenizer
+        trained: Any = LikelihoodRewardModel(model, tok, beta=LIKELIHOOD_RM_BETA, reference=frozen_copy(model),
+                                             max_length=cfg.max_length)
+        scorer: Any = LikelihoodRewardModel(model, tok, beta=LIKELIHOOD_RM_BETA, max_length=cfg.max_length)
+        target: Any = trained
+    else:
+        model, tok = _classifier(run, "sequence", cfg.seed)
+        scorer = RewardModel(model, tok, max_length=cfg.max_length)
+        target = model
     task = make_env(run, 1, tokenizer=tok).task
+
+    def fit(callback: Callable) -> list[dict[str, Any]]:
+        history = train_reward_model(target, None if run.rm_kind == "likelihood" else tok, pairs, cfg, callback=callback)
+        normalize_on_samples(run, scorer)
+        return history
+
     pairs = preference_pairs(run, task, heldout_samples(task, run.eval_prompts) if run.eval_prompts else None)
     total = cfg.epochs * math.ceil(len(pairs) * (1 - cfg.val_fraction) / cfg.batch_size)
-    return _fit_classifier(run, run_dir, total, lambda cb: train_reward_model(model, tok, pairs, cfg, callback=cb),
-                           RewardModel(model, tok, max_length=cfg.max_length), "eval/accuracy", "held-out pairwise accuracy")
+    return _fit_classifier(run, run_dir, total, fit, scorer, "eval/accuracy", "held-out pairwise accuracy")
+
+
+def normalize_on_samples(run: RunConfig, rm: Any, n: int = 256) -> None:
+    """Shift and scale ``rm`` so that ``n`` samples of the run's starting model score mean 0, std 1.
+
+    Bradley-Terry fixes only score differences; PPO's critic and KL penalty (and GRPO's ``scale_rewards="none"``)
+    need a known scale, and the policy that will be trained starts from these samples.
+    """
+    from tokengym.agents.rollout import collect
+
+    policy = load_policy(run, 0)
+    ro = collect(make_env(run, n, tokenizer=policy.tokenizer), policy, seed=1)
+    rm.normalize([s["prompt"] for s in ro.samples], ro.completions)
 
 
 def run_prm(run: RunConfig, cfg: Any, run_dir: str, resume: bool) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """``tokengym train``: runs/ layout, SIGKILL + --resume reproduces an uninterrupted run, bad input exits 2."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tokengym.agents import Policy
 from tokengym.agents.cli import main
 
 ALGOS = {
@@ -130,3 +132,28 @@ def test_rm_and_prm_runs_plug_into_grpo(tmp_path, capsys):
     assert rows[1]["step"] == 1 and "reward/mean" in rows[1]
     assert main(["train", "grpo", "--reward-model", str(tmp_path / "nope"), "--name", "h", *base]) == 2
     assert "train one with `tokengym train rm`" in capsys.readouterr().err
+
+
+def test_likelihood_rm_from_on_policy_pairs_plugs_into_ppo(tmp_path, capsys):
+    """``train rm --rm-kind likelihood --pairs on-policy`` (the RLHF recipe of test_rlhf_pipeline) saves a causal
+    LM that ``train ppo --reward-model`` loads as a LikelihoodRewardModel scored without a reference, normalised
+    so that the starting model's samples score mean 0, std 1."""
+    from tokengym.rewards import LikelihoodRewardModel
+
+    base = ["--eval-prompts", "16", "--progress", "false", "--runs-dir", str(tmp_path)]
+    assert main(["train", "rm", "--rm-kind", "likelihood", "--pairs", "on-policy", "--num-pairs", "48",
+                 "--name", "lrm", *base]) == 0
+    assert "held-out pairwise accuracy" in capsys.readouterr().out
+    saved = tmp_path / "lrm" / "model"
+    assert (saved / "likelihood_reward_model.json").is_file()
+    rm = LikelihoodRewardModel.from_pretrained(str(saved))
+    assert rm.reference is None and rm.beta == 0.5
+    assert not torch.equal(rm.model.lm_head.weight, Policy.from_pretrained("tiny-arithmetic").model.lm_head.weight)
+    assert main(["train", "ppo", "--steps", "1", "--prompts", "4", "--reward-model", str(saved), "--name", "p", *base]) == 0
+    score = metrics(str(tmp_path / "p"))[1]["objective/score"]
+    assert rm.scale != 1.0 and rm.shift < 0  # normalised on the starting model's samples (raw: sums of log-probs)
+    assert math.isfinite(score) and abs(score) < 1.5  # the first rollout comes from that model: mean ~0, std 1
+    assert main(["train", "rm", "--rm-kind", "head", "--name", "bad", *base]) == 2
+    assert "rm_kind must be 'sequence' or 'likelihood'" in capsys.readouterr().err
+    assert main(["train", "rm", "--pairs", "on-policy", "--env", "tokengym/Reverse-v0", "--name", "bad2", *base]) == 2
+    assert "needs a task with a verifier" in capsys.readouterr().err
