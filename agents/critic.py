@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tokengym.agents.models import use_tokengym_attention
 from tokengym.agents.policy import position_ids
 
 __all__ = ["Critic"]
@@ -35,7 +36,7 @@ class Critic(nn.Module):
 
     def __init__(self, trunk: nn.Module, hidden_size: int, seed: int = 0):
         super().__init__()
-        self.trunk = trunk
+        self.trunk = use_tokengym_attention(trunk)
         self.value_head = nn.Linear(hidden_size, 1)
         gen = torch.Generator().manual_seed(seed)
         nn.init.normal_(self.value_head.weight, std=1.0 / (hidden_size + 1), generator=gen)

@@ -36,7 +36,7 @@ from torch import nn
 
 from tokengym.agents import functional as Fn
 from tokengym.agents.fast_decode import StaticDecoder, unsupported_reason
-from tokengym.agents.models import load_model
+from tokengym.agents.models import load_model, use_tokengym_attention
 
 __all__ = ["Policy", "AdapterDisabledReference", "make_reference", "position_ids", "sample_logits"]
 
@@ -120,7 +120,7 @@ class Policy(nn.Module):
             raise ValueError(f"temperature must be > 0 (use greedy=True for argmax), got {temperature}")
         if not 0 < top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        self.model = model
+        self.model = use_tokengym_attention(model)  # sdpa -> fp32 attention for bf16 on CPU (models.ATTENTION)
         self.tokenizer = tokenizer
         self.temperature, self.top_k, self.top_p = float(temperature), int(top_k), float(top_p)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)

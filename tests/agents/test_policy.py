@@ -1,5 +1,7 @@
 """Policy: the static-cache fast decode path against the generic HF path and one full forward pass."""
 
+import copy
+
 import pytest
 import torch
 from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
@@ -297,3 +299,50 @@ def test_shipped_checkpoint_loads_by_name_and_unknown_names_fail_clearly():
     assert tok.eos_token_id is not None
     with pytest.raises(FileNotFoundError, match="neither a preset .* nor a local folder"):
         load_model("no-such-model")
+
+
+def _padded_batch(tok, n=6, length=20, pad=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(5, len(tok), (n, length), generator=g)
+    mask = torch.ones(n, length, dtype=torch.bool)
+    mask[: n // 2, :pad] = False  # left padding in half the rows
+    return tokens, mask
+
+
+def test_tokengym_attention_equals_sdpa_in_fp32_and_runs_bf16_autocast_attention_in_fp32(monkeypatch):
+    """Policy switches an sdpa model to models.ATTENTION: the same log-probs and gradients as sdpa in fp32,
+    and under bf16 autocast on CPU the attention kernel gets fp32 inputs (its bf16 backward is slow)."""
+    from tokengym.agents.models import ATTENTION
+
+    model, tok = build_preset("tiny", seed=3)
+    plain = copy.deepcopy(model)
+    assert plain.config._attn_implementation == "sdpa"
+    policy = Policy(model, tok)
+    assert model.config._attn_implementation == ATTENTION and plain.config._attn_implementation == "sdpa"
+    tokens, mask = _padded_batch(tok)
+    P = 8
+    lp_new = policy(tokens, mask, P)
+    lp_new.sum().backward()
+    out = plain(input_ids=tokens, attention_mask=mask.long(), position_ids=(mask.long().cumsum(-1) - 1).clamp(min=0),
+                logits_to_keep=tokens.shape[1] - P + 1)
+    lp_old = torch.log_softmax(out.logits[:, :-1], -1).gather(-1, tokens[:, P:, None]).squeeze(-1)
+    lp_old.sum().backward()
+    assert torch.allclose(lp_new, lp_old, atol=1e-5)
+    for (name, a), (_, b) in zip(model.named_parameters(), plain.named_parameters()):
+        assert torch.allclose(a.grad, b.grad, atol=1e-5, rtol=1e-4), name
+
+    seen = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda q, k, v, *a, **kw: seen.append((q.dtype, k.dtype, v.dtype)) or sdpa(q, k, v, *a, **kw))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lp_bf16 = policy(tokens, mask, P)
+    assert seen and all(d == (torch.float32,) * 3 for d in seen), seen
+    assert (lp_bf16 - lp_old).abs().max() < 0.1  # bf16 matmuls, fp32 attention
+
+
+def test_models_with_other_attention_are_left_alone():
+    model, tok = build_preset("tiny", seed=3)
+    model.set_attn_implementation("eager")
+    Policy(model, tok)
+    assert model.config._attn_implementation == "eager"
