@@ -21,7 +21,7 @@ from tokengym.agents.distributed import LOCAL, aggregation_weights
 from tokengym.agents.logger import RunLogger
 from tokengym.agents.optim import adamw
 from tokengym.agents.policy import make_reference
-from tokengym.agents.rollout import Rollout, collect, evaluate
+from tokengym.agents.rollout import Rollout, collect, evaluate, trimmed_logprobs, used_columns
 
 __all__ = ["GRPOConfig", "GRPOAgent", "grpo_advantages", "LR_SCHEDULES"]
 
@@ -179,7 +179,7 @@ class GRPOAgent:
         if self.ref is None:
             return None
         with self._autocast(ro.tokens.device):
-            return self.ref(ro.tokens, ro.attention_mask, ro.prompt_len)
+            return trimmed_logprobs(self.ref, ro)
 
     def _schedule_lr(self) -> float:
         """Set the learning rate of the coming sampling step from ``global_step`` (so a resumed run continues the schedule)."""
@@ -200,13 +200,14 @@ class GRPOAgent:
             order = torch.randperm(n, generator=self._shuffle).to(ro.tokens.device)
             for mb in order.chunk(cfg.minibatches):
                 mb, share = self.dp.shard(mb, aggregation_weights(ro.action_mask, cfg.aggregation))
-                am = ro.action_mask[mb]
+                m = used_columns(ro.action_mask[mb])  # columns past every row's end are padding: skip them
+                am, P = ro.action_mask[mb, :m], ro.prompt_len
                 with self._autocast(ro.tokens.device):
-                    logp, ent = self.policy(ro.tokens[mb], ro.attention_mask[mb], ro.prompt_len, return_entropy=True)
-                loss, stats = F.policy_loss(logp, old_logp[mb], adv[mb], am, cfg.clip_eps, cfg.clip_eps_high, cfg.aggregation)
+                    logp, ent = self.policy(ro.tokens[mb, : P + m], ro.attention_mask[mb, : P + m], P, return_entropy=True)
+                loss, stats = F.policy_loss(logp, old_logp[mb, :m], adv[mb, :m], am, cfg.clip_eps, cfg.clip_eps_high, cfg.aggregation)
                 stats = dict(stats, pg_loss=loss.detach(), entropy=F.masked_aggregate(ent.detach(), am, "token-mean"))
                 if ref_logp is not None:
-                    kl = F.masked_aggregate(F.kl_penalty(logp, ref_logp[mb], cfg.kl_estimator), am, cfg.aggregation)
+                    kl = F.masked_aggregate(F.kl_penalty(logp, ref_logp[mb, :m], cfg.kl_estimator), am, cfg.aggregation)
                     loss = loss + cfg.beta * kl
                     stats["kl"] = kl.detach()
                 if cfg.entropy_coef > 0:
@@ -256,7 +257,7 @@ class GRPOAgent:
                 old_logp = None
                 if not cfg.reuse_rollout_logprobs:
                     with torch.no_grad(), self._autocast(ro.tokens.device):
-                        old_logp = self.policy(ro.tokens, ro.attention_mask, ro.prompt_len)
+                        old_logp = trimmed_logprobs(self.policy, ro)
                 ref_logp = self._ref_logprobs(ro)
                 ro, old_logp, ref_logp = self.dp.gather(ro, old_logp, ref_logp)  # data parallel: the global batch
                 old_logp = ro.logprobs if old_logp is None else old_logp

@@ -35,7 +35,7 @@ from tokengym.agents.distributed import LOCAL, aggregation_weights
 from tokengym.agents.logger import RunLogger
 from tokengym.agents.optim import adamw
 from tokengym.agents.policy import make_reference
-from tokengym.agents.rollout import Rollout, collect, evaluate
+from tokengym.agents.rollout import Rollout, collect, evaluate, trimmed_logprobs, used_columns
 
 __all__ = ["PPOConfig", "PPOAgent", "AdaptiveKLController", "ppo_rewards"]
 
@@ -130,12 +130,6 @@ class AdaptiveKLController:
         self.value, self.target, self.horizon = state["value"], state["target"], state["horizon"]
 
 
-def _used_columns(action_mask: torch.Tensor) -> int:
-    """Generated columns up to the end of the longest row of ``action_mask[N, M]``; later columns are all
-    padding, so the passes over the batch (reference, minibatch updates) skip them."""
-    return max(int(action_mask.sum(1).max()), 1) if action_mask.numel() else 1
-
-
 def ppo_rewards(ro: Rollout, ref_logp: torch.Tensor | None, beta: float, estimator: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token rewards ``[N, M]`` = env rewards - beta * KL(pi_old || ref); also the KL ``[N, M]``."""
     am = ro.action_mask
@@ -204,11 +198,8 @@ class PPOAgent:
         """Reference log-probs ``[N, M]`` of the rollout's tokens (None without a reference)."""
         if self.ref is None:
             return None
-        P, M = ro.prompt_len, ro.action_mask.shape[1]
-        m = _used_columns(ro.action_mask)
         with self._autocast(ro.tokens.device):
-            ref_logp = self.ref(ro.tokens[:, : P + m], ro.attention_mask[:, : P + m], P)
-        return torch.nn.functional.pad(ref_logp, (0, M - m))
+            return trimmed_logprobs(self.ref, ro)
 
     @torch.no_grad()
     def advantages(self, ro: Rollout, ref_logp: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
@@ -252,7 +243,7 @@ class PPOAgent:
             for mb in order.chunk(cfg.minibatches):
                 _, pshare = dp.shard(mb, policy_w)
                 mb, tshare = dp.shard(mb, token_w)
-                m = _used_columns(ro.action_mask[mb])
+                m = used_columns(ro.action_mask[mb])
                 tokens, mask, am = ro.tokens[mb, : P + m], ro.attention_mask[mb, : P + m], ro.action_mask[mb, :m]
                 with self._autocast(tokens.device):
                     logp, ent = self.policy(tokens, mask, P, return_entropy=True)

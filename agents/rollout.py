@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["Rollout", "collect", "evaluate", "heldout_samples"]
+__all__ = ["Rollout", "collect", "evaluate", "heldout_samples", "used_columns", "trimmed_logprobs"]
 
 
 @dataclass
@@ -82,6 +82,23 @@ class Rollout:
                 v = {k: t[idx_t] for k, t in v.items()}
             out[f.name] = v
         return Rollout(**out)
+
+
+def used_columns(action_mask: torch.Tensor) -> int:
+    """Generated columns up to the end of the longest row of ``action_mask[N, M]`` (at least 1). Later
+    columns are padding in every row and no real token attends to them, so a full pass over the batch
+    (reference, pi_old, a minibatch update) can skip them: after the SFT warm start most Arithmetic
+    completions end long before the env's budget."""
+    return max(int(action_mask.sum(1).max()), 1) if action_mask.numel() else 1
+
+
+def trimmed_logprobs(fn, ro: "Rollout") -> torch.Tensor:
+    """``fn(tokens, mask, prompt_len)`` (a policy or reference) over the rollout's :func:`used_columns`
+    only, zero-padded back to ``[N, M]``."""
+    P, M = ro.prompt_len, ro.action_mask.shape[1]
+    m = used_columns(ro.action_mask)
+    logp = fn(ro.tokens[:, : P + m], ro.attention_mask[:, : P + m], P)
+    return torch.nn.functional.pad(logp, (0, M - m))
 
 
 def collect(env, policy, critic=None, *, greedy: bool = False, seed: int | None = None, samples: list | None = None) -> Rollout:

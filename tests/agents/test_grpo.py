@@ -142,3 +142,32 @@ def test_lr_schedule_follows_global_step_and_continues_after_a_resume():
     assert [r["reward/mean"] for r in rest] == [r["reward/mean"] for r in full[2:]]
     with pytest.raises(ValueError, match="lr_schedule"):
         GRPOConfig(lr_schedule="step")
+
+
+def test_passes_skip_columns_past_every_rows_end_without_changing_the_update(monkeypatch):
+    """After the SFT warm start completions end long before the budget: the update, reference and pi_old
+    passes run on the used columns only, and the trained weights equal those of full-width passes."""
+    import tokengym.agents.grpo as grpo_mod
+
+    def run(full_width: bool):
+        if full_width:
+            monkeypatch.setattr(grpo_mod, "used_columns", lambda am: am.shape[1])
+            monkeypatch.setattr(grpo_mod, "trimmed_logprobs", lambda fn, ro: fn(ro.tokens, ro.attention_mask, ro.prompt_len))
+        env = gym.make_vec("tokengym/Arithmetic-v0", num_envs=16, vectorization_mode="vector_entry_point", group_size=8,
+                           n_operands=(2, 3), digits=2)
+        policy = Policy.from_pretrained("tiny-arithmetic")
+        widths = []
+        forward = policy.forward
+        monkeypatch.setattr(policy, "forward", lambda tokens, *a, **kw: widths.append(tokens.shape[1]) or forward(tokens, *a, **kw))
+        agent = GRPOAgent(policy, GRPOConfig(steps=2, beta=0.05, recompute_old_logprobs=True, lr=1e-4, seed=0))
+        history = agent.learn(env)
+        full = env.max_prompt_len + env.max_new_tokens
+        return [p.detach().clone() for p in policy.model.parameters()], widths, full, history
+
+    trimmed, widths, full, hist = run(False)
+    assert max(widths) < full, f"every pass ran at the full width {full}: {widths}"
+    assert max(r["completion/length_max"] for r in hist) < full
+    untrimmed, widths_full, _, _ = run(True)
+    assert set(widths_full) == {full}
+    for a, b in zip(trimmed, untrimmed):
+        assert torch.allclose(a, b, atol=1e-6), (a - b).abs().max()
