@@ -43,8 +43,8 @@ class RunConfig:
     """Run name; the run writes runs_dir/name (default: <algo>-<env>-<date>-<time>)."""
     runs_dir: str = "runs"
     """Folder holding the runs."""
-    prompts: int = 8
-    """Prompts per rollout batch; the env holds prompts * group_size episodes."""
+    prompts: int | None = None
+    """Prompts per rollout batch; the env holds prompts * group_size episodes (default: 8 for GRPO, 64 for PPO: 64 episodes per step either way)."""
     group_size: int | None = None
     """Completions per prompt (default: 8 for GRPO, 1 for PPO)."""
     temperature: float = 1.0
@@ -129,14 +129,15 @@ def load_policy(run: RunConfig, seed: int):
         raise R.UsageError(f"cannot load model {run.model!r}: {str(e).splitlines()[0]}") from None
 
 
-def rank_prompts(run: RunConfig) -> int:
-    """Prompts of the rollout batch this process owns: ``prompts / K`` under torchrun with K processes."""
+def rank_prompts(run: RunConfig, default: int) -> int:
+    """Prompts of the rollout batch this process owns: ``prompts / K`` under torchrun with K processes
+    (``default`` prompts when the run does not set them)."""
     from tokengym.agents.distributed import DataParallel
 
-    k = DataParallel.current().world_size
-    if run.prompts % k:
-        raise R.UsageError(f"prompts={run.prompts} is not divisible by the {k} processes (each owns prompts / {k} whole groups)")
-    return run.prompts // k
+    k, prompts = DataParallel.current().world_size, run.prompts or default
+    if prompts % k:
+        raise R.UsageError(f"prompts={prompts} is not divisible by the {k} processes (each owns prompts / {k} whole groups)")
+    return prompts // k
 
 
 def eval_setup(run: RunConfig, tokenizer: Any):
@@ -280,7 +281,7 @@ def run_grpo(run: RunConfig, cfg: Any, run_dir: str, resume: bool) -> dict[str, 
 
     g = run.group_size or 8
     policy = load_policy(run, cfg.seed)
-    env = make_env(run, rank_prompts(run) * g, g, tokenizer=policy.tokenizer, **learned_rewards(run, cfg.advantage == "process"))
+    env = make_env(run, rank_prompts(run, 8) * g, g, tokenizer=policy.tokenizer, **learned_rewards(run, cfg.advantage == "process"))
     eval_env, samples = eval_setup(run, policy.tokenizer)
     agent = GRPOAgent(policy, cfg)
     trainer = Trainer(run, run_dir, resume, cfg.iterations * cfg.steps, agent, env)
@@ -295,7 +296,7 @@ def run_ppo(run: RunConfig, cfg: Any, run_dir: str, resume: bool) -> dict[str, A
 
     g = run.group_size or 1
     policy = load_policy(run, cfg.seed)
-    env = make_env(run, rank_prompts(run) * g, g, tokenizer=policy.tokenizer, **learned_rewards(run, run.prm_model is not None))
+    env = make_env(run, rank_prompts(run, 64) * g, g, tokenizer=policy.tokenizer, **learned_rewards(run, run.prm_model is not None))
     eval_env, samples = eval_setup(run, policy.tokenizer)
     agent = PPOAgent(policy, cfg)
     trainer = Trainer(run, run_dir, resume, cfg.steps, agent, env)
@@ -559,7 +560,7 @@ def resolve(algo: str, values_file: dict[str, Any], values_flags: dict[str, Any]
 
 
 def _check_run(run: RunConfig) -> None:
-    bad = {"prompts": run.prompts >= 1, "group_size": run.group_size is None or run.group_size >= 1,
+    bad = {"prompts": run.prompts is None or run.prompts >= 1, "group_size": run.group_size is None or run.group_size >= 1,
            "eval_prompts": run.eval_prompts >= 0, "save_every": run.save_every >= 0, "num_pairs": run.num_pairs >= 2,
            "keep_checkpoints": run.keep_checkpoints >= 1, "temperature": run.temperature > 0}
     for k, ok in bad.items():

@@ -34,3 +34,11 @@ def test_sample_errors_are_one_line(capsys):
     assert "unknown env id" in capsys.readouterr().err
     assert main(["sample", "--policy", "model"]) == 2
     assert "needs --model" in capsys.readouterr().err
+
+
+def test_ppo_and_grpo_default_to_64_episodes_per_step_and_an_explicit_prompts_wins():
+    from tokengym.agents import train as T
+
+    g_grpo, g_ppo = 8, 1  # their default group sizes (run_grpo / run_ppo)
+    assert T.rank_prompts(T.RunConfig(), 8) * g_grpo == T.rank_prompts(T.RunConfig(), 64) * g_ppo == 64
+    assert T.rank_prompts(T.RunConfig(prompts=4), 64) == 4
