@@ -11,7 +11,10 @@ is the median over steps after 2 warm-up steps. ``tiny_speedup``/``small_speedup
 step / tokengym seconds per step (both fp32); ``*_speedup_bf16`` compares both with ``bf16=True``
 (tokengym: bf16 autocast in the rollout, whose fast decoder then multiplies bf16 weights, and in the
 update; TRL: ``bf16=True`` with ``use_cpu=True``, i.e. accelerate's CPU bf16 autocast over training and
-generation). ``--repeats`` reruns the four in rotating order.
+generation; TRL's model keeps ``transformers``' sdpa attention, while tokengym's ``Policy`` attends in fp32
+under CPU autocast, see ``tokengym.agents.models.ATTENTION``). ``--repeats`` reruns the four in rotating order.
+The small preset's step is mostly the same arithmetic in both (tokengym fp32: 1.27 s update at the matmul
+peak, 0.62 s rollout bound by reading the weights once per token), which caps its fp32 ratio.
 
 The race (tiny only): both start from the shipped warm checkpoint ``agents/checkpoints/tiny-arithmetic``
 (65.5% on the 200 held-out prompts) and train until greedy accuracy on those prompts first reaches 90%

@@ -19,8 +19,16 @@ between consecutive updates (everything each trainer does per update: generation
 values, advantages, epochs, logging) after ``--warmup`` updates. ``<preset>_speedup`` = TRL seconds per
 update / tokengym seconds per update (both fp32); ``<preset>_speedup_bf16`` compares both with
 ``bf16=True`` (tokengym: bf16 autocast in rollout and update; TRL: ``bf16=True`` with ``use_cpu=True``,
-accelerate's CPU bf16 autocast). ``--rounds R`` repeats the four contenders R times and pools the updates, so that a machine whose
+accelerate's CPU bf16 autocast; TRL's models keep ``transformers``' sdpa attention, as a TRL user gets them, while
+tokengym's ``Policy``/``Critic`` attend in fp32 under CPU autocast: ``tokengym.agents.models.ATTENTION``). ``--rounds R`` repeats the four contenders R times and pools the updates, so that a machine whose
 load drifts does not favour whichever trainer ran first.
+
+Where the time goes (2026-12-03, 1 thread, quiet machine): both updates are the same arithmetic (4 epochs of policy
+and critic forward/backward over the same tokens) and run at this CPU's matmul peak (a small-preset policy+critic
+step: 2.2 of 2.5 s in fp32 GEMMs at ~97 GFLOP/s; in bf16, 1.03 of 1.44 s at ~205 GFLOP/s). On small the fp32 update
+is 11 of tokengym's 13 s per update, so however fast the rollout the fp32 ratio stays below TRL's 13-16 s / 11 s; tokengym's lead
+comes from the rollout (fast decoder, no separate pi_old pass) and from bf16, where fp32 attention halved the tiny
+preset's step (CPU flash-attention's bf16 backward is slow).
 """
 
 from __future__ import annotations

@@ -145,8 +145,8 @@ def test_lr_schedule_follows_global_step_and_continues_after_a_resume():
 
 
 def test_passes_skip_columns_past_every_rows_end_without_changing_the_update(monkeypatch):
-    """After the SFT warm start completions end long before the budget: the update, reference and pi_old
-    passes run on the used columns only, and the trained weights equal those of full-width passes."""
+    """The update, reference and pi_old passes run on the used columns only (here the warm start's
+    completions end before the budget), and the trained weights equal those of full-width passes."""
     import tokengym.agents.grpo as grpo_mod
 
     def run(full_width: bool):
