@@ -12,7 +12,7 @@ step / tokengym seconds per step (both fp32); ``*_speedup_bf16`` compares both w
 (tokengym: bf16 autocast in the rollout, whose fast decoder then multiplies bf16 weights, and in the
 update; TRL: ``bf16=True`` with ``use_cpu=True``, i.e. accelerate's CPU bf16 autocast over training and
 generation; TRL's model keeps ``transformers``' sdpa attention, while tokengym's ``Policy`` attends in fp32
-under CPU autocast, see ``tokengym.agents.models.ATTENTION``). ``--repeats`` reruns the four in rotating order.
+under CPU autocast, see ``tokengym.agents.models.ATTENTION``). Each contender runs in a fresh process (``bench/_isolate.py``: one library's leftovers slowed the next by ~10%); ``--repeats`` reruns the four in rotating order.
 The small preset's step is mostly the same arithmetic in both (tokengym fp32: 1.27 s update at the matmul
 peak, 0.62 s rollout bound by reading the weights once per token), which caps its fp32 ratio.
 
@@ -149,19 +149,31 @@ def trl_run(model, tok, steps: int, eval_every: int = 0, eval_samples=None, budg
             "final_accuracy": state["accs"][-1] if state["accs"] else None, "steps": len(state["times"])}
 
 
-def speed(preset: str, steps: int, repeats: int = 1) -> dict:
+CONTENDERS = {"tokengym": (tokengym_run, {}), "trl": (trl_run, {}), "tokengym_bf16": (tokengym_run, {"bf16": True}),
+              "trl_bf16": (trl_run, {"bf16": True})}
+
+
+def one(name: str, preset: str, steps: int) -> float:
+    """Median seconds per step of one contender (what ``--one`` runs in a fresh process)."""
+    fn, kw = CONTENDERS[name]
+    model, tok = build_preset(preset, seed=0)
+    return fn(model, tok, steps, **kw)["step_s"]
+
+
+def speed(preset: str, steps: int, repeats: int = 1, threads: int = 1) -> dict:
     """Seconds per step of both in fp32 and both with ``bf16=True``.
 
-    The four contenders run ``repeats`` times in rotating order (a shared machine's load drifts);
-    each figure is the median of its per-run medians.
+    Each contender runs in its own process (``_isolate``), ``repeats`` times in rotating order (a
+    shared machine's load drifts); each figure is the median of its per-run medians.
     """
-    runs = [("tokengym", tokengym_run, {}), ("trl", trl_run, {}), ("tokengym_bf16", tokengym_run, {"bf16": True}),
-            ("trl_bf16", trl_run, {"bf16": True})]
+    from _isolate import run_child
+
+    runs = list(CONTENDERS)
     times: dict[str, list[float]] = {}
     for r in range(repeats):
-        for name, fn, kw in runs[r % len(runs):] + runs[: r % len(runs)]:
-            model, tok = build_preset(preset, seed=0)
-            times.setdefault(name, []).append(fn(model, tok, steps, **kw)["step_s"])
+        for name in runs[r % len(runs):] + runs[: r % len(runs)]:
+            argv = ["--one", name, "--presets", preset, "--steps", str(steps), "--threads", str(threads)]
+            times.setdefault(name, []).append(run_child(os.path.abspath(__file__), argv))
     out = {name: statistics.median(t) for name, t in times.items()}
     out["runs"] = {name: [round(x, 4) for x in t] for name, t in times.items()}
     out["speedup"] = out["trl"] / out["tokengym"]
@@ -200,8 +212,12 @@ def main() -> None:
     ap.add_argument("--race-eval-prompts", type=int, default=80, help="evaluate about every this many training prompts")
     ap.add_argument("--repeats", type=int, default=1, help="speed runs per contender, in rotating order (median)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--one", choices=sorted(CONTENDERS), help=argparse.SUPPRESS)  # a contender, in a child process
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.one:
+        print(json.dumps(one(args.one, args.presets[0], args.steps)))
+        return
     try:
         import trl
     except ImportError:
@@ -210,7 +226,7 @@ def main() -> None:
     result = {"trl_version": trl.__version__, "threads": args.threads, "group_size": G, "prompts_per_step": PROMPTS_PER_STEP,
               "load_avg_1min_start": round(os.getloadavg()[0], 2)}
     for preset in args.presets:
-        s = speed(preset, args.steps, args.repeats)
+        s = speed(preset, args.steps, args.repeats, args.threads)
         result[f"{preset}_step_s_tokengym"] = round(s["tokengym"], 4)
         result[f"{preset}_step_s_trl"] = round(s["trl"], 4)
         result[f"{preset}_speedup"] = round(s["speedup"], 3)

@@ -20,7 +20,7 @@ values, advantages, epochs, logging) after ``--warmup`` updates. ``<preset>_spee
 update / tokengym seconds per update (both fp32); ``<preset>_speedup_bf16`` compares both with
 ``bf16=True`` (tokengym: bf16 autocast in rollout and update; TRL: ``bf16=True`` with ``use_cpu=True``,
 accelerate's CPU bf16 autocast; TRL's models keep ``transformers``' sdpa attention, as a TRL user gets them, while
-tokengym's ``Policy``/``Critic`` attend in fp32 under CPU autocast: ``tokengym.agents.models.ATTENTION``). ``--rounds R`` repeats the four contenders R times and pools the updates, so that a machine whose
+tokengym's ``Policy``/``Critic`` attend in fp32 under CPU autocast: ``tokengym.agents.models.ATTENTION``). Each contender runs in a fresh process (``bench/_isolate.py``: one library's leftovers slowed the next by ~10%). ``--rounds R`` repeats the four contenders R times and pools the updates, so that a machine whose
 load drifts does not favour whichever trainer ran first.
 
 Where the time goes (2026-12-03, 1 thread, quiet machine): both updates are the same arithmetic (4 epochs of policy
@@ -131,18 +131,29 @@ def trl_run(ppo, preset: str, steps: int, rollouts: int, length: int, bf16: bool
     return [b - a for a, b in zip(marks, marks[1:])]
 
 
-def speed(ppo, preset: str, args) -> dict[str, float]:
-    """Median seconds per update of each contender, updates pooled over ``args.rounds`` rounds."""
-    runs = {"tokengym": lambda: tokengym_run(preset, args.steps, args.rollouts, args.response_length),
-            "trl": lambda: trl_run(ppo, preset, args.steps, args.rollouts, args.response_length),
-            "tokengym_bf16": lambda: tokengym_run(preset, args.steps, args.rollouts, args.response_length, bf16=True),
-            "trl_bf16": lambda: trl_run(ppo, preset, args.steps, args.rollouts, args.response_length, bf16=True)}
-    if ppo is None:
-        del runs["trl"], runs["trl_bf16"]
+CONTENDERS = ("tokengym", "trl", "tokengym_bf16", "trl_bf16")
+
+
+def one(name: str, preset: str, args) -> list[float]:
+    """Seconds of each update of one contender (what ``--one`` runs in a fresh process)."""
+    bf16 = name.endswith("_bf16")
+    if name.startswith("trl"):
+        return trl_run(load_trl()[1], preset, args.steps, args.rollouts, args.response_length, bf16=bf16)
+    return tokengym_run(preset, args.steps, args.rollouts, args.response_length, bf16=bf16)
+
+
+def speed(with_trl: bool, preset: str, args) -> dict[str, float]:
+    """Median seconds per update of each contender, each run in its own process (``_isolate``), updates
+    pooled over ``args.rounds`` rounds."""
+    from _isolate import run_child
+
+    runs = [n for n in CONTENDERS if with_trl or not n.startswith("trl")]
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(args.rounds):
-        for name, run in runs.items():
-            times[name] += run()[args.warmup :]
+        for name in runs:
+            argv = ["--one", name, "--presets", preset, "--steps", str(args.steps), "--rollouts", str(args.rollouts),
+                    "--response-length", str(args.response_length), "--threads", str(args.threads)]
+            times[name] += run_child(os.path.abspath(__file__), argv)[args.warmup :]
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -156,10 +167,14 @@ def main() -> None:
     ap.add_argument("--presets", nargs="*", default=["tiny", "small"])
     ap.add_argument("--rounds", type=int, default=1, help="repeat the contenders in turn and pool their updates")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--one", choices=CONTENDERS, help=argparse.SUPPRESS)  # a contender, in a child process
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.steps <= args.warmup:
         ap.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
+    if args.one:
+        print(json.dumps(one(args.one, args.presets[0], args)))
+        return
     result: dict = {"threads": args.threads, "rollouts": args.rollouts, "response_length": args.response_length,
                     "epochs": EPOCHS, "minibatches": 1, "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds}
     try:
@@ -169,7 +184,7 @@ def main() -> None:
         ppo = None
         result["trl_error"] = f"{type(e).__name__}: {e}"
     for preset in args.presets:
-        s = speed(ppo, preset, args)
+        s = speed(ppo is not None, preset, args)
         for name, sec in s.items():
             result[f"{preset}_update_s_{name}"] = round(sec, 4)
         result[f"{preset}_speedup"] = round(s["trl"] / s["tokengym"], 3) if "trl" in s else None
