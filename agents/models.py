@@ -14,6 +14,7 @@ preset    layers  hidden    intermediate  heads   params
 from __future__ import annotations
 
 import copy
+import functools
 import os
 from typing import Any
 
@@ -177,27 +178,27 @@ CPU flash-attention kernel's backward is several times slower in bf16 than in fp
 also the more accurate. Results equal ``sdpa``'s in fp32; the name is not saved with the model."""
 
 
-def _sdpa_fp32_on_cpu(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      attention_mask: torch.Tensor | None, **kwargs: Any):
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    # Under autocast the rotary embedding leaves queries and keys fp32 while values are bf16, and SDPA is an
-    # autocast op: so check all three and turn autocast off around the fp32 call.
-    half = any(t.dtype != torch.float32 for t in (query, key, value)) or torch.is_autocast_enabled("cpu")
-    if query.device.type != "cpu" or not half:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    if attention_mask is not None and attention_mask.is_floating_point():
-        attention_mask = attention_mask.float()
-    with torch.autocast("cpu", enabled=False):
-        out, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask, **kwargs)
-    return out.to(value.dtype), weights
-
-
+@functools.cache
 def _register_attention() -> None:
+    """Register :data:`ATTENTION` with ``transformers`` (once per process)."""
     from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import sdpa_mask
 
-    AttentionInterface.register(ATTENTION, _sdpa_fp32_on_cpu)
+    def sdpa_fp32_on_cpu(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         attention_mask: torch.Tensor | None, **kwargs: Any):
+        # Under autocast the rotary embedding leaves queries and keys fp32 while values are bf16, and SDPA is an
+        # autocast op: so check all three and turn autocast off around the fp32 call.
+        half = any(t.dtype != torch.float32 for t in (query, key, value)) or torch.is_autocast_enabled("cpu")
+        if query.device.type != "cpu" or not half:
+            return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        if attention_mask is not None and attention_mask.is_floating_point():
+            attention_mask = attention_mask.float()
+        with torch.autocast("cpu", enabled=False):
+            out, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask, **kwargs)
+        return out.to(value.dtype), weights
+
+    AttentionInterface.register(ATTENTION, sdpa_fp32_on_cpu)
     AttentionMaskInterface.register(ATTENTION, sdpa_mask)
 
 
