@@ -151,7 +151,8 @@ def eval_setup(run: RunConfig, tokenizer: Any):
 
 
 def learned_rewards(run: RunConfig, process: bool) -> dict[str, Any]:
-    """Env arguments for the run's rewards: a learned RM (``reward=``) and the process reward when asked for."""
+    """Env arguments for the run's rewards: a learned RM (``reward=``; a sequence classifier or a likelihood RM,
+    whichever the folder holds) and the process reward when asked for."""
     from tokengym.rewards import LearnedPRM, RewardModel
 
     out: dict[str, Any] = {}
@@ -160,10 +161,6 @@ def learned_rewards(run: RunConfig, process: bool) -> dict[str, Any]:
             continue
         if not os.path.isdir(path):
             raise R.UsageError(f"{cmd} model {path!r} is not a folder (train one with `tokengym train {cmd}`)")
-        if key == "reward" and os.path.isfile(os.path.join(path, "likelihood_reward_model.json")):
-            from tokengym.rewards import LikelihoodRewardModel  # written by `tokengym train rm --rm-kind likelihood`
-
-            cls = LikelihoodRewardModel
         try:
             out[key] = cls.from_pretrained(path, device=run.device)
         except (OSError, ValueError) as e:
@@ -420,10 +417,9 @@ def run_rm(run: RunConfig, cfg: Any, run_dir: str, resume: bool) -> dict[str, An
 
         policy = load_policy(run, cfg.seed)
         model, tok = policy.model, policy.tokenizer
-        trained: Any = LikelihoodRewardModel(model, tok, beta=LIKELIHOOD_RM_BETA, reference=frozen_copy(model),
-                                             max_length=cfg.max_length)
-        scorer: Any = LikelihoodRewardModel(model, tok, beta=LIKELIHOOD_RM_BETA, max_length=cfg.max_length)
-        target: Any = trained
+        target: Any = LikelihoodRewardModel(model, tok, beta=LIKELIHOOD_RM_BETA, reference=frozen_copy(model),
+                                            max_length=cfg.max_length)  # trained as DPO's implicit reward
+        scorer: Any = LikelihoodRewardModel(model, tok, beta=LIKELIHOOD_RM_BETA, max_length=cfg.max_length)  # saved, scores without it
     else:
         model, tok = _classifier(run, "sequence", cfg.seed)
         scorer = RewardModel(model, tok, max_length=cfg.max_length)

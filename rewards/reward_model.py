@@ -219,9 +219,12 @@ class RewardModel:
         self.shift, self.scale = raw.mean().item(), max(raw.std().item(), 1e-6)
         return self
 
+    SETTINGS_FILE = "reward_model.json"
+    """The wrapper's settings next to the weights; its name also tells which class wrote the folder."""
+
     def save_pretrained(self, path: str | os.PathLike) -> None:
         """Write the model (safetensors), its tokenizer and ``reward_model.json`` (the wrapper's settings)."""
-        _save(self.model, self.tokenizer, path, "reward_model.json",
+        _save(self.model, self.tokenizer, path, self.SETTINGS_FILE,
               {"batch_size": self.batch_size, "max_length": self.max_length, "name": self.name,
                "shift": self.shift, "scale": self.scale})
 
@@ -230,12 +233,15 @@ class RewardModel:
                         trust_remote_code: bool = False, **kwargs: Any) -> "RewardModel":
         """Load a local folder (written by :meth:`save_pretrained` or any sequence classifier with ``num_labels=1``).
 
-        Safetensors weights only, nothing downloaded, ``trust_remote_code`` off unless asked for;
-        ``kwargs`` override the saved wrapper settings.
+        A folder written by :class:`LikelihoodRewardModel` loads as one (a causal LM read as a sequence
+        classifier would get a new, random head). Safetensors weights only, nothing downloaded,
+        ``trust_remote_code`` off unless asked for; ``kwargs`` override the saved wrapper settings.
         """
         from transformers import AutoModelForSequenceClassification
 
-        model, tok, settings = _load(AutoModelForSequenceClassification, path, tokenizer, device, trust_remote_code, "reward_model.json")
+        if cls is RewardModel and os.path.isfile(os.path.join(os.fspath(path), LikelihoodRewardModel.SETTINGS_FILE)):
+            return LikelihoodRewardModel.from_pretrained(path, tokenizer, device, trust_remote_code, **kwargs)
+        model, tok, settings = _load(AutoModelForSequenceClassification, path, tokenizer, device, trust_remote_code, cls.SETTINGS_FILE)
         return cls(model, tok, **{**settings, **kwargs})
 
     def __repr__(self) -> str:
@@ -324,9 +330,11 @@ class LikelihoodRewardModel(RewardModel):
         scored = mask[:, 1:] & (torch.arange(1, tokens.shape[1], device=tokens.device)[None] >= starts[:, None])
         return self.beta * (lp * scored).sum(1)
 
+    SETTINGS_FILE = "likelihood_reward_model.json"
+
     def save_pretrained(self, path: str | os.PathLike) -> None:
         """Write the LM (safetensors), its tokenizer and ``likelihood_reward_model.json`` (the reference is not saved)."""
-        _save(self.model, self.tokenizer, path, "likelihood_reward_model.json",
+        _save(self.model, self.tokenizer, path, self.SETTINGS_FILE,
               {"beta": self.beta, "batch_size": self.batch_size, "max_length": self.max_length, "name": self.name,
                "shift": self.shift, "scale": self.scale})
 
@@ -336,7 +344,7 @@ class LikelihoodRewardModel(RewardModel):
         """Load a local folder holding a causal LM (e.g. written by :meth:`save_pretrained`); ``kwargs`` override saved settings."""
         from transformers import AutoModelForCausalLM
 
-        model, tok, settings = _load(AutoModelForCausalLM, path, tokenizer, device, trust_remote_code, "likelihood_reward_model.json")
+        model, tok, settings = _load(AutoModelForCausalLM, path, tokenizer, device, trust_remote_code, cls.SETTINGS_FILE)
         return cls(model, tok, **{**settings, **kwargs})
 
     def __repr__(self) -> str:

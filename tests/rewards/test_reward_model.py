@@ -223,5 +223,9 @@ def test_likelihood_rm_scores_the_completion_given_the_prompt_and_trains_as_a_re
     loaded = LikelihoodRewardModel.from_pretrained(tmp_path / "lrm")  # the reference is not saved: log p alone
     assert loaded.beta == 0.5 and loaded.reference is None
     torch.testing.assert_close(loaded(prompts, comps), LikelihoodRewardModel(lm, tok, beta=0.5)(prompts, comps))
+    # the generic loader recognises the folder instead of reading the LM as a classifier with a random head
+    generic = RewardModel.from_pretrained(tmp_path / "lrm")
+    assert type(generic) is LikelihoodRewardModel
+    torch.testing.assert_close(generic(prompts, comps), loaded(prompts, comps))
     with pytest.raises(ValueError, match="beta"):
         LikelihoodRewardModel(lm, tok, beta=0.0)
