@@ -129,15 +129,21 @@ def load_policy(run: RunConfig, seed: int):
         raise R.UsageError(f"cannot load model {run.model!r}: {str(e).splitlines()[0]}") from None
 
 
-def rank_prompts(run: RunConfig, default: int) -> int:
-    """Prompts of the rollout batch this process owns: ``prompts / K`` under torchrun with K processes
-    (``default`` prompts when the run does not set them)."""
+ROLLOUT_DEFAULTS = {"grpo": (8, 8), "ppo": (64, 1)}
+"""``(prompts, group_size)`` per step when the run sets neither: 64 episodes per step for both (PPO with 8 rollouts
+per update against the learned RM fell from 64.5% to 60.9% held-out greedy; with 64 it rose to 71.1%)."""
+
+
+def rollout_batch(run: RunConfig, algo: str) -> tuple[int, int]:
+    """``(num_envs, group_size)`` of the env this process rolls out: its ``prompts / K`` prompts under torchrun
+    with K processes (whole groups per process) times the group size; the run's settings or ``ROLLOUT_DEFAULTS``."""
     from tokengym.agents.distributed import DataParallel
 
-    k, prompts = DataParallel.current().world_size, run.prompts or default
+    default_prompts, default_group = ROLLOUT_DEFAULTS[algo]
+    k, prompts, g = DataParallel.current().world_size, run.prompts or default_prompts, run.group_size or default_group
     if prompts % k:
         raise R.UsageError(f"prompts={prompts} is not divisible by the {k} processes (each owns prompts / {k} whole groups)")
-    return prompts // k
+    return prompts // k * g, g
 
 
 def eval_setup(run: RunConfig, tokenizer: Any):
@@ -276,9 +282,8 @@ def _summary(history: list[dict[str, Any]], key: str = "eval/accuracy") -> dict[
 def run_grpo(run: RunConfig, cfg: Any, run_dir: str, resume: bool) -> dict[str, Any]:
     from tokengym.agents.grpo import GRPOAgent
 
-    g = run.group_size or 8
     policy = load_policy(run, cfg.seed)
-    env = make_env(run, rank_prompts(run, 8) * g, g, tokenizer=policy.tokenizer, **learned_rewards(run, cfg.advantage == "process"))
+    env = make_env(run, *rollout_batch(run, "grpo"), tokenizer=policy.tokenizer, **learned_rewards(run, cfg.advantage == "process"))
     eval_env, samples = eval_setup(run, policy.tokenizer)
     agent = GRPOAgent(policy, cfg)
     trainer = Trainer(run, run_dir, resume, cfg.iterations * cfg.steps, agent, env)
@@ -291,9 +296,8 @@ def run_grpo(run: RunConfig, cfg: Any, run_dir: str, resume: bool) -> dict[str, 
 def run_ppo(run: RunConfig, cfg: Any, run_dir: str, resume: bool) -> dict[str, Any]:
     from tokengym.agents.ppo import PPOAgent
 
-    g = run.group_size or 1
     policy = load_policy(run, cfg.seed)
-    env = make_env(run, rank_prompts(run, 64) * g, g, tokenizer=policy.tokenizer, **learned_rewards(run, run.prm_model is not None))
+    env = make_env(run, *rollout_batch(run, "ppo"), tokenizer=policy.tokenizer, **learned_rewards(run, run.prm_model is not None))
     eval_env, samples = eval_setup(run, policy.tokenizer)
     agent = PPOAgent(policy, cfg)
     trainer = Trainer(run, run_dir, resume, cfg.steps, agent, env)

@@ -39,6 +39,8 @@ def test_sample_errors_are_one_line(capsys):
 def test_ppo_and_grpo_default_to_64_episodes_per_step_and_an_explicit_prompts_wins():
     from tokengym.agents import train as T
 
-    g_grpo, g_ppo = 8, 1  # their default group sizes (run_grpo / run_ppo)
-    assert T.rank_prompts(T.RunConfig(), 8) * g_grpo == T.rank_prompts(T.RunConfig(), 64) * g_ppo == 64
-    assert T.rank_prompts(T.RunConfig(prompts=4), 64) == 4
+    # what run_grpo / run_ppo build their env from: (num_envs, group_size)
+    assert T.rollout_batch(T.RunConfig(), "grpo") == (64, 8)
+    assert T.rollout_batch(T.RunConfig(), "ppo") == (64, 1)
+    assert T.rollout_batch(T.RunConfig(prompts=4), "ppo") == (4, 1)
+    assert T.rollout_batch(T.RunConfig(prompts=4, group_size=2), "grpo") == (8, 2)

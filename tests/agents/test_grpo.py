@@ -161,12 +161,12 @@ def test_passes_skip_columns_past_every_rows_end_without_changing_the_update(mon
         monkeypatch.setattr(policy, "forward", lambda tokens, *a, **kw: widths.append(tokens.shape[1]) or forward(tokens, *a, **kw))
         agent = GRPOAgent(policy, GRPOConfig(steps=2, beta=0.05, recompute_old_logprobs=True, lr=1e-4, seed=0))
         history = agent.learn(env)
-        full = env.max_prompt_len + env.max_new_tokens
-        return [p.detach().clone() for p in policy.model.parameters()], widths, full, history
+        return [p.detach().clone() for p in policy.model.parameters()], widths, env, history
 
-    trimmed, widths, full, hist = run(False)
+    trimmed, widths, env, hist = run(False)
+    full = env.max_prompt_len + env.max_new_tokens
     assert max(widths) < full, f"every pass ran at the full width {full}: {widths}"
-    assert max(r["completion/length_max"] for r in hist) < full
+    assert max(r["completion/length_max"] for r in hist) < env.max_new_tokens  # the premise: rows end before the budget
     untrimmed, widths_full, _, _ = run(True)
     assert set(widths_full) == {full}
     for a, b in zip(trimmed, untrimmed):
