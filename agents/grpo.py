@@ -71,6 +71,10 @@ class GRPOConfig:
     """Entropy bonus coefficient (0 = off)."""
     max_grad_norm: float = 1.0
     """Gradient clipping norm (0 = off)."""
+    skip_zero_advantage: bool = True
+    """With beta = 0 and entropy_coef = 0, run rows whose advantage is 0 on every token (groups with equal
+    rewards) through the update's forward without autograd and leave them out of the backward: exact, as
+    they add nothing to the loss or its gradient; the logged statistics still cover every row."""
     recompute_old_logprobs: bool = False
     """Recompute pi_old log-probs with a forward pass instead of reusing the rollout's (needed only when sampling used top-k/top-p)."""
     bf16: bool = False
@@ -201,9 +205,10 @@ class GRPOAgent:
             for mb in order.chunk(cfg.minibatches):
                 mb, share = self.dp.shard(mb, aggregation_weights(ro.action_mask, cfg.aggregation))
                 m = used_columns(ro.action_mask[mb])  # columns past every row's end are padding: skip them
+                mb, n_live = self._live_first(mb, adv)
                 am, P = ro.action_mask[mb, :m], ro.prompt_len
                 with self._autocast(ro.tokens.device):
-                    logp, ent = self.policy(ro.tokens[mb, : P + m], ro.attention_mask[mb, : P + m], P, return_entropy=True)
+                    logp, ent = self._forward(ro.tokens[mb, : P + m], ro.attention_mask[mb, : P + m], P, n_live)
                 loss, stats = F.policy_loss(logp, old_logp[mb, :m], adv[mb, :m], am, cfg.clip_eps, cfg.clip_eps_high, cfg.aggregation)
                 stats = dict(stats, pg_loss=loss.detach(), entropy=F.masked_aggregate(ent.detach(), am, "token-mean"))
                 if ref_logp is not None:
@@ -213,7 +218,11 @@ class GRPOAgent:
                 if cfg.entropy_coef > 0:
                     loss = loss - cfg.entropy_coef * F.masked_aggregate(ent, am, cfg.aggregation)
                 self.optimizer.zero_grad(set_to_none=True)
-                (loss * share).backward()  # share = 1 in a single process
+                if n_live:
+                    (loss * share).backward()  # share = 1 in a single process
+                else:  # every advantage is 0: the gradient is exactly 0, and AdamW still takes its (momentum) step
+                    for p in self.policy.parameters():
+                        p.grad = torch.zeros_like(p)
                 self.dp.sync_gradients(self.policy.parameters())
                 norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf)
                 self.optimizer.step()
@@ -223,6 +232,31 @@ class GRPOAgent:
                     sums[k] = sums.get(k, 0.0) + float(v)
                 count += 1
         return {f"train/{k}": v / count for k, v in sums.items()}
+
+    def _live_first(self, mb: torch.Tensor, adv: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Rows ``mb`` reordered with those that have a nonzero advantage first, and how many there are.
+
+        With ``skip_zero_advantage``, ``beta = 0`` and no entropy bonus, a row whose advantage is 0 on every
+        token (a group whose rewards are all equal) adds exactly nothing to the loss or its gradient; all
+        rows count when those conditions do not hold. The order of rows does not change the loss.
+        """
+        cfg = self.config
+        if not (cfg.skip_zero_advantage and cfg.beta == 0 and cfg.entropy_coef == 0):
+            return mb, len(mb)
+        live = (adv[mb] != 0).any(1)
+        return torch.cat([mb[live], mb[~live]]), int(live.sum())
+
+    def _forward(self, tokens: torch.Tensor, mask: torch.Tensor, prompt_len: int, n_live: int):
+        """Log-probs and entropies of every row; only the first ``n_live`` rows are recorded for backward
+        (the others run without autograd: their statistics are logged, their gradient would be 0)."""
+        if n_live == len(tokens):
+            return self.policy(tokens, mask, prompt_len, return_entropy=True)
+        with torch.no_grad():
+            rest = self.policy(tokens[n_live:], mask[n_live:], prompt_len, return_entropy=True)
+        if n_live == 0:
+            return rest
+        live = self.policy(tokens[:n_live], mask[:n_live], prompt_len, return_entropy=True)
+        return torch.cat([live[0], rest[0]]), torch.cat([live[1], rest[1]])
 
     # ------------------------------------------------------------------ loop
     def learn(

@@ -6,7 +6,8 @@
 Equal work: the same preset model (random init, so both always generate the full completion
 length), the same Arithmetic prompts and reward function (`tokengym.rewards.arithmetic_correct`),
 group size 8, 2 prompts per step (16 completions), the same completion length, mu=1 (TRL's
-num_iterations=1), beta=0 (no reference model), lr 1e-4, temperature 1, fp32, CPU. Seconds per step
+num_iterations=1), beta=0 (no reference model), every row in the update (``skip_zero_advantage=False``: see
+:data:`EQUAL_WORK`), lr 1e-4, temperature 1, fp32, CPU. Seconds per step
 is the median over steps after 2 warm-up steps. ``tiny_speedup``/``small_speedup`` = TRL seconds per
 step / tokengym seconds per step (both fp32); ``*_speedup_bf16`` compares both with ``bf16=True``
 (tokengym: bf16 autocast in the rollout, whose fast decoder then multiplies bf16 weights, and in the
@@ -149,8 +150,11 @@ def trl_run(model, tok, steps: int, eval_every: int = 0, eval_samples=None, budg
             "final_accuracy": state["accs"][-1] if state["accs"] else None, "steps": len(state["times"])}
 
 
-CONTENDERS = {"tokengym": (tokengym_run, {}), "trl": (trl_run, {}), "tokengym_bf16": (tokengym_run, {"bf16": True}),
-              "trl_bf16": (trl_run, {"bf16": True})}
+EQUAL_WORK = {"skip_zero_advantage": False}
+"""The speed comparison's random-init model scores 0 everywhere, so every advantage is 0 and tokengym's
+default would skip the whole forward/backward: it is turned off there, so both do the same update."""
+CONTENDERS = {"tokengym": (tokengym_run, EQUAL_WORK), "trl": (trl_run, {}),
+              "tokengym_bf16": (tokengym_run, {"bf16": True, **EQUAL_WORK}), "trl_bf16": (trl_run, {"bf16": True})}
 
 
 def one(name: str, preset: str, steps: int) -> float:

@@ -171,3 +171,41 @@ def test_passes_skip_columns_past_every_rows_end_without_changing_the_update(mon
     assert set(widths_full) == {full}
     for a, b in zip(trimmed, untrimmed):
         assert torch.allclose(a, b, atol=1e-6), (a - b).abs().max()
+
+
+def test_rows_with_zero_advantage_stay_out_of_the_backward_without_changing_the_update(monkeypatch):
+    """With beta=0, a group whose rewards are all equal has advantage 0 and adds nothing to the gradient:
+    its rows run through the update's forward without autograd, and the trained weights and logged
+    statistics equal those of an update over every row, including AdamW's momentum step on a batch
+    where nothing is left to learn."""
+
+    def run(skip: bool):
+        policy = Policy.from_pretrained("tiny-arithmetic")
+        graded = []  # rows per forward that autograd records
+        forward = policy.forward
+        monkeypatch.setattr(policy, "forward", lambda tokens, *a, **kw: (
+            torch.is_grad_enabled() and graded.append(tokens.shape[0])) or forward(tokens, *a, **kw))
+        agent = GRPOAgent(policy, GRPOConfig(steps=3, lr=1e-4, seed=0, skip_zero_advantage=skip))
+        mixed = gym.make_vec("tokengym/Arithmetic-v0", num_envs=32, vectorization_mode="vector_entry_point", group_size=8,
+                             n_operands=(2, 3), digits=2)
+        history = agent.learn(mixed)
+        before = [p.detach().clone() for p in policy.model.parameters()]
+        # the arithmetic model never writes "ok": every reward and advantage is 0
+        zero = gym.make_vec("tokengym/Target-v0", num_envs=16, vectorization_mode="vector_entry_point", group_size=8,
+                            target="ok", max_new_tokens=4)
+        zero.reset(seed=0)  # learn() seeds an env only at its first step
+        history += agent.learn(zero)
+        moved = any(not torch.equal(a, p) for a, p in zip(before, policy.model.parameters()))
+        return [p.detach().clone() for p in policy.model.parameters()], graded, history, moved
+
+    skipped, graded, hist, moved = run(True)
+    full, graded_full, hist_full, _ = run(False)
+    assert min(r["reward/frac_zero_std_groups"] for r in hist[:3]) > 0  # the premise: some groups have equal rewards
+    assert 0 < len(graded) <= 3 and max(graded) < 32, graded  # no autograd on all-zero rows or steps
+    assert graded_full == [32] * 3 + [16] * 3
+    assert moved, "AdamW's momentum must still move the weights when every advantage is 0"
+    for a, b in zip(skipped, full):
+        assert torch.allclose(a, b, atol=1e-6), (a - b).abs().max()
+    for r, r_full in zip(hist, hist_full):
+        for key in ("train/pg_loss", "train/entropy", "train/clipfrac", "train/grad_norm"):
+            assert r[key] == pytest.approx(r_full[key], rel=1e-4, abs=1e-6), key
