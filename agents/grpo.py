@@ -222,7 +222,8 @@ class GRPOAgent:
                     (loss * share).backward()  # share = 1 in a single process
                 else:  # every advantage is 0: the gradient is exactly 0, and AdamW still takes its (momentum) step
                     for p in self.policy.parameters():
-                        p.grad = torch.zeros_like(p)
+                        if p.requires_grad:  # as backward would: frozen weights (a LoRA base) get no gradient buffer
+                            p.grad = torch.zeros_like(p)
                 self.dp.sync_gradients(self.policy.parameters())
                 norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf)
                 self.optimizer.step()

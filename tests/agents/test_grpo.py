@@ -209,3 +209,20 @@ def test_rows_with_zero_advantage_stay_out_of_the_backward_without_changing_the_
     for r, r_full in zip(hist, hist_full):
         for key in ("train/pg_loss", "train/entropy", "train/clipfrac", "train/grad_norm"):
             assert r[key] == pytest.approx(r_full[key], rel=1e-4, abs=1e-6), key
+
+
+def test_a_step_with_nothing_to_learn_gives_frozen_weights_no_gradient():
+    """An all-zero-advantage step fills in zero gradients as backward would: only for trainable weights, so a
+    frozen base (LoRA) gets no full-size buffer and every rank all-reduces the same set of gradients."""
+    policy = Policy.from_pretrained("tiny-arithmetic")
+    frozen = policy.model.get_input_embeddings().weight
+    frozen.requires_grad_(False)
+    before = frozen.detach().clone()
+    agent = GRPOAgent(policy, GRPOConfig(steps=1, seed=0))
+    env = gym.make_vec("tokengym/Target-v0", num_envs=16, vectorization_mode="vector_entry_point", group_size=8,
+                       target="ok", max_new_tokens=4)  # the arithmetic model never writes "ok": every advantage is 0
+    record = agent.learn(env)[0]
+    assert record["reward/mean"] == 0.0
+    assert frozen.grad is None
+    assert torch.equal(frozen, before)
+    assert all(p.grad is not None and not p.grad.any() for p in policy.parameters() if p.requires_grad)
