@@ -1,14 +1,23 @@
 """Data-parallel training (agents/distributed.py): a 2-process gloo run equals a 1-process one.
 
-The 2-process run is a real ``torchrun`` launch of ``tokengym train`` (through ``dist_worker.py``); the
-1-process reference runs ``tokengym train`` in this process as a 1-process torch.distributed job (same
-shared prompt and sampling streams, no communication). Both use the same global batch, so the final
-parameters and logged metrics must agree up to float rounding; the 2-process run also checks at every
-checkpoint that its ranks hold bit-identical weights (it fails otherwise).
+The 2-process run is a real ``torchrun`` launch of ``tokengym train`` (through ``dist_worker.py``, wrapped by
+``_numerics.py``, which makes rank 0 save the gradients of every optimizer step); the 1-process reference runs
+``tokengym train`` in this process as a 1-process torch.distributed job (same shared prompt and sampling
+streams, no communication), in lockstep with the 2-process run: at every optimizer step it records how its own
+global gradient differs from the 2-process run's, then steps on the 2-process run's gradient
+(``_numerics.Lockstep``). Both runs therefore hold the same weights at every step, and the two computations of
+each gradient and logged metric (one batch, or two shards summed over ranks) agree up to float32 rounding.
+Comparing the weights of two independent runs instead would amplify that rounding without bound: AdamW's
+step is about ``lr * sign(g)`` where ``g`` is at the rounding level, and later steps start from the moved
+weights. The 2-process run also checks at every checkpoint that its ranks hold bit-identical weights (it
+fails otherwise).
 """
 
+import importlib.util
 import json
 import os
+import pathlib
+import shutil
 import socket
 import subprocess
 import sys
@@ -22,6 +31,11 @@ from tokengym.agents import distributed as D
 from tokengym.agents.cli import main
 from tokengym.agents.policy import sample_logits
 from tokengym.envs.tasks import ArithmeticTask
+
+NUMERICS = pathlib.Path(__file__).with_name("_numerics.py")
+_spec = importlib.util.spec_from_file_location("_numerics", NUMERICS)
+numerics = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(numerics)
 
 COMMON = ["--eval-prompts", "0", "--save-every", "1", "--threads", "1", "--progress", "false"]
 RUNS = {  # name -> command line (GRPO with minibatches, batch scaling and token-mean; PPO with 2 epochs of 2
@@ -50,35 +64,65 @@ def _metrics(path: str) -> list[dict]:
         return [{k: v for k, v in json.loads(line).items() if k != "time" and not k.startswith(("time/", "perf/"))} for line in f]
 
 
+# Optimizer steps of each run (GRPO: 3 steps x 2 minibatches; PPO: 3 steps x 2 epochs x 2 minibatches x policy
+# and critic optimizers; DPO: 3 steps), and a bound on the float32 terms summed into one gradient entry: the
+# tokens of the largest global minibatch (GRPO 4 rows, PPO 4 rows, DPO 8 pairs = 16 rows; the Arithmetic-v0
+# prompt buffer 11 + 31 completion tokens) times the widest layer of the tiny-arithmetic model (352 features).
+OPTIMIZER_STEPS = {"grpo": 6, "ppo": 24, "dpo": 3}
+N_TERMS = {"grpo": 4 * 42 * 352, "ppo": 4 * 42 * 352, "dpo": 16 * 42 * 352}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """``(two_process_dir, one_process_dir)``: the same runs with 2 ranks (torchrun) and 1 rank (in-process)."""
+    """``(two_process_dir, one_process_dir, gradient_diffs)``: the same runs with 2 ranks (torchrun; rank 0
+    saves each optimizer step's gradients) and 1 rank (in-process, in lockstep with them; ``gradient_diffs[name]``
+    holds, per optimizer step of that run, how its gradients differed, see ``_numerics.Lockstep``)."""
     root = tmp_path_factory.mktemp("dist")
     worker = os.path.join(os.path.dirname(__file__), "dist_worker.py")
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    log = open(root / "two.log", "w")
     two = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
-         f"--rdzv-endpoint=127.0.0.1:{_free_port()}", "--rdzv-backend=c10d", worker, str(root / "two"),
-         json.dumps(_commands(str(root / "two")))],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+         f"--rdzv-endpoint=127.0.0.1:{_free_port()}", "--rdzv-backend=c10d", str(NUMERICS), str(root / "grads"), worker,
+         str(root / "two"), json.dumps(_commands(str(root / "two")))],
+        env=env, stdout=log, stderr=subprocess.STDOUT, text=True)  # a file, not a pipe: nothing blocks on a full pipe
     threads = torch.get_num_threads()
     saved = {k: os.environ.get(k) for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     os.environ.update(WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    recorded = numerics.RecordedSteps(str(root / "grads"), producer=two)  # each step waits for the 2-process run's
+    diffs = {}
     try:
-        for argv in _commands(str(root / "one")):
-            assert main(argv) == 0
+        with numerics.Lockstep(replay=recorded) as lockstep:
+            for name, argv in zip(RUNS, _commands(str(root / "one"))):
+                start = len(lockstep.diffs)
+                assert main(argv) == 0
+                diffs[name] = lockstep.diffs[start:]
+        two.wait(timeout=300)
+    except BaseException:
+        two.terminate()  # torchrun passes SIGTERM on to its workers
+        try:
+            two.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            two.kill()
+        raise
     finally:
+        log.close()
         for k, v in saved.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
         torch.set_num_threads(threads)
-    out, _ = two.communicate(timeout=300)
-    assert two.returncode == 0, out[-4000:]
-    return root / "two", root / "one"
+    assert two.returncode == 0, (root / "two.log").read_text()[-4000:]
+    assert len(recorded) == sum(len(d) for d in diffs.values())  # no optimizer step of the 2-process run left over
+    shutil.rmtree(root / "grads")  # ~100 MB of gradients, compared already
+    return root / "two", root / "one", diffs
 
 
 @pytest.mark.parametrize("name", list(RUNS))
 def test_two_processes_match_one(runs, name):
-    two, one = runs
+    """Every optimizer step's global gradient (after the all-reduce and clipping) equals the 1-process one up
+    to float32 rounding (``_numerics.rounding_tolerance``); the final weights are bit-identical, as both runs'
+    AdamW stepped on the same gradients from the same weights; the logged metrics agree up to rounding."""
+    two, one, diffs = runs
+    numerics.assert_gradients_match(diffs[name], OPTIMIZER_STEPS[name], N_TERMS[name], f"{name} 1 vs 2 processes")
     a = load_file(str(two / name / "model" / "model.safetensors"))
     b = load_file(str(one / name / "model" / "model.safetensors"))
     assert a.keys() == b.keys()
@@ -86,7 +130,7 @@ def test_two_processes_match_one(runs, name):
     moved = max(float((b[k] - init[k]).abs().max()) for k in b)
     assert moved > 1e-5  # the last step changed the weights, so the comparison means something
     for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name} {k}: {m}")
+        assert torch.equal(a[k], b[k]), f"{name} {k}: max |diff| {float((a[k] - b[k]).abs().max()):.3g}"
     m2, m1 = _metrics(str(two / name / "metrics.jsonl")), _metrics(str(one / name / "metrics.jsonl"))
     assert [r["step"] for r in m2] == [r["step"] for r in m1]  # rank 0 alone wrote the log (no duplicates)
     assert sorted({r["step"] for r in m2}) == [1, 2, 3]
@@ -97,13 +141,15 @@ def test_two_processes_match_one(runs, name):
 
 
 def test_ppo_critic_and_kl_controller_match_one_process(runs):
-    two, one = runs
+    """The critic's weights are bit-identical (its optimizer stepped on the same gradients in lockstep, checked
+    by test_two_processes_match_one), and so is the adaptive KL controller's beta up to rounding of the KL."""
+    two, one, _ = runs
     last, before = (f"ppo/checkpoints/step-0000000{k}" for k in (3, 2))
     a, b = load_file(str(two / last / "critic.safetensors")), load_file(str(one / last / "critic.safetensors"))
     init = load_file(str(one / before / "critic.safetensors"))
     assert a.keys() == b.keys() and max(float((b[k] - init[k]).abs().max()) for k in b) > 1e-5
     for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=lambda m: f"critic {k}: {m}")
+        assert torch.equal(a[k], b[k]), f"critic {k}: max |diff| {float((a[k] - b[k]).abs().max()):.3g}"
     s2, s1 = (torch.load(str(d / last / "trainer_state.pt"), weights_only=False)["agent"] for d in (two, one))
     assert s1["kl_controller"]["value"] != 0.05  # the adaptive controller moved beta
     assert s2["kl_controller"]["value"] == pytest.approx(s1["kl_controller"]["value"], rel=1e-6)

@@ -2,9 +2,11 @@
 tiny-model runs that must learn (bundled arithmetic pairs from the SFT warm start, every loss type,
 iterative DPO on env groups)."""
 
+import importlib.util
 import json
 import math
 import os
+import pathlib
 
 import pytest
 import torch
@@ -16,6 +18,11 @@ from tokengym.agents.policy import Policy
 from tokengym.agents.rollout import collect, evaluate, heldout_samples
 from tokengym.envs import TokenVectorEnv
 from tokengym.envs.tasks import ArithmeticTask
+
+_spec = importlib.util.spec_from_file_location("_numerics", pathlib.Path(__file__).with_name("_numerics.py"))
+numerics = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(numerics)
+WIDEST = 352  # the tiny preset's widest layer (intermediate_size): the longest sum over features in a backward
 
 CHECKPOINT = os.path.join(os.path.dirname(__file__), "..", "..", "agents", "checkpoints", "tiny-arithmetic")
 TASK = ArithmeticTask(n_operands=(2, 3), digits=2, operators="+")
@@ -103,11 +110,25 @@ def test_shared_prefix_packing_gives_the_same_logps_and_gradients(pairs):
     assert int((shared.pair >= 0).sum()) == int(need.sum())
 
 
+def n_terms(pairs, policy, batch_size):
+    """A bound on the float32 terms summed into one gradient entry: the tokens of a batch's 2 x batch_size
+    sequences (each at most the longest prompt plus the longest completion) times the widest layer."""
+    data = PairData.from_pairs(pairs, policy.tokenizer)
+    return 2 * batch_size * (data.prompts.shape[1] + data.completions.shape[2]) * WIDEST
+
+
 def test_share_prefix_training_matches_the_stack(pairs):
-    hists = []
+    """Prefix-shared, packed batches give every step the gradient and statistics of the plain stack up to
+    float32 rounding. The packed run steps on the stack's gradients (``numerics.Lockstep``), so both compute
+    each step at the same weights: comparing them after independent AdamW steps would amplify rounding."""
+    hists, locks = [], []
     for share in (False, True):
         learner = DPOLearner(random_policy(), DPOConfig(batch_size=6, steps=3, lr=1e-3, share_prefix=share))
-        hists.append(learner.fit(pairs))
+        locks.append(numerics.Lockstep(replay=locks[0].steps if locks else None))
+        with locks[-1]:
+            hists.append(learner.fit(pairs))
+    assert learner.share_prefix and len(locks[0].steps) == 3
+    numerics.assert_gradients_match(locks[1].diffs, 3, n_terms(pairs, learner.policy, 6), "shared prefix vs stack")
     for a, b in zip(*hists):
         for k in ("train/loss", "rewards/margins", "logps/chosen", "logps/rejected", "train/grad_norm"):
             assert a[k] == pytest.approx(b[k], rel=1e-3, abs=1e-3), k
@@ -178,7 +199,13 @@ def test_precomputed_reference_equals_live_reference(pairs):
     for idx in (torch.arange(5), torch.tensor([3, 17, 9, 20])):
         b = data.batch(idx)
         torch.testing.assert_close(live._ref_batch(b, None), pre._ref_batch(b, cached), atol=1e-4, rtol=1e-5)
-    h_live, h_pre = live.fit(data), pre.fit(data)
+    # the precomputed run steps on the live run's gradients (numerics.Lockstep), so both compute each step at
+    # the same weights and differ by rounding alone (independent AdamW steps would amplify it without bound)
+    with numerics.Lockstep() as lock_live:
+        h_live = live.fit(data)
+    with numerics.Lockstep(replay=lock_live.steps) as lock_pre:
+        h_pre = pre.fit(data)
+    numerics.assert_gradients_match(lock_pre.diffs, 4, n_terms(pairs, live.policy, 5), "precomputed vs live reference")
     for a, b in zip(h_live, h_pre):
         for k in ("train/loss", "rewards/margins", "logps/chosen", "logps/rejected"):
             assert a[k] == pytest.approx(b[k], abs=1e-4), k
