@@ -1,23 +1,8 @@
-"""One check for every agent config: bounds and choices, each failure naming the field."""
+"""One check for every agent config: types, bounds and choices, each failure naming the field.
 
-from __future__ import annotations
+It lives in :mod:`tokengym.rewards.common` (the lowest package, whose configs use it too).
+"""
 
-from typing import Any, Iterable, Mapping
+from tokengym.rewards.common import check_config
 
 __all__ = ["check_config"]
-
-
-def check_config(cfg: Any, checks: Mapping[str, bool], choices: Mapping[str, Iterable[str]] = {}) -> None:
-    """Raise ``ValueError("<Config>.<field> ...")`` for the first failed bound or unknown choice.
-
-    ``choices`` maps a field to its valid values; pass the registries of :mod:`functional`
-    (e.g. ``F.AGGREGATIONS``) so a config accepts exactly what the math implements.
-    """
-    name = type(cfg).__name__
-    for field, ok in checks.items():
-        if not ok:
-            raise ValueError(f"{name}.{field} has an invalid value: {getattr(cfg, field)!r}")
-    for field, valid in choices.items():
-        valid = sorted(valid)
-        if getattr(cfg, field) not in valid:
-            raise ValueError(f"{name}.{field}={getattr(cfg, field)!r}; choose one of {valid}")

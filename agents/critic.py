@@ -12,6 +12,7 @@ from torch import nn
 
 from tokengym.agents.models import use_tokengym_attention
 from tokengym.agents.policy import position_ids
+from tokengym.rewards.common import quiet_transformers
 
 __all__ = ["Critic"]
 
@@ -59,7 +60,8 @@ class Critic(nn.Module):
         from safetensors.torch import save_file
 
         os.makedirs(path, exist_ok=True)
-        self.trunk.save_pretrained(path, safe_serialization=True)
+        with quiet_transformers():
+            self.trunk.save_pretrained(path, safe_serialization=True)
         save_file({k: v.detach().cpu().contiguous() for k, v in self.value_head.state_dict().items()}, os.path.join(path, "value_head.safetensors"))
         with open(os.path.join(path, "critic.json"), "w") as f:
             json.dump({"hidden_size": self.value_head.in_features}, f)

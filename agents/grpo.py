@@ -21,6 +21,7 @@ from tokengym.agents.distributed import LOCAL, aggregation_weights
 from tokengym.agents.logger import RunLogger
 from tokengym.agents.optim import adamw
 from tokengym.agents.policy import make_reference
+from tokengym.agents.resources import check_fits
 from tokengym.agents.rollout import Rollout, collect, evaluate, trimmed_logprobs, used_columns
 
 __all__ = ["GRPOConfig", "GRPOAgent", "grpo_advantages", "LR_SCHEDULES"]
@@ -95,6 +96,11 @@ class GRPOConfig:
         check_config(self, checks, {"advantage": ("outcome", "process"), "scale_rewards": F.GROUP_SCALES,
                                     "aggregation": F.AGGREGATIONS, "kl_estimator": F.KL_ESTIMATORS,
                                     "lr_schedule": LR_SCHEDULES})
+        z = torch.zeros(1, 1)
+        try:  # the loss's own argument checks (clip ranges) now, not after the first rollout
+            F.policy_loss(z, z, z, z, self.clip_eps, self.clip_eps_high, self.aggregation)
+        except ValueError as e:
+            raise ValueError(f"GRPOConfig: {e}") from None
 
     @property
     def reuse_rollout_logprobs(self) -> bool:
@@ -260,6 +266,14 @@ class GRPOAgent:
         return torch.cat([live[0], rest[0]]), torch.cat([live[1], rest[1]])
 
     # ------------------------------------------------------------------ loop
+    def check_env(self, env) -> None:
+        """Raise ``ValueError`` if ``env`` cannot feed this agent (no groups; process advantages without a PRM)."""
+        if env.group_size < 2:
+            raise ValueError(f"GRPO needs groups: create the env with group_size >= 2 (got {env.group_size})")
+        if self.config.advantage == "process" and env.process_reward_fn is None:
+            raise ValueError("advantage='process' needs an env with a process reward (process_reward=True or a PRM)")
+        check_fits(self.policy, env)
+
     def learn(
         self,
         env,
@@ -273,10 +287,7 @@ class GRPOAgent:
         held-out accuracy is logged every ``eval_every`` steps and after the last step.
         """
         cfg = self.config
-        if env.group_size < 2:
-            raise ValueError(f"GRPO needs groups: create the env with group_size >= 2 (got {env.group_size})")
-        if cfg.advantage == "process" and env.process_reward_fn is None:
-            raise ValueError("advantage='process' needs an env with a process reward (process_reward=True or a PRM)")
+        self.check_env(env)
         if self.global_step == 0:
             self.policy.seed(cfg.seed)
         history_start = len(self.logger.history)

@@ -6,11 +6,14 @@ import json
 import math
 import os
 import time
+import warnings
 from typing import Any
 
 import torch
 
-__all__ = ["RunLogger", "to_float"]
+from tokengym.rewards.common import TokengymWarning
+
+__all__ = ["RunLogger", "SignalWatch", "to_float"]
 
 
 def to_float(v: Any) -> float:
@@ -34,6 +37,7 @@ class RunLogger:
         self.history: list[dict[str, float]] = []
         self._writer = None
         self._start = time.time()
+        self._signal = SignalWatch()
         if self.run_dir is not None:
             os.makedirs(self.run_dir, exist_ok=True)
             if tensorboard:
@@ -45,6 +49,7 @@ class RunLogger:
         record = {"step": int(step), "time": round(time.time() - self._start, 3)}
         record.update({k: to_float(v) for k, v in metrics.items()})
         self.history.append(record)
+        self._signal.update(record)
         if self.run_dir is not None:
             with open(os.path.join(self.run_dir, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps({k: (v if math.isfinite(v) else None) for k, v in record.items()}) + "\n")
@@ -59,3 +64,27 @@ class RunLogger:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+
+
+class SignalWatch:
+    """Warns once when the rollouts give no learning signal for ``patience`` steps in a row: every GRPO group's
+    rewards equal (``reward/frac_zero_std_groups`` = 1, so every advantage is 0), or every PPO episode's reward
+    the same (``reward/std`` = 0). Training then changes nothing (GRPO) or only fits the critic (PPO)."""
+
+    def __init__(self, patience: int = 5):
+        self.patience, self.flat, self.warned = patience, 0, False
+
+    def update(self, record: dict[str, float]) -> None:
+        frac, std = record.get("reward/frac_zero_std_groups"), record.get("reward/std")
+        if frac is None and std is None:
+            return
+        self.flat = self.flat + 1 if (frac >= 1.0 if frac is not None else std == 0) else 0
+        if self.flat < self.patience or self.warned:
+            return
+        self.warned = True
+        mean = record.get("reward/mean", record.get("objective/score", float("nan")))
+        what = "every group's rewards were equal" if frac is not None else "every episode got the same reward"
+        warnings.warn(f"no learning signal: {what} for {self.flat} steps in a row (mean reward {mean:.3g}), so the policy "
+                      "gradient is 0. If the model always fails, start from one that sometimes succeeds: SFT first "
+                      "(tokengym train sft with the same --env), a bigger model, or an easier task setting; if it always "
+                      "succeeds, the task is solved at this setting", TokengymWarning, stacklevel=3)

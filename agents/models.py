@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from tokengym.envs.tokenizer import char_tokenizer, check_tokenizer
+from tokengym.rewards.common import quiet_transformers
 
 __all__ = ["PRESETS", "CHECKPOINTS", "ATTENTION", "preset_config", "build_preset", "load_model", "load_classifier",
            "frozen_copy", "count_parameters", "use_tokengym_attention"]
@@ -77,7 +78,8 @@ def load_model(name_or_path: str, tokenizer: Any = None, device: str | torch.dev
         from transformers import AutoModelForCausalLM
 
         path = _model_folder(name_or_path)
-        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, trust_remote_code=False, use_safetensors=True)
+        with quiet_transformers():
+            model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, trust_remote_code=False, use_safetensors=True)
         tok = _folder_tokenizer(path, tokenizer)
     model = model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
     return model, tok
@@ -164,7 +166,8 @@ def load_classifier(name_or_path: str, head: str = "sequence", num_labels: int |
             if is_lm:  # the report that the LM head is dropped and the score head is new is expected here
                 transformers.logging.set_verbosity_error()
             try:
-                model = auto.from_pretrained(path, config=cfg, local_files_only=True, trust_remote_code=False, use_safetensors=True)
+                with quiet_transformers():
+                    model = auto.from_pretrained(path, config=cfg, local_files_only=True, trust_remote_code=False, use_safetensors=True)
             finally:
                 transformers.logging.set_verbosity(verbosity)
     return model.to(device), tok

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from tokengym.envs.tasks.dataset import read_jsonl
+from tokengym.rewards.common import TokengymWarning
 
 __all__ = [
     "PAIR_COLUMNS",
@@ -363,25 +364,32 @@ class PairData:
         if add_eos:
             chosen_ids = [c if c and c[-1] == eos else c + [eos] for c in chosen_ids]
             rejected_ids = [c if c and c[-1] == eos else c + [eos] for c in rejected_ids]
-        keep, cut_prompts = [], 0
+        keep, cut_prompts, dropped = [], 0, {"identical": [], "empty after truncation": [], "identical after truncation": []}
         for i in range(len(rows)):
             p, c, r = prompt_ids[i], chosen_ids[i], rejected_ids[i]
+            if c == r:
+                dropped["identical"].append(i)
+                continue
             if max_prompt_len is not None and len(p) > max_prompt_len:
                 p, cut_prompts = p[len(p) - max_prompt_len:], cut_prompts + 1
             if max_length is not None:
                 room = max_length - len(p)
                 c, r = c[:room], r[:room]
             if not c or not r or c == r:
+                dropped["empty after truncation" if not c or not r else "identical after truncation"].append(i)
                 continue
             prompt_ids[i], chosen_ids[i], rejected_ids[i] = p, c, r
             keep.append(i)
         if cut_prompts:
-            warnings.warn(f"{cut_prompts} prompt(s) longer than max_prompt_len={max_prompt_len} were cut to their last tokens", stacklevel=2)
-        if len(keep) < len(rows):
-            warnings.warn(f"dropped {len(rows) - len(keep)} of {len(rows)} pairs: empty or identical completions "
-                          f"(after max_length={max_length} truncation)", stacklevel=2)
+            warnings.warn(f"{cut_prompts} prompt(s) longer than max_prompt_len={max_prompt_len} were cut to their last tokens",
+                          TokengymWarning, stacklevel=2)
+        why = "; ".join(f"{len(v)} {k} (first: pair {v[0]})" for k, v in dropped.items() if v)
+        if why and keep:
+            warnings.warn(f"dropped {len(rows) - len(keep)} of {len(rows)} pairs whose chosen and rejected completions "
+                          f"are not two different non-empty texts: {why} (max_length={max_length})", TokengymWarning, stacklevel=2)
         if not keep:
-            raise ValueError("no preference pairs left after tokenization/truncation")
+            raise ValueError(f"no preference pair is left to learn from: of {len(rows)}, {why} "
+                             "(chosen and rejected must differ)")
         return cls.from_token_ids([prompt_ids[i] for i in keep], [chosen_ids[i] for i in keep], [rejected_ids[i] for i in keep],
                                   int(pad), [rows[i] for i in keep])
 

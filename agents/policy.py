@@ -37,6 +37,7 @@ from torch import nn
 from tokengym.agents import functional as Fn
 from tokengym.agents.fast_decode import StaticDecoder, unsupported_reason
 from tokengym.agents.models import load_model, use_tokengym_attention
+from tokengym.rewards.common import quiet_transformers
 
 __all__ = ["Policy", "AdapterDisabledReference", "make_reference", "position_ids", "sample_logits"]
 
@@ -143,7 +144,8 @@ class Policy(nn.Module):
 
     def save_pretrained(self, path: str) -> None:
         """Write the model (safetensors) and tokenizer to ``path``."""
-        self.model.save_pretrained(path, safe_serialization=True)
+        with quiet_transformers():
+            self.model.save_pretrained(path, safe_serialization=True)
         self.tokenizer.save_pretrained(path)
 
     @property

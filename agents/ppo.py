@@ -35,6 +35,7 @@ from tokengym.agents.distributed import LOCAL, aggregation_weights
 from tokengym.agents.logger import RunLogger
 from tokengym.agents.optim import adamw
 from tokengym.agents.policy import make_reference
+from tokengym.agents.resources import check_fits
 from tokengym.agents.rollout import Rollout, collect, evaluate, trimmed_logprobs, used_columns
 
 __all__ = ["PPOConfig", "PPOAgent", "AdaptiveKLController", "ppo_rewards"]
@@ -109,6 +110,11 @@ class PPOConfig:
             "entropy_coef": self.entropy_coef >= 0, "eval_every": self.eval_every >= 0,
         }
         check_config(self, checks, {"kl_estimator": F.KL_ESTIMATORS, "aggregation": F.AGGREGATIONS})
+        z = torch.zeros(1, 1)
+        try:  # the loss's own argument checks (clip ranges) now, not after the first rollout
+            F.policy_loss(z, z, z, z, self.clip_eps, self.clip_eps_high, self.aggregation)
+        except ValueError as e:
+            raise ValueError(f"PPOConfig: {e}") from None
 
 
 class AdaptiveKLController:
@@ -292,6 +298,10 @@ class PPOAgent:
         return out
 
     # ------------------------------------------------------------------ loop
+    def check_env(self, env) -> None:
+        """Raise ``ValueError`` if ``env``'s rows do not fit the policy's (and critic's) positions."""
+        check_fits(self.policy, env)
+
     def learn(self, env, eval_env=None, eval_samples: list | None = None,
               callback: Callable[[dict[str, float]], Any] | None = None) -> list[dict[str, float]]:
         """Train for ``config.steps`` rollout/update cycles; return the records logged.
@@ -302,6 +312,7 @@ class PPOAgent:
         and at the end.
         """
         cfg = self.config
+        self.check_env(env)
         if self.global_step == 0:
             self.policy.seed(cfg.seed)
         start = len(self.logger.history)
@@ -321,6 +332,7 @@ class PPOAgent:
             metrics.update(kstats, **timing)
             metrics.update({
                 "objective/score": ro.outcome.mean(),
+                "reward/std": ro.outcome.std() if ro.num_episodes > 1 else 0.0,
                 "reward/accuracy": (ro.outcome >= 1.0 - 1e-6).float().mean(),
                 "values/explained_variance_rollout": F.value_loss(ro.values, ro.values, ret, ro.action_mask)[1]["explained_variance"],
                 "completion/length_mean": lengths.mean(),

@@ -13,6 +13,8 @@ from typing import Any, Sequence
 
 import torch
 
+from tokengym.agents.resources import check_fits
+
 __all__ = ["Rollout", "collect", "evaluate", "heldout_samples", "used_columns", "trimmed_logprobs"]
 
 
@@ -115,6 +117,7 @@ def collect(env, policy, critic=None, *, greedy: bool = False, seed: int | None 
     """
     if env.autoreset_mode.name != "DISABLED":
         raise ValueError("collect() runs lockstep batches: create the env with autoreset_mode='disabled'")
+    check_fits(policy, env)
     P, M = env.max_prompt_len, env.max_new_tokens
     with torch.inference_mode():
         logps = _run_episodes(env, policy, greedy, seed, samples)

@@ -6,7 +6,7 @@ Importing this package registers every ``tokengym/<Task>-v0`` id for ``gymnasium
 """
 
 from tokengym.envs.checker import check_vector_env
-from tokengym.envs.registration import ENV_IDS, register_envs
+from tokengym.envs.registration import ENV_GUIDE, ENV_IDS, register_envs
 from tokengym.envs.tasks.base import Task
 from tokengym.envs.token_env import TokenEnv
 from tokengym.envs.tokenizer import char_tokenizer, check_tokenizer, load_tokenizer
@@ -15,6 +15,7 @@ from tokengym.envs.vector_env import TokenVectorEnv, resolve_task
 register_envs()
 
 __all__ = [
+    "ENV_GUIDE",
     "ENV_IDS",
     "Task",
     "TokenEnv",

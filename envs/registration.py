@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gymnasium as gym
 
-__all__ = ["ENV_IDS", "register_envs"]
+__all__ = ["ENV_IDS", "ENV_GUIDE", "register_envs"]
 
 # id -> (task name, one-line description). Each id works with gymnasium.make and gymnasium.make_vec.
 ENV_IDS: dict[str, tuple[str, str]] = {
@@ -14,6 +14,24 @@ ENV_IDS: dict[str, tuple[str, str]] = {
     "tokengym/Target-v0": ("target", "emit a fixed target string; the smallest learnable task, for agent smoke tests"),
     "tokengym/ReasoningGym-v0": ("reasoning_gym", "a reasoning-gym dataset (name=...), scored by its score_answer"),
 }
+
+
+ENV_GUIDE: dict[str, tuple[str, str]] = {
+    "tokengym/Arithmetic-v0": ("completion: one reduction per line, then 'A: <answer>'; reward 1 iff the answer is right",
+                               "tiny-arithmetic was trained on this default task (64.5% held-out greedy): GRPO/PPO lift it; "
+                               "from the tiny or small preset, SFT first"),
+    "tokengym/Reverse-v0": ("completion: the letters in reverse order; reward 1 iff exact",
+                            "the presets start at 0%: SFT first (tokengym train sft --env tokengym/Reverse-v0), then GRPO"),
+    "tokengym/Dataset-v0": ("prompt: your 'prompt' column as is; reward: the final answer ('A: ...', 'Answer: ...', "
+                            "<answer>...</answer> or the last line) against an 'answer' column, or your reward=",
+                            "your own model (the char-level presets only know their own tasks)"),
+    "tokengym/Target-v0": ("completion: the fixed target (target='ok'); reward 1 iff exact, or partial_credit=True",
+                           "the untrained tiny preset learns it with GRPO or PPO in seconds (agent smoke tests)"),
+    "tokengym/ReasoningGym-v0": ("prompt: the dataset's English question; answer in <answer>...</answer> or on the last "
+                                 "line, scored by the dataset", "a local instruct model that reads English: the bundled "
+                                 "char-level models score 0 on these"),
+}
+"""id -> (prompt and answer format, which models it fits); ``tokengym envs`` prints them."""
 
 
 def register_envs() -> None:

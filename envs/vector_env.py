@@ -30,6 +30,7 @@ Autoreset modes (``metadata["autoreset_mode"]``):
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -40,7 +41,8 @@ from gymnasium.vector.utils import batch_space
 
 from tokengym.envs.tasks.base import Task
 from tokengym.envs.tokenizer import load_tokenizer
-from tokengym.rewards.protocols import score_outcome, score_process
+from tokengym.rewards.common import TokengymWarning
+from tokengym.rewards.protocols import check_reward, score_outcome, score_process
 
 __all__ = ["TokenVectorEnv", "resolve_task"]
 
@@ -119,6 +121,13 @@ class TokenVectorEnv(VectorEnv):
             raise ValueError(f"num_envs must be a positive int, got {num_envs!r}")
         if not isinstance(group_size, int) or group_size < 1 or num_envs % group_size:
             raise ValueError(f"num_envs={num_envs} must be a positive multiple of group_size={group_size!r}")
+        for name, v in (("max_new_tokens", max_new_tokens), ("max_prompt_len", max_prompt_len)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1):
+                raise ValueError(f"{name} must be None (the task's default) or an int >= 1, got {v!r}")
+        if reward is not None:
+            check_reward(reward, "reward")
+        if process_reward is not None and not isinstance(process_reward, bool):
+            check_reward(process_reward, "process_reward")
         self.task = resolve_task(task, **task_kwargs)
         self.tokenizer = load_tokenizer(tokenizer)
         self.reward_fn = reward if reward is not None else self.task.reward()
@@ -129,10 +138,8 @@ class TokenVectorEnv(VectorEnv):
         self.process_reward_fn = process_reward or None
         self.num_envs, self.group_size, self.n_groups = num_envs, group_size, num_envs // group_size
         self.device = torch.device(device)
-        self.max_new_tokens = int(max_new_tokens or self.task.default_max_new_tokens)
-        self.max_prompt_len = int(max_prompt_len or self.task.max_prompt_chars + 2)
-        if self.max_new_tokens < 1 or self.max_prompt_len < 1:
-            raise ValueError(f"max_new_tokens and max_prompt_len must be >= 1, got {self.max_new_tokens}, {self.max_prompt_len}")
+        self.max_new_tokens = int(max_new_tokens if max_new_tokens is not None else self.task.default_max_new_tokens)
+        self.max_prompt_len = int(max_prompt_len if max_prompt_len is not None else self.task.max_prompt_chars + 2)
         mode = _parse_mode(autoreset_mode)
         if mode is AutoresetMode.NEXT_STEP and group_size != 1:
             raise ValueError("autoreset_mode='next_step' needs group_size=1: a group's G episodes must start together")
@@ -199,6 +206,7 @@ class TokenVectorEnv(VectorEnv):
         self.completions: list[str | None] = [None] * N
         self.reward_components: list[dict[str, float]] = [{} for _ in range(N)]
         self._next_group = 0
+        self._unk_checked = 0  # prompts checked for characters the tokenizer lacks
         self._started = False
         self.reward_seconds = 0.0  # wall time spent decoding and scoring (reward/PRM calls), cumulative
         self.all_done = False  # every slot finished (a host bool, updated by step() at no extra sync)
@@ -278,6 +286,7 @@ class TokenVectorEnv(VectorEnv):
                 f"prompt of {longest} tokens exceeds max_prompt_len={P}: {samples[i]['prompt'][:60]!r}; "
                 "pass a larger max_prompt_len or shorten the prompt"
             )
+        self._warn_unknown(samples, enc)
         rows = torch.full((len(slots), P), self.pad_id, dtype=torch.long)
         for r, ids in enumerate(enc):
             rows[r, P - len(ids):] = torch.tensor(ids, dtype=torch.long)
@@ -298,6 +307,23 @@ class TokenVectorEnv(VectorEnv):
             self.step_scores[s] = []
             self.completions[s] = None
             self.reward_components[s] = {}
+
+    def _warn_unknown(self, samples: list[dict[str, Any]], enc: list[list[int]]) -> None:
+        """Warn (once per text) when prompts or answers hold characters the tokenizer maps to its unknown token:
+        such an answer can never be generated, and such a prompt is not what the model sees."""
+        unk = getattr(self.tokenizer, "unk_token_id", None)
+        if unk is None or self._unk_checked >= 4096:  # a sample of the data is enough to tell
+            return
+        self._unk_checked += len(samples)
+        answers = [str(s["answer"]) for s in samples if s.get("answer") is not None]
+        ids = enc + (self.tokenizer(answers, add_special_tokens=False)["input_ids"] if answers else [])
+        texts = [s["prompt"] for s in samples] + answers
+        bad = sorted({c for t, i in zip(texts, ids) if unk in i for c in t
+                      if unk in self.tokenizer(c, add_special_tokens=False)["input_ids"]})
+        if bad:
+            warnings.warn(f"the tokenizer has no token for {''.join(bad)!r} (in {self.task.name} prompts or answers): "
+                          "those characters become its unknown token, so such answers can never be generated",
+                          TokengymWarning, stacklevel=4)
 
     # ------------------------------------------------------------------ step
     def _check_actions(self, actions: Any) -> torch.Tensor:

@@ -23,7 +23,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from .reward_model import _check, _device, _load, _pad_id, _save, fit, load_rows, pad_right, split_rows
+from .common import check_config
+from .reward_model import _device, _load, _pad_id, _save, fit, load_rows, pad_right, split_rows
 
 __all__ = ["LearnedPRM", "PRMConfig", "train_prm", "PRM_COLUMNS"]
 
@@ -181,7 +182,7 @@ class PRMConfig:
     """Seeds the held-out split and the shuffling."""
 
     def __post_init__(self) -> None:
-        _check(self, {"lr": self.lr > 0, "epochs": self.epochs >= 1, "batch_size": self.batch_size >= 1,
+        check_config(self, {"lr": self.lr > 0, "epochs": self.epochs >= 1, "batch_size": self.batch_size >= 1,
                       "weight_decay": self.weight_decay >= 0, "max_grad_norm": self.max_grad_norm >= 0,
                       "delimiter": isinstance(self.delimiter, str) and bool(self.delimiter),
                       "val_fraction": 0 <= self.val_fraction < 1, "eval_every": self.eval_every >= 0})
@@ -196,6 +197,14 @@ def _check_examples(rows: list[dict], what: str) -> None:
             raise ValueError(f"{what} {i}: needs one label per step and at least one step, got {len(steps)} steps and labels {labels!r:.60}")
         if not all(isinstance(y, (int, float)) and not isinstance(y, bool) and 0 <= y <= 1 for y in labels):
             raise ValueError(f"{what} {i}: labels must be numbers in [0, 1], got {labels!r:.60}")
+
+
+def check_step_labels(examples: Any) -> list[dict[str, Any]]:
+    """The rows of ``examples`` (a list, a JSONL path or a ``datasets.Dataset``), each checked as :func:`train_prm`
+    needs it: a string ``prompt``, a list of string ``steps``, one label in [0, 1] per step."""
+    rows = load_rows(examples, PRM_COLUMNS, "PRM examples")
+    _check_examples(rows, "PRM example")
+    return rows
 
 
 def train_prm(model: torch.nn.Module, tokenizer: Any, examples: Any, config: PRMConfig | None = None, eval_examples: Any = None,

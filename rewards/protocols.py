@@ -19,7 +19,7 @@ from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 
-__all__ = ["OutcomeReward", "ProcessReward", "score_outcome", "score_process", "reward_name"]
+__all__ = ["OutcomeReward", "ProcessReward", "score_outcome", "score_process", "reward_name", "check_reward"]
 
 
 @runtime_checkable
@@ -36,6 +36,12 @@ def reward_name(fn: Callable) -> str:
     """A readable name for a reward callable (function name, class name or ``name`` attribute)."""
     name = getattr(fn, "name", None) or getattr(fn, "__name__", None) or type(fn).__name__
     return str(name)
+
+
+def check_reward(fn: Any, what: str) -> None:
+    """Refuse a reward that cannot be called (e.g. ``reward=5``) when the env is built, not when an episode ends."""
+    if not callable(fn):
+        raise TypeError(f"{what} must be a callable (prompts, completions or steps, **task_fields), got {type(fn).__name__}: {fn!r:.40}")
 
 
 def _as_vector(values: Any, n: int, who: str) -> torch.Tensor:
@@ -87,11 +93,18 @@ def score_process(
     out = fn(prompts, steps, **fields)
     if isinstance(out, torch.Tensor):
         out = out.tolist()
+    if not isinstance(out, Sequence) or isinstance(out, str):
+        raise TypeError(f"process reward {who!r} returned {type(out).__name__}; it must return list[list[float]], one list per completion")
     if len(out) != len(steps):
         raise ValueError(f"process reward {who!r} returned {len(out)} score lists for {len(steps)} completions")
     scores: list[list[float]] = []
     for i, (row, st) in enumerate(zip(out, steps)):
-        row = row.tolist() if isinstance(row, torch.Tensor) else list(row)
+        if isinstance(row, torch.Tensor):
+            row = row.tolist()
+        if isinstance(row, (int, float)) or not isinstance(row, Sequence) or isinstance(row, str):
+            raise TypeError(f"process reward {who!r} returned {type(row).__name__} {row!r:.40} for completion {i}; it must "
+                            "return one list of step scores per completion (list[list[float]])")
+        row = list(row)
         if len(row) != len(st):
             raise ValueError(f"process reward {who!r} returned {len(row)} scores for completion {i} with {len(st)} steps")
         row = [float(x) for x in row]

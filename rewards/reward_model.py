@@ -33,6 +33,8 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
+from .common import check_config, quiet_transformers
+
 __all__ = ["RewardModel", "LikelihoodRewardModel", "RewardModelConfig", "train_reward_model", "load_rows", "split_rows"]
 
 
@@ -354,7 +356,8 @@ class LikelihoodRewardModel(RewardModel):
 def _save(model: torch.nn.Module, tokenizer: Any, path: str | os.PathLike, settings_file: str, settings: dict) -> None:
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True)
+    with quiet_transformers():
+        model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     with open(os.path.join(path, settings_file), "w") as f:
         json.dump(settings, f, indent=1)
@@ -366,7 +369,8 @@ def _load(auto_cls: Any, path: str | os.PathLike, tokenizer: Any, device: Any, t
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path!r} is not a local folder (nothing is downloaded); pass a folder written by save_pretrained")
-    model = auto_cls.from_pretrained(path, local_files_only=True, use_safetensors=True, trust_remote_code=trust_remote_code)
+    with quiet_transformers():
+        model = auto_cls.from_pretrained(path, local_files_only=True, use_safetensors=True, trust_remote_code=trust_remote_code)
     if tokenizer is None:
         if not any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
             raise ValueError(f"{path!r} holds no tokenizer files; pass tokenizer=")
@@ -380,12 +384,6 @@ def _load(auto_cls: Any, path: str | os.PathLike, tokenizer: Any, device: Any, t
 
 
 # ============================================================================== training
-def _check(cfg: Any, checks: Mapping[str, bool]) -> None:
-    for name, ok in checks.items():
-        if not ok:
-            raise ValueError(f"{type(cfg).__name__}.{name} has an invalid value: {getattr(cfg, name)!r}")
-
-
 @dataclass
 class RewardModelConfig:
     """Hyper-parameters of :func:`train_reward_model` (Bradley-Terry training)."""
@@ -412,7 +410,7 @@ class RewardModelConfig:
     """Seeds the held-out split and the shuffling."""
 
     def __post_init__(self) -> None:
-        _check(self, {"lr": self.lr > 0, "epochs": self.epochs >= 1, "batch_size": self.batch_size >= 1,
+        check_config(self, {"lr": self.lr > 0, "epochs": self.epochs >= 1, "batch_size": self.batch_size >= 1,
                       "weight_decay": self.weight_decay >= 0, "max_grad_norm": self.max_grad_norm >= 0,
                       "center_coef": self.center_coef >= 0, "max_length": self.max_length is None or self.max_length >= 2,
                       "val_fraction": 0 <= self.val_fraction < 1, "eval_every": self.eval_every >= 0})

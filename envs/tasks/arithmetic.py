@@ -62,7 +62,8 @@ class ArithmeticTask(Task):
             (1..18). Each operand draws ``d`` uniformly from the range, then its value uniformly from
             ``[0, 10**d - 1]`` (so ``digits=2`` gives operands in ``[0, 99]``).
         operators: the operators to draw from, a string of distinct characters from ``"+-*"``; each
-            operator slot draws one uniformly.
+            operator slot draws one uniformly. The defaults (2-3 two-digit operands, ``"+"``) are the task
+            the shipped ``tiny-arithmetic`` warm start was trained on.
         seed: seeds a private generator used only when :meth:`sample` gets no generator (environments
             always pass theirs).
 
@@ -84,7 +85,7 @@ class ArithmeticTask(Task):
     stop_strings: tuple[str, ...] = ()
     step_delimiter = "\n"
 
-    def __init__(self, n_operands: int | tuple[int, int] = (2, 3), digits: int | tuple[int, int] = 2, operators: str = "+-", seed: int | None = None):
+    def __init__(self, n_operands: int | tuple[int, int] = (2, 3), digits: int | tuple[int, int] = 2, operators: str = "+", seed: int | None = None):
         self.n_operands = _int_range("n_operands", n_operands, 2)
         self.digits = _int_range("digits", digits, 1, 18)
         if not isinstance(operators, str) or not operators:

@@ -135,7 +135,7 @@ def test_truncation_and_dropping(tok):
         data = PairData.from_pairs(long, tok, max_prompt_len=6, max_length=9)
     assert any("dropped 1 of 2" in str(w.message) for w in caught)
     assert len(data) == 1 and data.texts(tok, 0)["rejected"] == "ac<eos>"
-    with pytest.raises(ValueError, match="no preference pairs left"), pytest.warns(UserWarning):
+    with pytest.raises(ValueError, match="no preference pair is left .* identical after truncation"), pytest.warns(UserWarning):
         PairData.from_pairs(long[:1], tok, max_prompt_len=6, max_length=9)
 
 

@@ -18,7 +18,7 @@ def test_registry_and_defaults():
     t = ArithmeticTask()
     assert isinstance(t, Task) and t.name == "arithmetic"
     assert t.step_delimiter == "\n" and t.stop_strings == ()
-    assert t.n_operands == (2, 3) and t.digits == (2, 2) and t.operators == "+-"
+    assert t.n_operands == (2, 3) and t.digits == (2, 2) and t.operators == "+"  # the shipped warm start's task
     assert t.reward() is arithmetic_correct and t.process_reward() is arithmetic_step_reward
     assert t.max_prompt_chars == 3 * 3  # "99+99+99\n"
 

@@ -1,0 +1,123 @@
+"""Bad input through the Python API fails when the object is built, with a message that names the problem;
+silent trouble (a reward with no signal, characters the tokenizer lacks) is a :class:`TokengymWarning`."""
+
+import math
+
+import gymnasium as gym
+import pytest
+import torch
+
+import tokengym.envs  # noqa: F401
+from tokengym.agents import DPOConfig, GRPOAgent, GRPOConfig, Policy, PPOConfig, collect
+from tokengym.agents.logger import SignalWatch
+from tokengym.agents.resources import batch_memory_bytes, check_device, check_memory
+from tokengym.envs.tasks import DatasetTask
+from tokengym.rewards import PRMConfig, RewardModelConfig
+from tokengym.rewards.common import TokengymWarning
+
+
+def vec(env_id="tokengym/Arithmetic-v0", n=2, **kw):
+    return gym.make_vec(env_id, num_envs=n, vectorization_mode="vector_entry_point", **kw)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: GRPOConfig(clip_eps=1.5), "clip_eps must be in [0, 1], got 1.5"),
+    (lambda: GRPOConfig(steps=1.5), "GRPOConfig.steps must be an int, got 1.5"),
+    (lambda: GRPOConfig(lr=math.inf), "GRPOConfig.lr must be a finite number, got inf"),
+    (lambda: GRPOConfig(bf16=1), "GRPOConfig.bf16 must be true or false, got 1"),
+    (lambda: PPOConfig(clip_eps=1.5), "clip_eps must be in [0, 1]"),
+    (lambda: PPOConfig(lam=math.nan), "PPOConfig.lam must be a finite number"),
+    (lambda: DPOConfig(batch_size=2.0), "DPOConfig.batch_size must be an int"),
+    (lambda: RewardModelConfig(epochs=1.5), "RewardModelConfig.epochs must be an int"),
+    (lambda: PRMConfig(lr=math.nan), "PRMConfig.lr must be a finite number"),
+])
+def test_configs_refuse_bad_values_when_built(make, message):
+    with pytest.raises(ValueError) as e:
+        make()
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(max_new_tokens=0), "max_new_tokens must be None (the task's default) or an int >= 1, got 0"),
+    (dict(max_new_tokens=2.7), "max_new_tokens must be None (the task's default) or an int >= 1, got 2.7"),
+    (dict(max_prompt_len=True), "max_prompt_len must be None"),
+])
+def test_env_budgets_are_positive_ints_not_silently_replaced(kw, message):
+    with pytest.raises(ValueError) as e:
+        vec(**kw)
+    assert message in str(e.value)
+
+
+def test_rewards_that_cannot_be_called_fail_when_the_env_is_built():
+    with pytest.raises(TypeError, match="reward must be a callable .* got int: 5"):
+        vec(reward=5)
+    with pytest.raises(TypeError, match="process_reward must be a callable"):
+        vec(process_reward="yes")
+
+
+def test_a_process_reward_returning_a_flat_list_is_named():
+    def flat(prompts, steps, **_):
+        return [1.0 for _ in steps]  # one score per completion instead of one list per completion
+
+    env = vec("tokengym/Arithmetic-v0", n=2, process_reward=flat)
+    env.reset(seed=0)
+    one, newline = (env.tokenizer(c, add_special_tokens=False)["input_ids"][0] for c in ("1", "\n"))
+    env.step(torch.full((2,), one))
+    with pytest.raises(TypeError, match=r"process reward 'flat' returned float 1.0 for completion 0; .*list\[list\[float\]\]"):
+        env.step(torch.full((2,), newline))  # the first step ends: the PRM is called
+
+
+def test_collect_refuses_rows_past_the_models_positions():
+    policy = Policy.from_pretrained("tiny")  # max_position_embeddings 512
+    env = vec("tokengym/Dataset-v0", data=[{"prompt": "x" * 600, "answer": "1"}])
+    with pytest.raises(ValueError, match=r"max_prompt_len=602 tokens plus max_new_tokens=64 need 666 positions, but the model has 512"):
+        collect(env, policy)
+
+
+def test_a_missing_data_file_is_named():
+    with pytest.raises(FileNotFoundError, match="no such JSONL file: '/nope.jsonl'"):
+        DatasetTask("/nope.jsonl")
+
+
+def test_characters_the_tokenizer_lacks_warn_once():
+    env = vec("tokengym/Dataset-v0", data=[{"prompt": "über\n", "answer": "ü"}, {"prompt": "ok\n", "answer": "1"}])
+    with pytest.warns(TokengymWarning, match="the tokenizer has no token for 'ü'"):
+        env.reset(seed=0)
+
+
+def test_devices_and_memory_are_checked_before_allocating():
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device 'cuda' is not available"):
+            check_device("cuda")
+    with pytest.raises(ValueError, match="not a torch device"):
+        check_device("gpu0")
+    model = Policy.from_pretrained("tiny").model
+    assert batch_memory_bytes(model, 64, 45, 64) < 2**30  # the default run: far below a GiB
+    with pytest.raises(ValueError, match="GiB free; use fewer prompts"):
+        check_memory(model, 10**9, 45, 10**9, "cpu", "a batch")
+
+
+def test_no_learning_signal_warns_once_after_five_flat_steps():
+    watch = SignalWatch(patience=5)
+    with pytest.warns(TokengymWarning, match="no learning signal: every group's rewards were equal for 5 steps"):
+        for _ in range(5):
+            watch.update({"reward/frac_zero_std_groups": 1.0, "reward/mean": 0.0})
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        watch.update({"reward/frac_zero_std_groups": 1.0, "reward/mean": 0.0})  # once only
+    other = SignalWatch(patience=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a step with signal resets the count
+        for frac in (1.0, 0.5, 1.0, 0.5):
+            other.update({"reward/frac_zero_std_groups": frac})
+
+
+def test_grpo_from_a_model_that_never_succeeds_says_so():
+    """The README's failure mode: an untrained preset on Reverse scores 0 everywhere, so nothing is learned."""
+    env = vec("tokengym/Reverse-v0", n=16, group_size=8, length=4)
+    agent = GRPOAgent(Policy.from_pretrained("tiny"), GRPOConfig(steps=5, seed=0))
+    with pytest.warns(TokengymWarning, match=r"no learning signal.*SFT first"):
+        history = agent.learn(env)
+    assert all(r["reward/mean"] == 0 for r in history)
