@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import warnings
 from typing import Any, Sequence
 
 import torch
@@ -26,11 +27,19 @@ __all__ = ["main"]
 
 
 def _cmd_envs(args: argparse.Namespace) -> int:
-    from tokengym.envs import ENV_IDS
+    import numpy as np
 
-    width = max(len(k) for k in ENV_IDS)
-    for env_id, (_, desc) in ENV_IDS.items():
-        print(f"{env_id:<{width}}  {desc}")
+    from tokengym.envs import ENV_GUIDE, ENV_IDS, resolve_task
+
+    for env_id, (task, desc) in ENV_IDS.items():
+        fmt, fits = ENV_GUIDE.get(env_id, ("", ""))
+        print(f"{env_id}  {desc}")
+        try:  # an example from the task's defaults, where it has them
+            s = resolve_task(task).batch(np.random.default_rng(0), 1)[0]
+            print(f"    e.g.    {s['prompt']!r} -> {s['solution']!r}")
+        except (TypeError, ValueError, ImportError):
+            pass
+        print(f"    format: {fmt}\n    models: {fits}")
     return 0
 
 
@@ -95,7 +104,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     import os
 
     from tokengym.agents import runs as R
-    from tokengym.agents.policy import Policy
+    from tokengym.agents.resources import check_device
     from tokengym.agents.rollout import evaluate, heldout_samples
     from tokengym.agents.train import RunConfig, load_policy, make_env
 
@@ -116,6 +125,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
                 raise R.UsageError(f"{args.run} has neither a final model nor a checkpoint yet")
             model = run.model
     run.model, run.device = model, args.device
+    try:
+        check_device(args.device)
+    except ValueError as e:
+        raise R.UsageError(str(e)) from None
     if args.env:
         run.env = args.env
     if args.env_kwargs:
@@ -152,13 +165,13 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_fields(parser: argparse.ArgumentParser, cls: type, title: str, seen: set[str]) -> None:
+def _add_fields(parser: argparse.ArgumentParser, cls: type, title: str, seen: set[str], only: set[str] | None = None) -> None:
     from tokengym.agents.runs import field_docs
 
     group = parser.add_argument_group(title)
     docs = field_docs(cls)
     for f in dataclasses.fields(cls):
-        if f.name in seen or f.name == "run_dir":
+        if f.name in seen or f.name == "run_dir" or (only is not None and f.name not in only):
             continue
         seen.add(f.name)
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
@@ -173,7 +186,7 @@ def _add_fields(parser: argparse.ArgumentParser, cls: type, title: str, seen: se
 
 
 def _train_parser(sub: Any) -> None:
-    from tokengym.agents.train import RunConfig, algorithms
+    from tokengym.agents.train import RunConfig, algorithms, run_fields
 
     p = sub.add_parser("train", help="train a model (grpo, ppo, dpo, sft, rm, prm); writes runs/<name>/")
     tsub = p.add_subparsers(dest="algo", required=True, metavar="ALGO")
@@ -184,7 +197,7 @@ def _train_parser(sub: Any) -> None:
         ap.add_argument("--config", help="TOML or JSON file with settings")
         ap.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
         seen: set[str] = set()
-        _add_fields(ap, RunConfig, "run settings", seen)
+        _add_fields(ap, RunConfig, "run settings", seen, run_fields(name))
         _add_fields(ap, spec.config_cls, f"{name} settings ({spec.config_cls.__name__})", seen)
         ap.set_defaults(fn=_cmd_train)
 
@@ -204,10 +217,12 @@ def _cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
 def _unknown_flag(flag: str, args: argparse.Namespace) -> str:
     import difflib
 
-    from tokengym.agents.train import RunConfig, algorithms
+    from tokengym.agents.train import RUN_FIELDS_FOR, algorithms, run_fields
 
-    names = [f.name for cls in (RunConfig, algorithms()[args.algo].config_cls) for f in dataclasses.fields(cls)]
     key = flag.lstrip("-").split("=")[0].replace("-", "_")
+    if key in RUN_FIELDS_FOR:
+        return f"--{key.replace('_', '-')} does not apply to `tokengym train {args.algo}` (it is for {', '.join(sorted(RUN_FIELDS_FOR[key]))})"
+    names = sorted(run_fields(args.algo)) + [f.name for f in dataclasses.fields(algorithms()[args.algo].config_cls)]
     close = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
     hint = f"; did you mean --{close[0].replace('_', '-')}?" if close else f"; see tokengym train {args.algo} --help"
     return f"unknown option {flag!r}{hint}"
@@ -247,16 +262,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-prm", dest="prm", action="store_false", help="turn the process reward off")
     p.set_defaults(fn=_cmd_sample)
     args, extra = parser.parse_known_args(argv)
-    from transformers.utils import logging as hf_logging
+    if extra and args.fn is not _cmd_train:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    with warnings.catch_warnings():
+        warnings.showwarning = _show_warning
+        try:
+            return args.fn(args, extra) if args.fn is _cmd_train else args.fn(args)
+        except UsageError as e:
+            print(f"tokengym: error: {e}", file=sys.stderr)
+            return 2
 
-    hf_logging.disable_progress_bar()  # our own progress bar is the one that matters
-    try:
-        if extra and args.fn is not _cmd_train:
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        return args.fn(args, extra) if args.fn is _cmd_train else args.fn(args)
-    except UsageError as e:
-        print(f"tokengym: error: {e}", file=sys.stderr)
-        return 2
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """tokengym's own warnings as one ``tokengym: warning: ...`` line; others as Python shows them."""
+    from tokengym.rewards.common import TokengymWarning
+
+    if issubclass(category, TokengymWarning):
+        print(f"tokengym: warning: {message}", file=sys.stderr, flush=True)
+    else:
+        sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
 
 
 if __name__ == "__main__":

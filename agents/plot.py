@@ -14,6 +14,11 @@ PANELS: dict[str, tuple[str, ...]] = {
     "accuracy": ("eval/accuracy", "reward/accuracy", "rewards/accuracies", "eval/rewards/accuracies"),
     "kl": ("train/kl", "objective/kl", "train/approx_kl"),
     "loss": ("train/loss", "train/pg_loss", "train/policy_loss", "train/value_loss", "loss", "train/train_loss"),
+    "entropy": ("train/entropy",),
+    "clip_fraction": ("train/clipfrac", "train/clipfrac_low", "train/clipfrac_high", "train/vf_clipfrac"),
+    "length": ("completion/length_mean", "completion/length_max", "eval/mean_length"),
+    "throughput": ("perf/tokens_per_s", "perf/pairs_per_s"),
+    "time": ("time/rollout", "time/reward", "time/update"),
 }
 """One PNG per panel, with every listed metric the run logged."""
 

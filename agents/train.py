@@ -1,9 +1,12 @@
 """``tokengym train <algo>``: build env, model and agent from a config, train with progress and checkpoints, resume.
 
-One function per algorithm builds what it needs from a :class:`RunConfig` (the run: env, model, batch,
-checkpoints) and the algorithm's own config dataclass (``GRPOConfig``, ``PPOConfig``, ``DPOConfig``,
-``SFTConfig``, ...). Both are filled from defaults, then ``--config FILE.toml``, then ``--key value``
-flags; the resolved result is written to ``runs/<name>/config.json``.
+One builder per algorithm turns a :class:`RunConfig` (the run: env, model, batch, checkpoints) and the
+algorithm's own config dataclass (``GRPOConfig``, ``PPOConfig``, ``DPOConfig``, ``SFTConfig``, ...) into a
+job. Both configs are filled from defaults, then ``--config FILE.toml``, then ``--key value`` flags.
+
+Nothing is written until everything is built: the builder loads the model, env, data and agent and checks
+that they fit together (device, position limit, memory); only then is ``runs/<name>/`` created, locked and
+given ``config.json``, and the job trains in it. So bad input of any kind leaves no folder behind.
 
 Agents that follow the resume contract (``checkpoint_modules()``, ``state_dict()``, ``load_state_dict()``,
 and a ``learn``/``fit`` that continues an interrupted schedule) get checkpoints every ``save_every``
@@ -14,6 +17,7 @@ same parameters and metrics as an uninterrupted one. (Testing hook: the environm
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -22,6 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from tokengym.agents import runs as R
@@ -36,7 +41,7 @@ class RunConfig:
     env: str = "tokengym/Arithmetic-v0"
     """Registered env id (``tokengym envs`` lists them)."""
     env_kwargs: dict | None = None
-    """Task/env arguments as a TOML table or JSON object; None = defaults (Arithmetic-v0: the shipped checkpoint's task, 2-3 operands, 2 digits, '+')."""
+    """Task/env arguments as a TOML table or JSON object; None = the env's defaults (Arithmetic-v0's are the shipped checkpoint's task: 2-3 operands, 2 digits, '+')."""
     model: str | None = None
     """Preset (tiny, small), shipped checkpoint (tiny-arithmetic) or local save_pretrained folder; None = tiny for sft, else tiny-arithmetic."""
     name: str | None = None
@@ -78,6 +83,21 @@ class RunConfig:
     """Show a progress bar (on a terminal; otherwise a line every 10% of the run)."""
 
 
+RUN_FIELDS_FOR: dict[str, set[str]] = {
+    "prompts": {"grpo", "ppo"}, "group_size": {"grpo", "ppo"}, "temperature": {"grpo", "ppo", "dpo", "rm"},
+    "pairs": {"dpo", "rm"}, "num_pairs": {"dpo", "rm", "prm"}, "rm_kind": {"rm"}, "step_labels": {"prm"},
+    "reward_model": {"grpo", "ppo"}, "prm_model": {"grpo", "ppo"},
+    "save_every": {"grpo", "ppo", "dpo"}, "keep_checkpoints": {"grpo", "ppo", "dpo"},
+}
+"""The algorithms a :class:`RunConfig` field applies to (fields not listed apply to every algorithm); the others are
+neither flags of that algorithm's ``--help`` nor accepted from its config file."""
+
+
+def run_fields(algo: str) -> set[str]:
+    """Names of the :class:`RunConfig` fields that ``tokengym train <algo>`` takes."""
+    return {f.name for f in dataclasses.fields(RunConfig) if algo in RUN_FIELDS_FOR.get(f.name, {algo})}
+
+
 # Algorithms that run data-parallel under torchrun with several processes (see agents/distributed.py).
 DATA_PARALLEL = {"grpo", "ppo", "dpo"}
 
@@ -85,21 +105,22 @@ DATA_PARALLEL = {"grpo", "ppo", "dpo"}
 RESUMABLE = {"save_every", "keep_checkpoints", "threads", "progress", "device"}
 
 
+Job = Callable[[str, bool], dict[str, Any]]
+"""What a builder returns: ``job(run_dir, resume)`` trains in the (created, locked) run folder and returns a summary."""
+
+
 @dataclass
 class Algorithm:
     config_cls: type
-    run: Callable[[RunConfig, Any, str, dict | None], dict[str, Any]]
-    group_size: int = 1
+    build: Callable[[RunConfig, Any], Job]
+    """Loads and checks everything the run needs (raising :class:`UsageError`), writing nothing."""
     help: str = ""
+    resumable: bool = True
 
 
 # ---------------------------------------------------------------------------------------------- building blocks
 def env_kwargs(run: RunConfig) -> dict[str, Any]:
-    if run.env_kwargs is not None:
-        return dict(run.env_kwargs)
-    if run.env == "tokengym/Arithmetic-v0":
-        return {"n_operands": (2, 3), "digits": 2, "operators": "+"}
-    return {}
+    return dict(run.env_kwargs or {})
 
 
 def make_env(run: RunConfig, num_envs: int, group_size: int = 1, tokenizer: Any = None, **extra: Any):
@@ -115,8 +136,31 @@ def make_env(run: RunConfig, num_envs: int, group_size: int = 1, tokenizer: Any 
     try:
         return gym.make_vec(run.env, num_envs=num_envs, vectorization_mode="vector_entry_point", group_size=group_size,
                             device=run.device, tokenizer=tokenizer, **env_kwargs(run), **extra)
-    except (TypeError, ValueError) as e:
-        raise R.UsageError(f"cannot build env {run.env} with {env_kwargs(run)}: {e}") from None
+    except (TypeError, ValueError, OSError, ImportError) as e:
+        raise R.UsageError(f"cannot build env {run.env} with {env_kwargs(run)}: {_first_line(e)}") from None
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def checked_env(run: RunConfig, policy: Any, num_envs: int, group_size: int = 1, update_rows: int | None = None, **extra: Any):
+    """The run's env for ``policy``, refused (:class:`UsageError`) when its rows exceed the model's positions or
+    a rollout of ``num_envs`` rows (and an update of ``update_rows``) cannot fit in the device's memory."""
+    from tokengym.agents.resources import check_fits, check_memory
+
+    if update_rows is not None:  # before the env allocates its [num_envs, P + M] buffers
+        probe = make_env(run, group_size, group_size, tokenizer=policy.tokenizer, **extra)
+        try:
+            check_memory(policy.model, num_envs, probe.seq_len, update_rows, run.device, f"a batch of {num_envs} episodes")
+        except ValueError as e:
+            raise R.UsageError(str(e)) from None
+    env = make_env(run, num_envs, group_size, tokenizer=policy.tokenizer, **extra)
+    try:
+        check_fits(policy, env)
+    except ValueError as e:
+        raise R.UsageError(f"{run.env}: {e}") from None
+    return env
 
 
 def load_policy(run: RunConfig, seed: int):
@@ -126,7 +170,7 @@ def load_policy(run: RunConfig, seed: int):
     try:
         return Policy.from_pretrained(run.model, device=run.device, temperature=run.temperature, seed=seed)
     except (FileNotFoundError, ValueError, OSError) as e:
-        raise R.UsageError(f"cannot load model {run.model!r}: {str(e).splitlines()[0]}") from None
+        raise R.UsageError(f"cannot load model {run.model!r}: {_first_line(e)}") from None
 
 
 ROLLOUT_DEFAULTS = {"grpo": (8, 8), "ppo": (64, 1)}
@@ -153,7 +197,10 @@ def eval_setup(run: RunConfig, tokenizer: Any):
     if run.eval_prompts <= 0:
         return None, None
     env = make_env(run, min(run.eval_prompts, 256), tokenizer=tokenizer)
-    return env, heldout_samples(env.task, run.eval_prompts)
+    try:
+        return env, heldout_samples(env.task, run.eval_prompts)
+    except ValueError as e:  # e.g. a dataset with fewer rows than eval_prompts
+        raise R.UsageError(f"held-out evaluation: {e}") from None
 
 
 def learned_rewards(run: RunConfig, process: bool) -> dict[str, Any]:
@@ -170,7 +217,7 @@ def learned_rewards(run: RunConfig, process: bool) -> dict[str, Any]:
         try:
             out[key] = cls.from_pretrained(path, device=run.device)
         except (OSError, ValueError) as e:
-            raise R.UsageError(f"cannot load {cls.__name__} from {path!r}: {str(e).splitlines()[0]}") from None
+            raise R.UsageError(f"cannot load {cls.__name__} from {path!r}: {_first_line(e)}") from None
     if process and "process_reward" not in out:
         out["process_reward"] = True
     return out
@@ -196,7 +243,7 @@ class Progress:
             if record.get(k) is not None:
                 self.live[short] = record[k]
         step = int(record.get("step", self.n))
-        text = " ".join(f"{k}={v:.3g}" for k, v in self.live.items())
+        text = " ".join(f"{k}={round(v, 6) + 0.0:.3g}" for k, v in self.live.items())  # -1e-8 shows as 0
         if self.bar is not None:
             self.bar.update(max(0, step - self.n))
             self.bar.set_postfix_str(text, refresh=True)
@@ -210,7 +257,7 @@ class Progress:
 
 
 class Trainer:
-    """The part every algorithm shares: run folder, logger, checkpoints, resume, progress, kill hook."""
+    """The part every algorithm shares: logger, checkpoints, resume, progress, kill hook (in a created, locked run folder)."""
 
     def __init__(self, run: RunConfig, run_dir: str, resume: bool, total: int, agent: Any, env: Any = None):
         from tokengym.agents import distributed
@@ -220,7 +267,16 @@ class Trainer:
         self.start_step = 0
         kill = os.environ.get("TOKENGYM_SIGKILL_AFTER_STEP")
         self.kill_at = int(kill) if kill else None
-        if resume and (ckpt := R.latest_checkpoint(run_dir)) is not None:
+        main = self.dp.is_main
+        say = print if main else (lambda *a, **k: None)
+        ckpt = None
+        if resume:
+            ckpt, notes = R.latest_intact_checkpoint(run_dir)
+            if ckpt is None and notes:  # checkpoints exist, none intact: starting over would discard the run's metrics
+                raise R.UsageError(f"cannot resume {run_dir}: no intact checkpoint ({notes[0]})")
+            for note in notes:
+                say(f"tokengym: warning: {note}", file=sys.stderr, flush=True)
+        if ckpt is not None:
             state = R.load_checkpoint(ckpt, agent.checkpoint_modules())
             agent.load_state_dict(state["agent"])
             if env is not None and state.get("env") is not None:
@@ -228,12 +284,20 @@ class Trainer:
             self.start_step = int(state["step"])
             if len(state.get("rank_rng") or []) == self.dp.world_size:  # each rank's own global RNGs
                 R.set_rng_state(state["rank_rng"][self.dp.rank])
-        main = self.dp.is_main
-        kept = R.truncate_metrics(run_dir, self.start_step) if resume and main else []
+            say(f"resuming {run_dir} at step {self.start_step} of {total} ({os.path.basename(ckpt)})", flush=True)
+        elif resume:
+            say(f"{run_dir} has no checkpoint yet: starting it again from step 0", flush=True)
+        # the first step to (re)do: records and TensorBoard events from it on were lost work, about to be redone
+        redo = self.start_step + 1 if ckpt is not None else 0
+        kept = []
+        if resume and main:
+            kept = R.truncate_metrics(run_dir, redo - 1)
+            if kept.warning:
+                say(f"tokengym: warning: {kept.warning}", file=sys.stderr, flush=True)
         from tokengym.agents.logger import RunLogger
 
         agent.logger.close()
-        agent.logger = RunLogger(run_dir if main else None, purge_step=self.start_step + 1 if resume else None)
+        agent.logger = RunLogger(run_dir if main else None, purge_step=redo if resume else None)
         agent.logger.history.extend(kept)
         self.progress = Progress(total, self.start_step, run.progress and main, os.path.basename(run_dir))
 
@@ -260,8 +324,13 @@ class Trainer:
         self.progress.close()
         self.save(self.agent.global_step)
         if self.dp.is_main:
-            self.agent.policy.save_pretrained(os.path.join(self.run_dir, "model"))
+            save_model(self.agent.policy, self.run_dir)
         self.agent.logger.close()
+
+
+def save_model(model: Any, run_dir: str) -> None:
+    """Write ``run_dir/model`` (``save_pretrained`` format) atomically: a kill mid-write leaves no half-made folder."""
+    R.write_folder_atomic(os.path.join(run_dir, "model"), model.save_pretrained)
 
 
 def _initial_eval(trainer: Trainer, agent: Any, eval_env: Any, samples: Any) -> None:
@@ -279,32 +348,48 @@ def _summary(history: list[dict[str, Any]], key: str = "eval/accuracy") -> dict[
 
 
 # ---------------------------------------------------------------------------------------------- algorithms
-def run_grpo(run: RunConfig, cfg: Any, run_dir: str, resume: bool) -> dict[str, Any]:
+def _agent(cls: Any, policy: Any, cfg: Any, env: Any = None) -> Any:
+    """``cls(policy, cfg)``, checked against its rollout env (a bad pairing is a :class:`UsageError`)."""
+    try:
+        agent = cls(policy, cfg)
+        if env is not None:
+            agent.check_env(env)
+    except ValueError as e:
+        raise R.UsageError(_first_line(e)) from None
+    return agent
+
+
+def _on_policy_job(run: RunConfig, cfg: Any, agent: Any, env: Any, total: int) -> Job:
+    eval_env, samples = eval_setup(run, agent.policy.tokenizer)
+
+    def job(run_dir: str, resume: bool) -> dict[str, Any]:
+        trainer = Trainer(run, run_dir, resume, total, agent, env)
+        _initial_eval(trainer, agent, eval_env, samples)
+        agent.learn(env, eval_env, samples, callback=trainer.callback)
+        trainer.finish()
+        return _summary(agent.logger.history)
+
+    return job
+
+
+def build_grpo(run: RunConfig, cfg: Any) -> Job:
     from tokengym.agents.grpo import GRPOAgent
 
     policy = load_policy(run, cfg.seed)
-    env = make_env(run, *rollout_batch(run, "grpo"), tokenizer=policy.tokenizer, **learned_rewards(run, cfg.advantage == "process"))
-    eval_env, samples = eval_setup(run, policy.tokenizer)
-    agent = GRPOAgent(policy, cfg)
-    trainer = Trainer(run, run_dir, resume, cfg.iterations * cfg.steps, agent, env)
-    _initial_eval(trainer, agent, eval_env, samples)
-    agent.learn(env, eval_env, samples, callback=trainer.callback)
-    trainer.finish()
-    return _summary(agent.logger.history)
+    n, g = rollout_batch(run, "grpo")
+    env = checked_env(run, policy, n, g, update_rows=-(-n // cfg.minibatches),
+                      **learned_rewards(run, cfg.advantage == "process"))
+    return _on_policy_job(run, cfg, _agent(GRPOAgent, policy, cfg, env), env, cfg.iterations * cfg.steps)
 
 
-def run_ppo(run: RunConfig, cfg: Any, run_dir: str, resume: bool) -> dict[str, Any]:
+def build_ppo(run: RunConfig, cfg: Any) -> Job:
     from tokengym.agents.ppo import PPOAgent
 
     policy = load_policy(run, cfg.seed)
-    env = make_env(run, *rollout_batch(run, "ppo"), tokenizer=policy.tokenizer, **learned_rewards(run, run.prm_model is not None))
-    eval_env, samples = eval_setup(run, policy.tokenizer)
-    agent = PPOAgent(policy, cfg)
-    trainer = Trainer(run, run_dir, resume, cfg.steps, agent, env)
-    _initial_eval(trainer, agent, eval_env, samples)
-    agent.learn(env, eval_env, samples, callback=trainer.callback)
-    trainer.finish()
-    return _summary(agent.logger.history)
+    n, g = rollout_batch(run, "ppo")
+    env = checked_env(run, policy, n, g, update_rows=2 * -(-n // cfg.minibatches),  # policy and critic
+                      **learned_rewards(run, run.prm_model is not None))
+    return _on_policy_job(run, cfg, _agent(PPOAgent, policy, cfg, env), env, cfg.steps)
 
 
 def preference_pairs(run: RunConfig, task: Any, exclude: list[dict] | None) -> list[dict[str, Any]]:
@@ -319,8 +404,8 @@ def preference_pairs(run: RunConfig, task: Any, exclude: list[dict] | None) -> l
             raise R.UsageError(f"pairs file {run.pairs!r} does not exist")
         try:
             return load_pairs(run.pairs)
-        except (ValueError, KeyError) as e:
-            raise R.UsageError(f"cannot read pairs from {run.pairs!r}: {e}") from None
+        except (ValueError, KeyError, OSError) as e:
+            raise R.UsageError(f"cannot read pairs from {run.pairs!r}: {_first_line(e)}") from None
     if not isinstance(task, ArithmeticTask):
         raise R.UsageError(f"no bundled pairs for {run.env}; pass --pairs FILE.jsonl with prompt/chosen/rejected")
     return arithmetic_pairs(task, run.num_pairs, seed=0, exclude_prompts={s["prompt"] for s in exclude or []})
@@ -345,7 +430,7 @@ def on_policy(run: RunConfig, task: Any, exclude: list[dict] | None) -> list[dic
     return pairs
 
 
-def run_dpo(run: RunConfig, cfg: Any, run_dir: str, resume: bool) -> dict[str, Any]:
+def build_dpo(run: RunConfig, cfg: Any) -> Job:
     import math
 
     from tokengym.agents.dpo import DPOLearner
@@ -354,65 +439,83 @@ def run_dpo(run: RunConfig, cfg: Any, run_dir: str, resume: bool) -> dict[str, A
     eval_env, samples = eval_setup(run, policy.tokenizer)
     task = (eval_env or make_env(run, 1, tokenizer=policy.tokenizer)).task
     pairs = preference_pairs(run, task, samples)
-    n_eval = max(1, len(pairs) // 20)
-    train_pairs, eval_pairs = pairs[n_eval:], pairs[:n_eval]
-    learner = DPOLearner(policy, cfg)
-    total = cfg.steps if cfg.steps is not None else cfg.epochs * math.ceil(len(train_pairs) / cfg.batch_size)
-    trainer = Trainer(run, run_dir, resume, total, learner)
-    _initial_eval(trainer, learner, eval_env, samples)
-    learner.fit(train_pairs, eval_pairs, eval_env, samples, callback=trainer.callback)
-    trainer.finish()
-    return _summary(learner.logger.history)
+    n_eval = len(pairs) // 20  # 5% for held-out preference accuracy; none below 20 pairs
+    learner = _agent(DPOLearner, policy, cfg)
+    try:  # tokenized now: chat messages without a template, empty or identical completions fail here
+        train_data = learner.prepare(pairs[n_eval:])
+        eval_data = learner.prepare(pairs[:n_eval]) if n_eval else None
+    except ValueError as e:
+        raise R.UsageError(f"pairs: {_first_line(e)}") from None
+    total = cfg.steps if cfg.steps is not None else cfg.epochs * math.ceil(len(train_data) / cfg.batch_size)
+
+    def job(run_dir: str, resume: bool) -> dict[str, Any]:
+        trainer = Trainer(run, run_dir, resume, total, learner)
+        _initial_eval(trainer, learner, eval_env, samples)
+        learner.fit(train_data, eval_data, eval_env, samples, callback=trainer.callback)
+        trainer.finish()
+        return _summary(learner.logger.history)
+
+    return job
 
 
-def run_sft(run: RunConfig, cfg: Any, run_dir: str, resume: bool) -> dict[str, Any]:
+def build_sft(run: RunConfig, cfg: Any) -> Job:
     from tokengym.agents.sft import train_sft
 
-    if resume:
-        raise R.UsageError("sft runs cannot be resumed yet; start a new run (they take minutes)")
     policy = load_policy(run, cfg.seed)
     task = make_env(run, 1, tokenizer=policy.tokenizer).task
-    cfg = dataclasses.replace(cfg, run_dir=run_dir)
-    total = cfg.steps
-    progress = Progress(total, 0, run.progress, os.path.basename(run_dir))
-    hist = train_sft(policy, task, cfg, log=lambda step, m: progress.update({"step": step, **m}))
-    progress.close()
-    policy.save_pretrained(os.path.join(run_dir, "model"))
-    accs = [e["accuracy"] for e in hist["eval"]]
-    return {"start": accs[0], "final": accs[-1]} if accs else {}
+    if not task.batch(np.random.default_rng(0), 1)[0].get("solution"):
+        raise R.UsageError(f"sft needs reference solutions, and {run.env}'s samples have no 'solution' field")
+
+    def job(run_dir: str, resume: bool) -> dict[str, Any]:
+        progress = Progress(cfg.steps, 0, run.progress, os.path.basename(run_dir))
+        hist = train_sft(policy, task, dataclasses.replace(cfg, run_dir=run_dir),
+                         log=lambda step, m: progress.update({"step": step, **m}))
+        progress.close()
+        save_model(policy, run_dir)
+        accs = [e["accuracy"] for e in hist["eval"]]
+        return {"start": accs[0], "final": accs[-1]} if accs else {}
+
+    return job
 
 
-def _fit_classifier(run: RunConfig, run_dir: str, total: int, fit: Callable, scorer: Any, key: str, label: str) -> dict[str, Any]:
-    """Train a reward model / PRM with ``fit(callback)``, logging to the run; save ``scorer`` to ``model/``."""
-    from tokengym.agents.logger import RunLogger
+def _fit_classifier(run: RunConfig, total: int, fit: Callable, scorer: Any, key: str, label: str) -> Job:
+    """The job that trains a reward model / PRM with ``fit(callback)``, logging to the run, and saves ``scorer``."""
 
-    logger = RunLogger(run_dir)
-    progress = Progress(total, 0, run.progress, os.path.basename(run_dir))
+    def job(run_dir: str, resume: bool) -> dict[str, Any]:
+        from tokengym.agents.logger import RunLogger
 
-    def callback(record: dict[str, Any]) -> bool:
-        progress.update(logger.log(int(record["step"]), {k: v for k, v in record.items() if k != "step"}))
-        return True
+        logger = RunLogger(run_dir)
+        progress = Progress(total, 0, run.progress, os.path.basename(run_dir))
 
-    try:
+        def callback(record: dict[str, Any]) -> bool:
+            progress.update(logger.log(int(record["step"]), {k: v for k, v in record.items() if k != "step"}))
+            return True
+
         fit(callback)
-    except ValueError as e:  # bad data (missing columns, wrong types) -> one line
-        raise R.UsageError(str(e)) from None
-    progress.close()
-    logger.close()
-    scorer.save_pretrained(os.path.join(run_dir, "model"))
-    values = [r[key] for r in logger.history if r.get(key) is not None]
-    return {"label": label, "final": values[-1]} if values else {}
+        progress.close()
+        logger.close()
+        save_model(scorer, run_dir)
+        values = [r[key] for r in logger.history if r.get(key) is not None]
+        return {"label": label, "final": values[-1]} if values else {}
+
+    return job
 
 
-def run_rm(run: RunConfig, cfg: Any, run_dir: str, resume: bool) -> dict[str, Any]:
+def _text_pairs(pairs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Pairs a reward model can score: plain strings in each of prompt, chosen and rejected."""
+    for i, p in enumerate(pairs):
+        for c in ("prompt", "chosen", "rejected"):
+            if not isinstance(p[c], str):
+                raise R.UsageError(f"pair {i}: {c!r} holds chat messages; reward models train on plain-text pairs")
+    return pairs
+
+
+def build_rm(run: RunConfig, cfg: Any) -> Job:
     import math
 
-    from tokengym.agents.models import load_classifier
     from tokengym.agents.rollout import heldout_samples
     from tokengym.rewards import RewardModel, train_reward_model
 
-    if resume:
-        raise R.UsageError("rm runs cannot be resumed; start a new run")
     if run.rm_kind not in ("sequence", "likelihood"):
         raise R.UsageError(f"rm_kind must be 'sequence' or 'likelihood', got {run.rm_kind!r}")
     if run.rm_kind == "likelihood":
@@ -429,15 +532,15 @@ def run_rm(run: RunConfig, cfg: Any, run_dir: str, resume: bool) -> dict[str, An
         scorer = RewardModel(model, tok, max_length=cfg.max_length)
         target = model
     task = make_env(run, 1, tokenizer=tok).task
+    pairs = _text_pairs(preference_pairs(run, task, heldout_samples(task, run.eval_prompts) if run.eval_prompts else None))
 
     def fit(callback: Callable) -> list[dict[str, Any]]:
         history = train_reward_model(target, None if run.rm_kind == "likelihood" else tok, pairs, cfg, callback=callback)
         normalize_on_samples(run, scorer)
         return history
 
-    pairs = preference_pairs(run, task, heldout_samples(task, run.eval_prompts) if run.eval_prompts else None)
     total = cfg.epochs * math.ceil(len(pairs) * (1 - cfg.val_fraction) / cfg.batch_size)
-    return _fit_classifier(run, run_dir, total, fit, scorer, "eval/accuracy", "held-out pairwise accuracy")
+    return _fit_classifier(run, total, fit, scorer, "eval/accuracy", "held-out pairwise accuracy")
 
 
 def normalize_on_samples(run: RunConfig, rm: Any, n: int = 256) -> None:
@@ -453,31 +556,31 @@ def normalize_on_samples(run: RunConfig, rm: Any, n: int = 256) -> None:
     rm.normalize([s["prompt"] for s in ro.samples], ro.completions)
 
 
-def run_prm(run: RunConfig, cfg: Any, run_dir: str, resume: bool) -> dict[str, Any]:
+def build_prm(run: RunConfig, cfg: Any) -> Job:
     import math
 
     from tokengym.agents.reward_data import arithmetic_step_labels
     from tokengym.agents.rollout import heldout_samples
     from tokengym.envs.tasks import ArithmeticTask
     from tokengym.rewards import LearnedPRM, train_prm
+    from tokengym.rewards.learned_prm import check_step_labels
 
-    if resume:
-        raise R.UsageError("prm runs cannot be resumed; start a new run")
     model, tok = _classifier(run, "token", cfg.seed)
     task = make_env(run, 1, tokenizer=tok).task
     if run.step_labels is not None:
         if not os.path.isfile(run.step_labels):
             raise R.UsageError(f"step_labels file {run.step_labels!r} does not exist")
-        examples: Any = run.step_labels
-        n = sum(1 for line in open(run.step_labels) if line.strip())
+        try:
+            examples: Any = check_step_labels(run.step_labels)
+        except (ValueError, TypeError, OSError) as e:
+            raise R.UsageError(f"cannot read step labels from {run.step_labels!r}: {_first_line(e)}") from None
     elif isinstance(task, ArithmeticTask):
         exclude = [s["prompt"] for s in heldout_samples(task, run.eval_prompts)] if run.eval_prompts else []
         examples = arithmetic_step_labels(task, run.num_pairs, seed=cfg.seed, exclude_prompts=exclude)
-        n = len(examples)
     else:
         raise R.UsageError(f"no bundled step labels for {run.env}; pass --step-labels FILE.jsonl (prompt, steps, labels)")
-    total = cfg.epochs * math.ceil(n * (1 - cfg.val_fraction) / cfg.batch_size)
-    return _fit_classifier(run, run_dir, total, lambda cb: train_prm(model, tok, examples, cfg, callback=cb),
+    total = cfg.epochs * math.ceil(len(examples) * (1 - cfg.val_fraction) / cfg.batch_size)
+    return _fit_classifier(run, total, lambda cb: train_prm(model, tok, examples, cfg, callback=cb),
                            LearnedPRM(model, tok, delimiter=cfg.delimiter), "eval/step_accuracy", "held-out step accuracy")
 
 
@@ -487,7 +590,7 @@ def _classifier(run: RunConfig, head: str, seed: int):
     try:
         return load_classifier(run.model, head=head, device=run.device, seed=seed)
     except (FileNotFoundError, ValueError, OSError) as e:
-        raise R.UsageError(f"cannot load model {run.model!r}: {str(e).splitlines()[0]}") from None
+        raise R.UsageError(f"cannot load model {run.model!r}: {_first_line(e)}") from None
 
 
 def algorithms() -> dict[str, Algorithm]:
@@ -498,53 +601,76 @@ def algorithms() -> dict[str, Algorithm]:
     from tokengym.rewards import PRMConfig, RewardModelConfig
 
     return {
-        "grpo": Algorithm(GRPOConfig, run_grpo, 8, "GRPO: group-relative advantages, outcome or process supervision"),
-        "ppo": Algorithm(PPOConfig, run_ppo, 1, "PPO with a critic and GAE (optionally against a learned reward model)"),
-        "dpo": Algorithm(DPOConfig, run_dpo, 1, "DPO and its IPO/hinge/robust variants on preference pairs"),
-        "sft": Algorithm(SFTConfig, run_sft, 1, "supervised fine-tuning on the task's reference solutions"),
-        "rm": Algorithm(RewardModelConfig, run_rm, 1, "Bradley-Terry reward model on preference pairs (a sequence-classification head)"),
-        "prm": Algorithm(PRMConfig, run_prm, 1, "learned process reward model on step labels (a token-classification head)"),
+        "grpo": Algorithm(GRPOConfig, build_grpo, "GRPO: group-relative advantages, outcome or process supervision"),
+        "ppo": Algorithm(PPOConfig, build_ppo, "PPO with a critic and GAE (optionally against a learned reward model)"),
+        "dpo": Algorithm(DPOConfig, build_dpo, "DPO and its IPO/hinge/robust variants on preference pairs"),
+        "sft": Algorithm(SFTConfig, build_sft, "supervised fine-tuning on the task's reference solutions", resumable=False),
+        "rm": Algorithm(RewardModelConfig, build_rm, "Bradley-Terry reward model on preference pairs (a sequence-classification "
+                        "head, or a causal LM's likelihood)", resumable=False),
+        "prm": Algorithm(PRMConfig, build_prm, "learned process reward model on step labels (a token-classification head)",
+                         resumable=False),
     }
 
 
 # ---------------------------------------------------------------------------------------------- entry point
 def _new_run_dir(run: RunConfig, algo: str) -> str:
     name = run.name or f"{algo}-{run.env.split('/')[-1].lower()}-{time.strftime('%Y%m%d-%H%M%S')}"
-    path = os.path.join(run.runs_dir, name)
-    if os.path.exists(path) and os.listdir(path):
+    path = R.run_path(run.runs_dir, name)
+    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
         raise R.UsageError(f"{path} already exists and is not empty; pick another --name or --resume {path}")
     return path
 
 
+def _saved_config(resume_dir: str, algo: str) -> dict[str, Any]:
+    """The ``config.json`` of a run folder, checked for the parts resume needs (one-line errors otherwise)."""
+    import json
+
+    if not R.is_run_dir(resume_dir):
+        raise R.UsageError(f"{resume_dir!r} is not a run folder (no config.json); runs are created by `tokengym train`")
+    path = os.path.join(resume_dir, "config.json")
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (OSError, ValueError) as e:
+        raise R.UsageError(f"cannot read {path}: {_first_line(e)}") from None
+    if not isinstance(saved, dict) or not all(isinstance(saved.get(k), dict) for k in ("run", "config")):
+        raise R.UsageError(f"{path} is damaged: it needs an 'algorithm' name and 'run' and 'config' sections")
+    if saved.get("algorithm") != algo:
+        raise R.UsageError(f"{resume_dir} is a {saved.get('algorithm')!r} run; resume it with `tokengym train {saved.get('algorithm')}`")
+    return saved
+
+
 def resolve(algo: str, values_file: dict[str, Any], values_flags: dict[str, Any], resume_dir: str | None):
     """``(run_config, algo_config, run_dir)`` from defaults, the saved run (resume), the file, then the flags."""
-    algos = algorithms()
-    spec = algos[algo]
+    spec = algorithms()[algo]
     run, cfg = RunConfig(), None
-    saved = None
-    if resume_dir is not None:
-        if not R.is_run_dir(resume_dir):
-            raise R.UsageError(f"{resume_dir!r} is not a run folder (no config.json); runs are created by `tokengym train`")
-        import json
-
-        with open(os.path.join(resume_dir, "config.json")) as f:
-            saved = json.load(f)
-        if saved.get("algorithm") != algo:
-            raise R.UsageError(f"{resume_dir} is a {saved.get('algorithm')!r} run; resume it with `tokengym train {saved.get('algorithm')}`")
+    saved = _saved_config(resume_dir, algo) if resume_dir is not None else None
+    if saved and not spec.resumable:
+        raise R.UsageError(f"{algo} runs cannot be resumed; start a new run (they take minutes)")
     agent_values = dict(saved["config"]) if saved else {}
     try:
-        cfg = spec.config_cls(**{k: R.parse_value(k, R.field_types(spec.config_cls)[k], v) for k, v in agent_values.items()})
-    except (TypeError, ValueError) as e:
+        types = R.field_types(spec.config_cls)
+        unknown = sorted(set(agent_values) - set(types))
+        if unknown:
+            raise TypeError(f"unknown key {unknown[0]!r}")
+        cfg = spec.config_cls(**{k: R.parse_value(k, types[k], v) for k, v in agent_values.items()})
+    except (TypeError, ValueError, R.UsageError) as e:
         raise R.UsageError(f"saved config of {resume_dir} does not fit this version of tokengym: {e}") from None
     if saved:
         R.apply_overrides({"run": run}, saved["run"], "the saved run config")
     configs = {"run": run, "agent": cfg}
-    R.apply_overrides(configs, values_file, "the config file")
-    R.apply_overrides(configs, values_flags, "the command line")
+    allowed = run_fields(algo) | {f.name for f in dataclasses.fields(spec.config_cls)}
+    for source, values in (("the config file", values_file), ("the command line", values_flags)):
+        other = next((k for k in values if k.replace("-", "_") not in allowed and k.replace("-", "_") in RUN_FIELDS_FOR), None)
+        if other is not None:
+            users = ", ".join(sorted(RUN_FIELDS_FOR[other.replace("-", "_")]))
+            raise R.UsageError(f"{other!r} in {source} does not apply to `tokengym train {algo}` (it is for {users})")
+        R.apply_overrides(configs, values, source)
     try:  # re-run the dataclass validation on the final values
         cfg = spec.config_cls(**dataclasses.asdict(cfg))
     except (TypeError, ValueError) as e:
         raise R.UsageError(str(e)) from None
+    _check_run(run, algo)
     if saved:
         changed = [(k, saved[part][k], v) for part, obj in (("run", run), ("config", cfg))
                    for k, v in _jsonable(dataclasses.asdict(obj)).items()
@@ -555,17 +681,30 @@ def resolve(algo: str, values_file: dict[str, Any], values_flags: dict[str, Any]
         return run, cfg, resume_dir
     if run.model is None:
         run.model = "tiny" if algo == "sft" else "tiny-arithmetic"
-    _check_run(run)
     return run, cfg, _new_run_dir(run, algo)
 
 
-def _check_run(run: RunConfig) -> None:
-    bad = {"prompts": run.prompts is None or run.prompts >= 1, "group_size": run.group_size is None or run.group_size >= 1,
+def _check_run(run: RunConfig, algo: str) -> None:
+    from tokengym.agents.resources import check_device
+    from tokengym.rewards.common import check_field_types
+
+    try:
+        check_field_types(run)
+    except ValueError as e:
+        raise R.UsageError(str(e)) from None
+    bad = {"prompts": run.prompts is None or run.prompts >= 1,
+           "group_size": run.group_size is None or run.group_size >= (2 if algo == "grpo" else 1),
            "eval_prompts": run.eval_prompts >= 0, "save_every": run.save_every >= 0, "num_pairs": run.num_pairs >= 2,
-           "keep_checkpoints": run.keep_checkpoints >= 1, "temperature": run.temperature > 0}
+           "keep_checkpoints": run.keep_checkpoints >= 1, "temperature": run.temperature > 0,
+           "threads": run.threads is None or run.threads >= 1}
     for k, ok in bad.items():
         if not ok:
-            raise R.UsageError(f"invalid {k}={getattr(run, k)!r}")
+            why = " (GRPO compares G >= 2 completions of each prompt)" if k == "group_size" and algo == "grpo" else ""
+            raise R.UsageError(f"invalid {k}={getattr(run, k)!r}{why}")
+    try:
+        check_device(run.device)
+    except ValueError as e:
+        raise R.UsageError(str(e)) from None
 
 
 def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
@@ -600,20 +739,30 @@ def _train(algo: str, run: RunConfig, cfg: Any, run_dir: str, resume: bool, dp: 
     if resume and os.path.isdir(os.path.join(run_dir, "model")):
         say(f"{run_dir} already finished; nothing to resume (the trained model is in {run_dir}/model)")
         return 0
-    dp.barrier()  # every rank has checked the run folder before rank 0 writes to it
-    if dp.is_main:
-        os.makedirs(run_dir, exist_ok=True)
-        if not resume:
-            R.write_json_atomic(os.path.join(run_dir, "config.json"), {
-                "algorithm": algo, "run": _jsonable(dataclasses.asdict(run)), "config": _jsonable(dataclasses.asdict(cfg))})
     if dp.distributed:
         distributed.seed_rank(getattr(cfg, "seed", 0), dp)
         run = dataclasses.replace(run, device=device)
-        say(f"data parallel: {dp.world_size} processes, {run.device} (rank 0 writes the run)", flush=True)
-    dp.barrier()
-    say(f"tokengym train {algo}: {run.env} from {run.model} -> {run_dir}", flush=True)
-    say(f"  TensorBoard: tensorboard --logdir {run.runs_dir}", flush=True)
-    result = algorithms()[algo].run(run, cfg, run_dir, resume)
+    with contextlib.ExitStack() as held:
+        if resume and dp.is_main:  # another process writing this run: fail before loading anything
+            held.enter_context(R.RunLock(run_dir, create=False))
+        job = algorithms()[algo].build(run, cfg)  # everything loaded and checked; nothing written yet
+        dp.barrier()  # every rank has built its job before rank 0 creates the folder
+        if dp.is_main:
+            if not resume:
+                held.enter_context(R.RunLock(run_dir))  # creates the folder
+                if set(os.listdir(run_dir)) - {R.LOCK_FILE}:  # another run took the name meanwhile
+                    raise R.UsageError(f"{run_dir} already exists and is not empty; pick another --name")
+            R.clean_stale_tmp(run_dir)
+            if not resume:
+                R.write_json_atomic(os.path.join(run_dir, "config.json"), {
+                    "algorithm": algo, "run": _jsonable(dataclasses.asdict(run)), "config": _jsonable(dataclasses.asdict(cfg))})
+        if dp.distributed:
+            say(f"data parallel: {dp.world_size} processes, {run.device} (rank 0 writes the run)", flush=True)
+        dp.barrier()
+        say(f"tokengym train {algo}: {run.env} from {run.model} -> {run_dir}", flush=True)
+        say(f"  TensorBoard: tensorboard --logdir {run.runs_dir}", flush=True)
+        with R.storage_errors(run_dir, "the run's logs and checkpoints"):  # a full or read-only disk: one line
+            result = job(run_dir, resume)
     if not dp.is_main:
         return 0
     if "start" in result:
@@ -622,3 +771,4 @@ def _train(algo: str, run: RunConfig, cfg: Any, run_dir: str, resume: bool, dp: 
         print(f"{result['label']}: {result['final']:.1%}")
     print(f"done: model in {run_dir}/model, metrics in {run_dir}/metrics.jsonl")
     return 0
+

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from tokengym.agents import Policy
+from tokengym.agents import runs as R
 from tokengym.agents.cli import main
 
 ALGOS = {
@@ -33,26 +34,74 @@ def metrics(run_dir):
     return [{k: v for k, v in r.items() if k != "time" and not k.startswith(("time/", "perf/"))} for r in rows]
 
 
+@pytest.fixture(scope="module")
+def full(tmp_path_factory):
+    """``{algo: run_dir}`` of uninterrupted runs, to compare interrupted ones with."""
+    root = tmp_path_factory.mktemp("full")
+    for algo in ALGOS:
+        r = cli(["train", algo, *ALGOS[algo], *COMMON, "--runs-dir", str(root), "--name", algo])
+        assert r.returncode == 0, r.stderr[-2000:]
+    return {algo: str(root / algo) for algo in ALGOS}
+
+
+def same_model(a, b):
+    x, y = (load_file(os.path.join(d, "model", "model.safetensors")) for d in (a, b))
+    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
 @pytest.mark.parametrize("algo", sorted(ALGOS))
-def test_sigkill_then_resume_equals_uninterrupted(tmp_path, algo):
-    runs = str(tmp_path)
-    args = ["train", algo, *ALGOS[algo], *COMMON, "--runs-dir", runs]
-    full = cli([*args, "--name", "full"])
-    assert full.returncode == 0, full.stderr[-2000:]
+def test_sigkill_then_resume_equals_uninterrupted(tmp_path, full, algo):
+    args = ["train", algo, *ALGOS[algo], *COMMON, "--runs-dir", str(tmp_path)]
     killed = cli([*args, "--name", "killed"], {"TOKENGYM_SIGKILL_AFTER_STEP": "3"})
     assert killed.returncode == -9, killed.stderr[-2000:]
-    k_dir = os.path.join(runs, "killed")
+    k_dir = os.path.join(str(tmp_path), "killed")
     assert open(os.path.join(k_dir, "checkpoints", "latest")).read().strip() == "step-00000002"
     assert max(r["step"] for r in metrics(k_dir)) == 3  # step 3 was logged after the checkpoint: it must be redone
     assert not os.path.exists(os.path.join(k_dir, "model"))
     resumed = cli(["train", algo, "--resume", k_dir, "--progress", "false"])
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert metrics(k_dir) == metrics(os.path.join(runs, "full"))
-    a = load_file(os.path.join(runs, "full", "model", "model.safetensors"))
-    b = load_file(os.path.join(k_dir, "model", "model.safetensors"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert f"resuming {k_dir} at step 2 of" in resumed.stdout
+    assert metrics(k_dir) == metrics(full[algo])
+    assert same_model(k_dir, full[algo])
     again = cli(["train", algo, "--resume", k_dir])  # a finished run: nothing to do, nothing overwritten
     assert again.returncode == 0 and "already finished" in again.stdout
+
+
+@pytest.mark.parametrize("algo", ["dpo"])  # GRPO and PPO write checkpoints through the same save_checkpoint
+def test_kill_during_a_checkpoint_write_then_resume_equals_uninterrupted(tmp_path, full, algo):
+    """The kill hits the first checkpoint mid-write: nothing half-written counts as a checkpoint, the resume
+    removes the leftover and redoes the run from the start."""
+    run = os.path.join(str(tmp_path), algo)
+    killed = cli(["train", algo, *ALGOS[algo], *COMMON, "--runs-dir", str(tmp_path), "--name", algo],
+                 {"TOKENGYM_SIGKILL_DURING_WRITE": "checkpoint"})
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert [n for n in os.listdir(os.path.join(run, "checkpoints")) if ".tmp" in n]  # the kill hit the write
+    assert R.latest_intact_checkpoint(run) == (None, [])
+    resumed = cli(["train", algo, "--resume", run, "--progress", "false"])
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "starting it again from step 0" in resumed.stdout
+    assert [n for n in os.listdir(os.path.join(run, "checkpoints")) if ".tmp" in n] == []
+    assert metrics(run) == metrics(full[algo])
+    assert same_model(run, full[algo])
+
+
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, full):
+    run = os.path.join(str(tmp_path), "grpo")
+    killed = cli(["train", "grpo", *ALGOS["grpo"], *COMMON, "--runs-dir", str(tmp_path), "--name", "grpo"],
+                 {"TOKENGYM_SIGKILL_AFTER_STEP": "4"})
+    assert killed.returncode == -9
+    weights = os.path.join(run, "checkpoints", "step-00000004", "policy.safetensors")
+    with open(weights, "r+b") as f:  # flip one byte in the middle of the newest checkpoint's weights
+        f.seek(os.path.getsize(weights) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    resumed = cli(["train", "grpo", "--resume", run, "--progress", "false"])
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "step-00000004 is damaged (policy.safetensors: checksum mismatch)" in resumed.stderr
+    assert f"resuming {run} at step 2 of" in resumed.stdout
+    assert metrics(run) == metrics(full["grpo"])
+    assert same_model(run, full["grpo"])
 
 
 @pytest.fixture
@@ -112,7 +161,11 @@ def test_eval_table_and_plot(finished_run, capsys):
     assert "greedy" in out and "sampled x1" in out and "accuracy" in out
     assert main(["plot", finished_run]) == 0
     written = capsys.readouterr().out.split()
-    assert os.path.join(finished_run, "plots", "reward.png") in written
+    from tokengym.agents.plot import PANELS
+
+    # every panel the README promises, from a GRPO run's metrics
+    assert sorted(os.path.basename(p) for p in written) == sorted(f"{k}.png" for k in PANELS)
+    assert {"reward", "accuracy", "kl", "loss", "entropy", "clip_fraction", "length", "throughput", "time"} <= set(PANELS)
     for path in written:
         with open(path, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"

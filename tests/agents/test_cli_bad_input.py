@@ -1,0 +1,126 @@
+"""Bad input to ``tokengym train`` / ``eval``: one short line on stderr, exit code 2, and no run folder left behind.
+
+Everything a run needs (model, env, data, agent, device, memory) is built and checked before ``runs/<name>/`` is
+created, so the command with the mistake fixed can reuse the same ``--name``.
+"""
+
+import json
+import os
+
+import pytest
+
+from tokengym.agents.cli import main
+
+F = ["--eval-prompts", "0", "--progress", "false", "--threads", "1"]  # every algorithm takes these
+B = ["--steps", "2", *F]
+
+
+def _files(root):
+    """Input files the cases refer to as ``{root}/<name>``."""
+    def jsonl(name, rows):
+        with open(os.path.join(root, name), "w") as f:
+            f.writelines((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows)
+
+    pair = {"prompt": "1+2\n", "chosen": "1+2=3\nA: 3", "rejected": "1+2=4\nA: 4"}
+    jsonl("missing_column.jsonl", [{"prompt": "1+2\n", "chosen": "A: 3"}])
+    jsonl("not_json.jsonl", [pair, "{not json"])
+    jsonl("no_rows.jsonl", [])
+    jsonl("wrong_types.jsonl", [{"prompt": "1+2\n", "chosen": 3, "rejected": 4}])
+    jsonl("identical.jsonl", [{"prompt": "1+2\n", "chosen": "A: 3", "rejected": "A: 3"}])
+    chat = [{"role": "user", "content": "What is 1+2?"}]
+    jsonl("chat.jsonl", [{"prompt": chat, "chosen": [{"role": "assistant", "content": "3"}],
+                          "rejected": [{"role": "assistant", "content": "4"}]}])
+    jsonl("no_prompt.jsonl", [{"question": "1+2", "answer": "3"}])
+    jsonl("long_prompt.jsonl", [{"prompt": "x" * 2000, "answer": "1"}])
+    jsonl("bad_labels.jsonl", [{"prompt": "1+2\n", "steps": ["1+2=3"], "labels": [2.0]}])
+    with open(os.path.join(root, "list.json"), "w") as f:
+        json.dump([1, 2], f)
+    with open(os.path.join(root, "bad_env.toml"), "w") as f:
+        f.write('env = "tokengym/Arithmetic-v0"\n[env_kwargs]\ndigits = 0\n')
+    with open(os.path.join(root, "a_file"), "w") as f:
+        f.write("not a folder\n")
+    os.makedirs(os.path.join(root, "a_folder"), exist_ok=True)
+
+
+CASES = {  # id -> (argv, a piece of the one-line message); {root} is a folder of input files beside the runs folder
+    # bad values the configs themselves refuse
+    "grpo group of 1": (["train", "grpo", *B, "--group-size", "1"], "group_size=1"),
+    "clip range": (["train", "grpo", *B, "--clip-eps", "1.5"], "clip_eps must be in [0, 1]"),
+    "infinite lr": (["train", "grpo", *B, "--lr", "inf"], "lr must be a finite number"),
+    "fractional steps": (["train", "ppo", *B, "--steps", "1.5"], "steps expects int"),
+    "no budget": (["train", "grpo", *B, "--env-kwargs", '{"max_new_tokens": 0}'], "max_new_tokens must be None"),
+    "fractional budget": (["train", "grpo", *B, "--env-kwargs", '{"max_new_tokens": 2.7}'], "max_new_tokens must be None"),
+    # what the run is built from
+    "unknown env": (["train", "grpo", *B, "--env", "tokengym/Nope-v0"], "unknown env id"),
+    "unknown model": (["train", "grpo", *B, "--model", "huge"], "cannot load model 'huge'"),
+    "bad env kwargs": (["train", "grpo", *B, "--env-kwargs", '{"digits": 0}'], "digits must be"),
+    "bad env kwargs from toml": (["train", "grpo", *B, "--config", "{root}/bad_env.toml"], "digits must be"),
+    "missing data file": (["train", "grpo", *B, "--env", "tokengym/Dataset-v0", "--env-kwargs", '{"data": "/nope.jsonl"}'],
+                          "no such JSONL file"),
+    "dataset without prompts": (["train", "grpo", *B, "--env", "tokengym/Dataset-v0", "--env-kwargs",
+                                 '{"data": "{root}/no_prompt.jsonl"}'], "prompt"),
+    "prompt past the model's positions": (["train", "grpo", *B, "--env", "tokengym/Dataset-v0", "--env-kwargs",
+                                           '{"data": "{root}/long_prompt.jsonl"}'], "positions"),
+    "reasoning gym without a name": (["train", "grpo", *B, "--env", "tokengym/ReasoningGym-v0"], "cannot build env"),
+    "reward model not a folder": (["train", "ppo", *B, "--reward-model", "{root}/nope"], "is not a folder"),
+    "reward model not a model": (["train", "ppo", *B, "--reward-model", "{root}/a_folder"], "cannot load"),
+    "flag of another algorithm": (["train", "grpo", *B, "--pairs", "{root}/identical.jsonl"], "does not apply"),
+    "memory": (["train", "grpo", *B, "--prompts", "1000000000"], "GiB free"),
+    "no gpu": (["train", "grpo", *B, "--device", "cuda:7"], "not available"),
+    # pairs and labels
+    "pairs file missing": (["train", "dpo", *B, "--pairs", "{root}/nope.jsonl"], "does not exist"),
+    "pairs missing a column": (["train", "dpo", *B, "--pairs", "{root}/missing_column.jsonl"], "no 'rejected' column"),
+    "pairs not json": (["train", "dpo", *B, "--pairs", "{root}/not_json.jsonl"], "not valid JSON"),
+    "pairs empty": (["train", "dpo", *B, "--pairs", "{root}/no_rows.jsonl"], "empty"),
+    "pairs wrong types": (["train", "dpo", *B, "--pairs", "{root}/wrong_types.jsonl"], "must be a string"),
+    "chosen equals rejected": (["train", "dpo", *B, "--pairs", "{root}/identical.jsonl"], "chosen and rejected must differ"),
+    "chat pairs, plain model": (["train", "dpo", *B, "--pairs", "{root}/chat.jsonl"], "chat messages"),
+    "chat pairs, no template": (["train", "dpo", *B, "--pairs", "{root}/chat.jsonl", "--chat-template", "true"],
+                                "has no chat template"),
+    "rm pairs missing a column": (["train", "rm", *F, "--pairs", "{root}/missing_column.jsonl"], "no 'rejected' column"),
+    "rm chat pairs": (["train", "rm", *F, "--pairs", "{root}/chat.jsonl"], "chat messages"),
+    "step labels missing": (["train", "prm", *F, "--step-labels", "{root}/nope.jsonl"], "does not exist"),
+    "step labels out of range": (["train", "prm", *F, "--step-labels", "{root}/bad_labels.jsonl"], "labels must be numbers"),
+    # paths
+    "name leaves the runs folder": (["train", "grpo", *B, "--runs-dir", "{root}/../runs", "--name", "../../escape"],
+                                    "path separator"),
+    "runs dir is a file": (["train", "grpo", *B, "--runs-dir", "{root}/a_file"], "is a file"),
+    "config is a list": (["train", "grpo", *B, "--config", "{root}/list.json"], "holds a list"),
+    "config is a folder": (["train", "grpo", *B, "--config", "{root}/a_folder"], "is a folder"),
+    "eval on a missing gpu": (["eval", "--model", "tiny", "--device", "cuda:7", "--prompts", "4"], "not available"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_is_one_line_exit_2_and_leaves_no_folder(tmp_path, capsys, case):
+    root, runs = tmp_path / "in", tmp_path / "runs"
+    root.mkdir()
+    _files(str(root))
+    argv, message = CASES[case]
+    argv = [a.replace("{root}", str(root)) for a in argv]
+    if argv[0] == "train" and "--runs-dir" not in argv:
+        argv += ["--runs-dir", str(runs), "--name", "x"]
+    code = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    lines = [ln for ln in err.splitlines() if not ln.startswith("tokengym: warning:")]
+    assert len(lines) == 1 and lines[0].startswith("tokengym: error: ") and message in lines[0], err
+    assert not runs.exists() or os.listdir(runs) == [], os.listdir(runs)
+
+
+def test_the_fixed_command_reuses_the_name(tmp_path, capsys):
+    """A typo leaves nothing behind, so the corrected command runs under the same name."""
+    args = ["train", "grpo", *B, "--group-size", "2", "--prompts", "1", "--runs-dir", str(tmp_path), "--name", "r"]
+    assert main([*args, "--env", "tokengym/Arithmetc-v0"]) == 2
+    assert main(args) == 0
+    assert os.path.isdir(tmp_path / "r" / "model")
+
+
+def test_one_pair_trains_without_an_eval_split(tmp_path, capsys):
+    """Fewer than 20 pairs: every pair trains (none is set aside for held-out preference accuracy)."""
+    path = tmp_path / "one.jsonl"
+    path.write_text(json.dumps({"prompt": "1+2\n", "chosen": "1+2=3\nA: 3", "rejected": "1+2=4\nA: 4"}) + "\n")
+    assert main(["train", "dpo", *B, "--pairs", str(path), "--runs-dir", str(tmp_path), "--name", "d"]) == 0
+    with open(tmp_path / "d" / "metrics.jsonl") as f:
+        steps = [json.loads(line)["step"] for line in f]
+    assert max(steps) >= 1

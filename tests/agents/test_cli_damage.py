@@ -1,0 +1,85 @@
+"""Damaged checkpoints, concurrent runs and killed model writes, through the ``tokengym`` command.
+
+(Kills during a checkpoint write and a damaged newest checkpoint, compared with uninterrupted runs, are in
+``test_cli_train.py``.) With no intact checkpoint left, ``--resume`` stops with one line instead of starting over;
+a second process cannot work on a locked run; runs that do not resume (rm, prm) never leave a half-written
+``model/``.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from tokengym.agents.cli import main
+
+GRPO = ["--steps", "4", "--prompts", "2", "--group-size", "4", "--save-every", "2", "--eval-prompts", "8",
+        "--threads", "1", "--progress", "false"]
+
+
+def cli(args, **env):
+    return subprocess.run([sys.executable, "-m", "tokengym.agents.cli", *args], capture_output=True, text=True,
+                          env=dict(os.environ, **env), timeout=600)
+
+
+def metrics(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    return [{k: v for k, v in r.items() if k != "time" and not k.startswith(("time/", "perf/"))} for r in rows]
+
+
+def test_every_checkpoint_damaged_is_one_line_not_a_fresh_start(tmp_path, capsys):
+    args = ["train", "grpo", *GRPO, "--runs-dir", str(tmp_path), "--name", "g"]
+    r = cli(args, TOKENGYM_SIGKILL_AFTER_STEP="3")
+    assert r.returncode == -9
+    state = tmp_path / "g" / "checkpoints" / "step-00000002" / "trainer_state.pt"
+    state.write_bytes(state.read_bytes()[:100])  # cut short
+    before = (tmp_path / "g" / "metrics.jsonl").read_text()
+    assert main(["train", "grpo", "--resume", str(tmp_path / "g"), "--progress", "false"]) == 2
+    err = capsys.readouterr().err
+    assert "no intact checkpoint" in err and "trainer_state.pt" in err and len(err.strip().splitlines()) == 1
+    assert (tmp_path / "g" / "metrics.jsonl").read_text() == before  # nothing discarded
+
+
+def test_a_locked_run_refuses_a_second_resume(tmp_path, capsys):
+    args = ["train", "grpo", "--steps", "1", "--prompts", "1", "--group-size", "2", "--eval-prompts", "0",
+            "--progress", "false", "--runs-dir", str(tmp_path), "--name", "r"]
+    r = cli(args, TOKENGYM_SIGKILL_AFTER_STEP="1")
+    assert r.returncode == -9
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from tokengym.agents.runs import RunLock; "
+                               "RunLock(sys.argv[1], create=False).acquire(); print('held', flush=True); time.sleep(60)",
+                               str(tmp_path / "r")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert main(["train", "grpo", "--resume", str(tmp_path / "r"), "--progress", "false"]) == 2
+        err = capsys.readouterr().err
+        assert f"is in use by another tokengym process (pid {holder.pid})" in err
+    finally:
+        holder.kill()
+        holder.wait()
+    assert main(["train", "grpo", "--resume", str(tmp_path / "r"), "--progress", "false"]) == 0  # free again
+
+
+def test_killed_before_the_first_checkpoint_logs_the_first_evaluation_once(tmp_path):
+    args = ["train", "grpo", "--steps", "2", "--prompts", "1", "--group-size", "2", "--eval-prompts", "8",
+            "--save-every", "5", "--progress", "false", "--runs-dir", str(tmp_path), "--name", "r"]
+    assert cli(args, TOKENGYM_SIGKILL_AFTER_STEP="1").returncode == -9
+    assert cli(["train", "grpo", "--resume", str(tmp_path / "r"), "--progress", "false"]).returncode == 0
+    steps = [r["step"] for r in metrics(str(tmp_path / "r"))]
+    assert steps.count(0) == 1 and steps == sorted(steps), steps
+
+
+@pytest.mark.parametrize("algo, args", [("rm", ["--num-pairs", "64", "--eval-prompts", "0"]),
+                                        ("prm", ["--num-pairs", "64", "--eval-prompts", "0"])])
+def test_kill_while_writing_the_model_leaves_no_half_made_model(tmp_path, capsys, algo, args):
+    r = cli(["train", algo, *args, "--progress", "false", "--threads", "1", "--runs-dir", str(tmp_path), "--name", algo],
+            TOKENGYM_SIGKILL_DURING_WRITE="model")
+    assert r.returncode == -9, r.stderr[-2000:]
+    run = tmp_path / algo
+    assert not (run / "model").exists()
+    assert any(n.startswith("model.tmp-") for n in os.listdir(run))  # the kill did hit the write
+    flag = "--reward-model" if algo == "rm" else "--prm-model"
+    code = main(["train", "grpo", "--steps", "1", "--eval-prompts", "0", flag, str(run / "model"), "--runs-dir",
+                 str(tmp_path), "--name", "next", "--advantage", "process"])
+    assert code == 2 and "is not a folder" in capsys.readouterr().err
