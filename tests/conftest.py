@@ -20,7 +20,20 @@ settings.register_profile(
 settings.register_profile("dev", deadline=None, max_examples=300)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# The default run is two pytest-xdist workers (``-n 2`` in pyproject.toml), each on one core: one torch thread per
+# worker, and the same for the processes tests start (two threads each on two busy cores run many times slower).
+# A plain run (``-n 0``) uses two threads.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+else:
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The README's blocks first: they run one after another in one worker (``--dist loadfile``) and take the
+    longest, so the other worker takes the rest meanwhile."""
+    items.sort(key=lambda item: item.path.name != "test_readme.py")
 
 
 @pytest.fixture(autouse=True)
