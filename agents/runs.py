@@ -530,6 +530,27 @@ def _step_dirs(root: str) -> dict[int, str]:
     return out
 
 
+def _library_write(write: Callable[[], None], folder: str) -> None:
+    """Run a torch / safetensors writer; a failure on a (nearly) full disk, which they report as "iostream error"
+    or "file write failed" rather than ENOSPC, becomes the ENOSPC OSError that :func:`storage_errors` explains."""
+    try:
+        write()
+    except Exception as e:
+        if isinstance(e, OSError):
+            raise
+        try:
+            full = shutil.disk_usage(folder).free < _NEARLY_FULL
+        except OSError:
+            full = False
+        if full:
+            raise OSError(errno.ENOSPC, f"no space left on device ({_short(e)})") from e
+        raise
+
+
+_NEARLY_FULL = 16 * 2**20
+"""Free bytes under which a failed library write is taken for a full disk."""
+
+
 def save_checkpoint(run_dir: str, step: int, modules: dict[str, torch.nn.Module], state: dict[str, Any],
                     keep: int = 2) -> str:
     """Write ``checkpoints/step-<step>/`` atomically and durably, point ``latest`` at it, keep the newest ``keep``.
@@ -557,9 +578,10 @@ def save_checkpoint(run_dir: str, step: int, modules: dict[str, torch.nn.Module]
                     kill_during_write("checkpoint")
 
             for key, module in modules.items():
-                save_model(module, os.path.join(tmp, f"{key}.safetensors"))
+                _library_write(lambda: save_model(module, os.path.join(tmp, f"{key}.safetensors")), tmp)
                 written(f"{key}.safetensors")
-            torch.save({"step": step, "modules": sorted(modules), "rng": rng_state(), **state}, os.path.join(tmp, STATE_FILE))
+            _library_write(lambda: torch.save({"step": step, "modules": sorted(modules), "rng": rng_state(), **state},
+                                              os.path.join(tmp, STATE_FILE)), tmp)
             written(STATE_FILE)
             with open(os.path.join(tmp, MANIFEST), "w") as f:
                 json.dump({"format": 1, "step": step, "files": files}, f, indent=2, sort_keys=True)

@@ -124,3 +124,39 @@ def test_one_pair_trains_without_an_eval_split(tmp_path, capsys):
     with open(tmp_path / "d" / "metrics.jsonl") as f:
         steps = [json.loads(line)["step"] for line in f]
     assert max(steps) >= 1
+
+
+@pytest.mark.parametrize("config, message", [
+    ("{not json", "cannot read"),
+    (json.dumps({"algorithm": "grpo", "config": {}}), "it needs an 'algorithm' name and 'run' and 'config' sections"),
+    (json.dumps({"algorithm": "grpo", "run": {}, "config": {"lrr": 1}}), "unknown key 'lrr'"),
+    (json.dumps([1, 2]), "it needs an 'algorithm' name"),
+])
+def test_a_damaged_saved_config_is_one_line_and_changes_nothing(tmp_path, capsys, config, message):
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "config.json").write_text(config)
+    assert main(["train", "grpo", "--resume", str(run), "--progress", "false"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+    assert sorted(os.listdir(run)) == ["config.json"] and (run / "config.json").read_text() == config
+
+
+def test_a_read_only_runs_folder_is_one_line(tmp_path, capsys, monkeypatch):
+    """Root ignores file modes, so the read-only file system is simulated where the run folder is created."""
+    import errno
+
+    from tokengym.agents import runs as R
+
+    makedirs = os.makedirs
+
+    def read_only(path, *a, **k):
+        if str(path).startswith(str(tmp_path / "ro")):
+            raise OSError(errno.EROFS, "Read-only file system", path)
+        return makedirs(path, *a, **k)
+
+    monkeypatch.setattr(R.os, "makedirs", read_only)
+    assert main(["train", "grpo", *B, "--prompts", "1", "--group-size", "2", "--runs-dir", str(tmp_path / "ro"),
+                 "--name", "x"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "is not writable (read-only file system)" in err, err

@@ -548,3 +548,19 @@ def test_run_path_refuses_a_runs_dir_that_is_a_file(tmp_path):
         R.run_path(f, "ok")
     assert R.run_path(str(tmp_path), "grpo-arith-1") == os.path.join(str(tmp_path), "grpo-arith-1")
     assert R.run_path(os.path.join(str(tmp_path), "not-yet"), "r") == os.path.join(str(tmp_path), "not-yet", "r")
+
+
+def test_a_full_disk_reported_as_iostream_error_says_no_space_left(tmp_path, monkeypatch):
+    """torch.save reports a full disk as a RuntimeError ("iostream error"), not ENOSPC: with almost no space
+    free it is still explained as a full disk, and nothing half-written is left."""
+    def failing_save(*args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:603] . unexpected pos 64 vs 0: iostream error")
+
+    monkeypatch.setattr(torch, "save", failing_save)
+    monkeypatch.setattr(R.shutil, "disk_usage", lambda p: type("U", (), {"free": 4096, "total": 10**9, "used": 0})())
+    with pytest.raises(R.UsageError, match="no space left on device"):
+        R.save_checkpoint(str(tmp_path), 1, {"policy": torch.nn.Linear(2, 2)}, {})
+    assert os.listdir(tmp_path / "checkpoints") == []
+    monkeypatch.setattr(R.shutil, "disk_usage", lambda p: type("U", (), {"free": 10**9, "total": 10**9, "used": 0})())
+    with pytest.raises(RuntimeError, match="iostream error"):  # plenty of space: not the disk, not re-labelled
+        R.save_checkpoint(str(tmp_path), 1, {"policy": torch.nn.Linear(2, 2)}, {})
