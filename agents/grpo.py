@@ -22,7 +22,7 @@ from tokengym.agents.logger import RunLogger
 from tokengym.agents.optim import adamw
 from tokengym.agents.policy import make_reference
 from tokengym.agents.resources import check_fits
-from tokengym.agents.rollout import Rollout, collect, evaluate, trimmed_logprobs, used_columns
+from tokengym.agents.rollout import Rollout, collect, evaluate, trimmed_logprobs, used_slice
 
 __all__ = ["GRPOConfig", "GRPOAgent", "grpo_advantages", "LR_SCHEDULES"]
 
@@ -210,11 +210,11 @@ class GRPOAgent:
             order = torch.randperm(n, generator=self._shuffle).to(ro.tokens.device)
             for mb in order.chunk(cfg.minibatches):
                 mb, share = self.dp.shard(mb, aggregation_weights(ro.action_mask, cfg.aggregation))
-                m = used_columns(ro.action_mask[mb])  # columns past every row's end are padding: skip them
                 mb, n_live = self._live_first(mb, adv)
-                am, P = ro.action_mask[mb, :m], ro.prompt_len
+                tokens, mask, p, m = used_slice(ro, mb)  # columns that are padding in every row are skipped
+                am = ro.action_mask[mb, :m]
                 with self._autocast(ro.tokens.device):
-                    logp, ent = self._forward(ro.tokens[mb, : P + m], ro.attention_mask[mb, : P + m], P, n_live)
+                    logp, ent = self._forward(tokens, mask, p, n_live)
                 loss, stats = F.policy_loss(logp, old_logp[mb, :m], adv[mb, :m], am, cfg.clip_eps, cfg.clip_eps_high, cfg.aggregation)
                 stats = dict(stats, pg_loss=loss.detach(), entropy=F.masked_aggregate(ent.detach(), am, "token-mean"))
                 if ref_logp is not None:

@@ -36,7 +36,7 @@ from tokengym.agents.logger import RunLogger
 from tokengym.agents.optim import adamw
 from tokengym.agents.policy import make_reference
 from tokengym.agents.resources import check_fits
-from tokengym.agents.rollout import Rollout, collect, evaluate, trimmed_logprobs, used_columns
+from tokengym.agents.rollout import Rollout, collect, evaluate, trimmed_logprobs, used_slice
 
 __all__ = ["PPOConfig", "PPOAgent", "AdaptiveKLController", "ppo_rewards"]
 
@@ -234,7 +234,7 @@ class PPOAgent:
 
     # ------------------------------------------------------------------ update
     def _update(self, ro: Rollout, adv: torch.Tensor, ret: torch.Tensor) -> dict[str, float]:
-        cfg, n, P, dp = self.config, ro.num_episodes, ro.prompt_len, self.dp
+        cfg, n, dp = self.config, ro.num_episodes, self.dp
         self.policy.train()
         self.critic.train()
         sums: dict[str, float] = {}
@@ -249,11 +249,11 @@ class PPOAgent:
             for mb in order.chunk(cfg.minibatches):
                 _, pshare = dp.shard(mb, policy_w)
                 mb, tshare = dp.shard(mb, token_w)
-                m = used_columns(ro.action_mask[mb])
-                tokens, mask, am = ro.tokens[mb, : P + m], ro.attention_mask[mb, : P + m], ro.action_mask[mb, :m]
+                tokens, mask, p, m = used_slice(ro, mb)  # columns that are padding in every row are skipped
+                am = ro.action_mask[mb, :m]
                 with self._autocast(tokens.device):
-                    logp, ent = self.policy(tokens, mask, P, return_entropy=True)
-                    values = self.critic(tokens, mask, P)[:, :m]
+                    logp, ent = self.policy(tokens, mask, p, return_entropy=True)
+                    values = self.critic(tokens, mask, p)[:, :m]
                 pg, pstats = F.policy_loss(logp, ro.logprobs[mb, :m], adv[mb, :m], am, cfg.clip_eps, cfg.clip_eps_high, cfg.aggregation)
                 vf, vstats = F.value_loss(values, ro.values[mb, :m], ret[mb, :m], am, cfg.value_clip)
                 loss = pg + vf if not dp.distributed else pg * pshare + vf * tshare

@@ -15,7 +15,7 @@ import torch
 
 from tokengym.agents.resources import check_fits
 
-__all__ = ["Rollout", "collect", "evaluate", "heldout_samples", "used_columns", "trimmed_logprobs"]
+__all__ = ["Rollout", "collect", "evaluate", "heldout_samples", "used_columns", "used_slice", "trimmed_logprobs"]
 
 
 @dataclass
@@ -95,13 +95,25 @@ def used_columns(action_mask: torch.Tensor) -> int:
     return max(int(action_mask.sum(1).max()), 1) if action_mask.numel() else 1
 
 
+def used_slice(ro: "Rollout", rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """``(tokens, mask, prompt_len, m)`` of the rollout's ``rows`` (default: all) without the columns that are
+    padding in every one of them: generated columns past :func:`used_columns` ``m``, and the leading prompt
+    columns left of the longest prompt (the env pads to ``max_prompt_len``, which a chat template or a BPE
+    tokenizer can make far longer than the prompts). Positions come from the mask, so a full pass over the slice
+    (reference, pi_old, an update) gives the same log-probs of the first ``m`` generated tokens."""
+    P = ro.prompt_len
+    tokens, mask, am = (ro.tokens, ro.attention_mask, ro.action_mask) if rows is None else \
+        (ro.tokens[rows], ro.attention_mask[rows], ro.action_mask[rows])
+    longest, m = torch.stack([mask[:, :P].sum(1).max(), am.sum(1).max()]).tolist() if len(am) else (P, 1)
+    lead, m = P - max(int(longest), 1), max(int(m), 1)
+    return tokens[:, lead : P + m], mask[:, lead : P + m], P - lead, m
+
+
 def trimmed_logprobs(fn, ro: "Rollout") -> torch.Tensor:
-    """``fn(tokens, mask, prompt_len)`` (a policy or reference) over the rollout's :func:`used_columns`
-    only, zero-padded back to ``[N, M]``."""
-    P, M = ro.prompt_len, ro.action_mask.shape[1]
-    m = used_columns(ro.action_mask)
-    logp = fn(ro.tokens[:, : P + m], ro.attention_mask[:, : P + m], P)
-    return torch.nn.functional.pad(logp, (0, M - m))
+    """``fn(tokens, mask, prompt_len)`` (a policy or reference) over :func:`used_slice` only, zero-padded back to
+    ``[N, M]``."""
+    tokens, mask, p, m = used_slice(ro)
+    return torch.nn.functional.pad(fn(tokens, mask, p), (0, ro.action_mask.shape[1] - m))
 
 
 def collect(env, policy, critic=None, *, greedy: bool = False, seed: int | None = None, samples: list | None = None) -> Rollout:

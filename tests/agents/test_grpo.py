@@ -134,7 +134,8 @@ def test_lr_schedule_follows_global_step_and_continues_after_a_resume():
 
 def test_passes_skip_columns_past_every_rows_end_without_changing_the_update(monkeypatch):
     """The update, reference and pi_old passes run on the used columns only (here the warm start's
-    completions end before the budget), and every update's gradient equals that of full-width passes up to
+    completions end before the budget, and the prompt buffer has a spare column left of the longest prompt),
+    and every update's gradient equals that of full-width passes up to
     float32 rounding. The full-width run steps on the trimmed run's gradients (``numerics.Lockstep``), so both
     compute each update at the same weights; their weights after AdamW steps are not compared, as AdamW
     turns a rounding-level difference in a near-zero gradient entry into an O(lr) weight difference."""
@@ -142,7 +143,8 @@ def test_passes_skip_columns_past_every_rows_end_without_changing_the_update(mon
 
     def run(full_width: bool, lockstep):
         if full_width:
-            monkeypatch.setattr(grpo_mod, "used_columns", lambda am: am.shape[1])
+            monkeypatch.setattr(grpo_mod, "used_slice", lambda ro, rows: (
+                ro.tokens[rows], ro.attention_mask[rows], ro.prompt_len, ro.action_mask.shape[1]))
             monkeypatch.setattr(grpo_mod, "trimmed_logprobs", lambda fn, ro: fn(ro.tokens, ro.attention_mask, ro.prompt_len))
         env = gym.make_vec("tokengym/Arithmetic-v0", num_envs=16, vectorization_mode="vector_entry_point", group_size=8,
                            n_operands=(2, 3), digits=2)

@@ -97,10 +97,11 @@ def test_passes_over_the_batch_skip_columns_after_the_longest_row():
         forward = module.forward
         module.forward = lambda tokens, *a, _f=forward, **k: (widths.append(tokens.shape[1]), _f(tokens, *a, **k))[1]
     history = agent.learn(env)
-    longest, full = env.max_prompt_len + int(history[0]["completion/length_max"]), env.max_prompt_len + 48
-    assert longest < full
+    P = env.max_prompt_len
+    longest, full = int(env.attention_mask[:, :P].sum(1).max()) + int(history[0]["completion/length_max"]), P + 48
+    assert longest < full - 1
     # collect's critic pass sees the whole buffer; the reference pass and the 2 x 4 minibatch passes of policy
-    # and critic stop at the longest row of their (mini)batch
+    # and critic start at the longest prompt and stop at the longest row of their (mini)batch
     assert widths.count(full) == 1 and len(widths) == 1 + 1 + 2 * 2 * 4
     assert max(widths[1:]) == longest
 

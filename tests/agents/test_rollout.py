@@ -118,3 +118,30 @@ def test_rollout_tensors_can_enter_autograd():
     logp = policy(ro.tokens, ro.attention_mask, ro.prompt_len)
     (logp * ro.action_mask).sum().backward()
     assert policy.model.lm_head.weight.grad is not None
+
+
+def test_used_slice_drops_only_columns_that_are_padding_in_every_row():
+    """Prompts of different lengths, left-padded to a generous buffer: the slice starts at the longest prompt and
+    ends at the longest completion, and log-probs over it equal those over the full width (positions come from
+    the mask), to float32 rounding of a differently shaped pass."""
+    import gymnasium as gym
+
+    from tokengym.agents import Policy, collect
+    from tokengym.agents.rollout import used_slice
+
+    env = gym.make_vec("tokengym/Dataset-v0", num_envs=4, vectorization_mode="vector_entry_point", max_prompt_len=20,
+                       data=[{"prompt": "1+2\n", "answer": "3"}, {"prompt": "10+20+3\n", "answer": "33"}], shuffle=False)
+    policy = Policy.from_pretrained("tiny-arithmetic")
+    ro = collect(env, policy, seed=0)
+    tokens, mask, p, m = used_slice(ro)
+    longest = int(ro.attention_mask[:, :20].sum(1).max())
+    assert p == longest == 9 and tokens.shape[1] == p + m and m == int(ro.lengths.max())
+    assert bool(mask[:, 0].any()) and not bool(ro.attention_mask[:, : 20 - p].any())  # nothing real was dropped
+    with torch.no_grad():
+        full = policy(ro.tokens, ro.attention_mask, ro.prompt_len)[:, :m]
+        cut = policy(tokens, mask, p)
+    am = ro.action_mask[:, :m].bool()
+    torch.testing.assert_close(cut[am], full[am], rtol=0, atol=1e-5)
+    rows = torch.tensor([0])
+    t0, m0, p0, n0 = used_slice(ro, rows)
+    assert p0 == int(ro.attention_mask[0, :20].sum()) and n0 == int(ro.lengths[0])
