@@ -63,11 +63,53 @@ _ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 
 
+def _unwrap_lora(model: nn.Module) -> tuple[nn.Module, str | None]:
+    """``(the transformers model, None)`` of a plain model or a ``peft`` LoRA model whose adapters sit on the
+    attention and MLP projections only; ``(model, why not)`` for other ``peft`` models."""
+    if not getattr(model, "peft_config", None) or not hasattr(model, "get_base_model"):
+        return model, None
+    for name, cfg in model.peft_config.items():
+        if str(getattr(cfg, "peft_type", "")).split(".")[-1] != "LORA" or getattr(cfg, "use_dora", False) \
+                or getattr(cfg, "lora_bias", False) or getattr(cfg, "modules_to_save", None):
+            return model, f"peft adapter {name!r} is not a plain LoRA adapter on linear layers"
+    base = model.get_base_model()
+    for mod in (getattr(base, "lm_head", None), getattr(getattr(base, "model", None), "embed_tokens", None)):
+        if mod is not None and hasattr(mod, "base_layer"):
+            return model, "LoRA on the embeddings or the LM head"
+    if model.training and any(getattr(m, "lora_dropout", None) and any(not isinstance(d, nn.Identity) for d in m.lora_dropout.values())
+                              for m in base.modules()):
+        return model, "LoRA dropout is active (model in training mode)"
+    return base, None
+
+
+def _weight(mod: nn.Module) -> torch.Tensor:
+    """A linear layer's weight as its forward applies it: with ``peft``, the base weight plus the deltas of the
+    active LoRA adapters (unless disabled or already merged)."""
+    base = getattr(mod, "base_layer", None)
+    if base is None:
+        return mod.weight
+    w = base.weight
+    if getattr(mod, "disable_adapters", False) or getattr(mod, "merged", False):
+        return w
+    for name in mod.active_adapters:
+        if name in mod.lora_A:
+            w = w + mod.get_delta_weight(name).to(w.dtype)
+    return w
+
+
+def _bias(mod: nn.Module) -> torch.Tensor | None:
+    return getattr(getattr(mod, "base_layer", mod), "bias", None)
+
+
 def unsupported_reason(model: nn.Module, width: int | None = None) -> str | None:
     """``None`` if :class:`StaticDecoder` can run ``model`` (for a cache of ``width`` columns), else why not.
 
-    Without ``width`` the sliding-window check (which depends on the cache width) is skipped.
+    Without ``width`` the sliding-window check (which depends on the cache width) is skipped. A ``peft`` LoRA
+    model is judged by its base model (its adapters are added to the fused weights).
     """
+    model, why = _unwrap_lora(model)
+    if why is not None:
+        return why
     name = type(model).__name__
     if name not in _ARCHS:
         return f"{name} is not one of {sorted(_ARCHS)}"
@@ -128,6 +170,7 @@ class StaticDecoder:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"StaticDecoder cannot run this model: {reason}")
+        model = _unwrap_lora(model)[0]  # LoRA adapters are added to the fused weights in _refresh
         cfg = model.config
         self.model = model
         self.n_heads = int(cfg.num_attention_heads)
@@ -155,9 +198,7 @@ class StaticDecoder:
         for layer in m.model.layers:
             a, p = layer.self_attn, layer.mlp
             for mod in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, p.gate_proj, p.up_proj, p.down_proj):
-                out.append(mod.weight)
-                if mod.bias is not None:
-                    out.append(mod.bias)
+                out.extend(t for t in mod.parameters() if t is not None)  # with LoRA: base, A and B
             out += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
         return out
 
@@ -186,31 +227,33 @@ class StaticDecoder:
         with torch.no_grad():
             for layer in self.model.model.layers:
                 a, p = layer.self_attn, layer.mlp
-                D = a.q_proj.weight.shape[1]
+                Wq, Wk, Wv = _weight(a.q_proj), _weight(a.k_proj), _weight(a.v_proj)
+                D = Wq.shape[1]
                 # rows grouped per key-value head: [q_(g*rep) .. q_(g*rep+rep-1), k_g, v_g]
-                w = torch.cat([a.q_proj.weight.view(G, rep, hd, D), a.k_proj.weight.view(G, 1, hd, D),
-                               a.v_proj.weight.view(G, 1, hd, D)], 1)
+                w = torch.cat([Wq.view(G, rep, hd, D), Wk.view(G, 1, hd, D),
+                               Wv.view(G, 1, hd, D)], 1)
                 w_qkv = mat(w.reshape(-1, D))
                 b_qkv = None
-                if a.q_proj.bias is not None or a.k_proj.bias is not None or a.v_proj.bias is not None:
-                    zeros = lambda mod, n: mod.bias if mod.bias is not None else mod.weight.new_zeros(n)  # noqa: E731
+                if any(_bias(m) is not None for m in (a.q_proj, a.k_proj, a.v_proj)):
+                    zeros = lambda mod, n: _bias(mod) if _bias(mod) is not None else Wq.new_zeros(n)  # noqa: E731
                     b = torch.cat([zeros(a.q_proj, G * rep * hd).view(G, rep, hd), zeros(a.k_proj, G * hd).view(G, 1, hd),
                                    zeros(a.v_proj, G * hd).view(G, 1, hd)], 1)
                     b_qkv = vec(b.reshape(-1))
-                I = p.gate_proj.weight.shape[0]
-                w_gu = mat(torch.cat([p.gate_proj.weight, p.up_proj.weight], 0))
+                Wg, Wu = _weight(p.gate_proj), _weight(p.up_proj)
+                I = Wg.shape[0]
+                w_gu = mat(torch.cat([Wg, Wu], 0))
                 b_gu = None
-                if p.gate_proj.bias is not None or p.up_proj.bias is not None:
-                    gb = p.gate_proj.bias if p.gate_proj.bias is not None else p.gate_proj.weight.new_zeros(I)
-                    ub = p.up_proj.bias if p.up_proj.bias is not None else p.up_proj.weight.new_zeros(I)
+                if _bias(p.gate_proj) is not None or _bias(p.up_proj) is not None:
+                    gb = _bias(p.gate_proj) if _bias(p.gate_proj) is not None else Wg.new_zeros(I)
+                    ub = _bias(p.up_proj) if _bias(p.up_proj) is not None else Wu.new_zeros(I)
                     b_gu = vec(torch.cat([gb, ub]))
                 layers.append((
                     layer.input_layernorm.weight.detach(), float(layer.input_layernorm.variance_epsilon),
                     w_qkv, b_qkv,
-                    mat(a.o_proj.weight), vec(a.o_proj.bias),
+                    mat(_weight(a.o_proj)), vec(_bias(a.o_proj)),
                     layer.post_attention_layernorm.weight.detach(), float(layer.post_attention_layernorm.variance_epsilon),
                     w_gu, b_gu, I,
-                    mat(p.down_proj.weight), vec(p.down_proj.bias),
+                    mat(_weight(p.down_proj)), vec(_bias(p.down_proj)),
                 ))
             self._embed = self.model.model.embed_tokens.weight.detach()
             self._norm_w = self.model.model.norm.weight.detach()

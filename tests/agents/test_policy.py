@@ -346,3 +346,32 @@ def test_models_with_other_attention_are_left_alone():
     model.set_attn_implementation("eager")
     Policy(model, tok)
     assert model.config._attn_implementation == "eager"
+
+
+def test_fast_decoder_runs_lora_models_with_their_adapters_added():
+    """A peft LoRA policy rolls out through the static-cache decoder (its adapters added to the fused weights at
+    each prefill), and its log-probs equal a full forward through peft's layers; with the adapter disabled the
+    decoder uses the base weights."""
+    peft = pytest.importorskip("peft")
+    from tokengym.agents import collect
+    from tokengym.envs import TokenVectorEnv
+
+    base = Policy.from_pretrained("tiny-arithmetic")
+    lora = peft.get_peft_model(base.model, peft.LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                               "gate_proj", "up_proj", "down_proj"]))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:  # B = 0 at init would make the adapter a no-op
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    policy = Policy(lora, base.tokenizer, seed=0)
+    env = TokenVectorEnv(8, "arithmetic", tokenizer=base.tokenizer)
+    ro = collect(env, policy, seed=0)
+    assert policy._fast_active
+    with torch.no_grad():
+        full = policy(ro.tokens, ro.attention_mask, ro.prompt_len)
+        with lora.disable_adapter():
+            plain = policy(ro.tokens, ro.attention_mask, ro.prompt_len)
+    am = ro.action_mask.bool()
+    assert float((ro.logprobs[am] - full[am]).abs().max()) < 1e-5
+    assert float((ro.logprobs[am] - plain[am]).abs().max()) > 1e-2  # the adapter matters here
