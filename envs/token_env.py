@@ -105,4 +105,4 @@ class TokenEnv(gym.Env):
             return None
         v = self.venv
         text = v.tokenizer.batch_decode(v.generated_ids([0]), skip_special_tokens=True)[0]
-        return v.samples[0].get("prompt", "") + text
+        return v.prompts[0] + text

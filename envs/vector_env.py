@@ -39,6 +39,7 @@ from gymnasium import spaces
 from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space
 
+from tokengym.envs.chat import check_chat_template, encode_prompts, end_of_turn_ids, is_messages, prompt_texts, template_overhead
 from tokengym.envs.tasks.base import Task
 from tokengym.envs.tokenizer import load_tokenizer
 from tokengym.rewards.common import TokengymWarning
@@ -130,6 +131,8 @@ class TokenVectorEnv(VectorEnv):
             check_reward(process_reward, "process_reward")
         self.task = resolve_task(task, **task_kwargs)
         self.tokenizer = load_tokenizer(tokenizer)
+        if self.task.chat:
+            check_chat_template(self.tokenizer)
         self.reward_fn = reward if reward is not None else self.task.reward()
         if process_reward is True:
             process_reward = self.task.process_reward()
@@ -139,7 +142,7 @@ class TokenVectorEnv(VectorEnv):
         self.num_envs, self.group_size, self.n_groups = num_envs, group_size, num_envs // group_size
         self.device = torch.device(device)
         self.max_new_tokens = int(max_new_tokens if max_new_tokens is not None else self.task.default_max_new_tokens)
-        self.max_prompt_len = int(max_prompt_len if max_prompt_len is not None else self.task.max_prompt_chars + 2)
+        self.max_prompt_len = int(max_prompt_len if max_prompt_len is not None else self._default_prompt_len())
         mode = _parse_mode(autoreset_mode)
         if mode is AutoresetMode.NEXT_STEP and group_size != 1:
             raise ValueError("autoreset_mode='next_step' needs group_size=1: a group's G episodes must start together")
@@ -162,11 +165,19 @@ class TokenVectorEnv(VectorEnv):
         self._alloc()
 
     # ------------------------------------------------------------------ set-up
+    def _default_prompt_len(self) -> int:
+        """Room for the task's longest prompt: one token per character (+ BOS and a spare); chat prompts add the
+        template's own tokens, measured on one of the task's prompts."""
+        extra = 2
+        if self.task.chat:
+            extra += template_overhead(self.tokenizer, self.task.sample(np.random.default_rng(0))["prompt"])
+        return self.task.max_prompt_chars + extra
+
     def _build_lookups(self, stop_strings: Sequence[str]) -> None:
         V, dev, tok = self.vocab_size, self.device, self.tokenizer
         is_stop = torch.zeros(V, dtype=torch.bool)
         eos = tok.eos_token_id
-        for i in eos if isinstance(eos, (list, tuple)) else [eos]:
+        for i in [*(eos if isinstance(eos, (list, tuple)) else [eos]), *end_of_turn_ids(tok)]:
             is_stop[int(i)] = True
         self.stop_sequences: list[torch.Tensor] = []
         for s in stop_strings:
@@ -276,26 +287,29 @@ class TokenVectorEnv(VectorEnv):
             return
         P = self.max_prompt_len
         for s in samples:
-            if not isinstance(s.get("prompt"), str):
-                raise ValueError(f"each sample needs a 'prompt' string, got {s!r:.80}")
-        enc = self.tokenizer([s["prompt"] for s in samples], add_special_tokens=True)["input_ids"]
+            if not (isinstance(s.get("prompt"), str) or is_messages(s.get("prompt"))):
+                raise ValueError(f"each sample needs a 'prompt' string or list of chat messages, got {s!r:.80}")
+        enc = encode_prompts(self.tokenizer, [s["prompt"] for s in samples])
         longest = max(len(ids) for ids in enc)
         if longest > P:
             i = max(range(len(enc)), key=lambda k: len(enc[k]))
             raise ValueError(
-                f"prompt of {longest} tokens exceeds max_prompt_len={P}: {samples[i]['prompt'][:60]!r}; "
+                f"prompt of {longest} tokens exceeds max_prompt_len={P}: {str(samples[i]['prompt'])[:60]!r}; "
                 "pass a larger max_prompt_len or shorten the prompt"
             )
         self._warn_unknown(samples, enc)
         rows = torch.full((len(slots), P), self.pad_id, dtype=torch.long)
         for r, ids in enumerate(enc):
             rows[r, P - len(ids):] = torch.tensor(ids, dtype=torch.long)
+        # the mask comes from the lengths: a chat model's pad token may also be its end-of-turn marker, which
+        # its template writes inside prompts
+        real = torch.arange(P) >= P - torch.tensor([len(ids) for ids in enc])[:, None]
         idx = torch.tensor(slots, device=self.device)
         rows = rows.to(self.device)
         self.tokens[idx] = self.pad_id
         self.tokens[idx, :P] = rows
         self.attention_mask[idx] = False
-        self.attention_mask[idx, :P] = rows != self.pad_id
+        self.attention_mask[idx, :P] = real.to(self.device)
         for buf in (self.gen_len, self.terminated, self.truncated, self.rewards, self.process_rewards,
                     self.step_end, self.outcome, self._needs_reset):
             buf[idx] = 0
@@ -317,7 +331,7 @@ class TokenVectorEnv(VectorEnv):
         self._unk_checked += len(samples)
         answers = [str(s["answer"]) for s in samples if s.get("answer") is not None]
         ids = enc + (self.tokenizer(answers, add_special_tokens=False)["input_ids"] if answers else [])
-        texts = [s["prompt"] for s in samples] + answers
+        texts = prompt_texts(self.tokenizer, [s["prompt"] for s in samples]) + answers
         bad = sorted({c for t, i in zip(texts, ids) if unk in i for c in t
                       if unk in self.tokenizer(c, add_special_tokens=False)["input_ids"]})
         if bad:
@@ -411,7 +425,7 @@ class TokenVectorEnv(VectorEnv):
         return [r[:n] for r, n in zip(rows, lens)]
 
     def _fields(self, slots: Sequence[int]) -> tuple[list[str], dict[str, list]]:
-        prompts = [self.samples[s]["prompt"] for s in slots]
+        prompts = prompt_texts(self.tokenizer, [self.samples[s]["prompt"] for s in slots])
         keys = [k for k in self.samples[slots[0]] if k != "prompt"]
         return prompts, {k: [self.samples[s].get(k) for s in slots] for k in keys}
 
@@ -497,7 +511,8 @@ class TokenVectorEnv(VectorEnv):
 
     @property
     def prompts(self) -> list[str]:
-        return [s.get("prompt", "") for s in self.samples]
+        """Each slot's prompt as text (chat prompts rendered by the template)."""
+        return prompt_texts(self.tokenizer, [s.get("prompt", "") for s in self.samples])
 
     def render(self) -> list[str] | None:
         if self.render_mode != "ansi":

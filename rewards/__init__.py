@@ -19,6 +19,8 @@ from .verifiers import (
     exact_match,
     extract_answer,
     extract_final_answer,
+    extract_number,
+    number_match,
     parse_int,
 )
 
@@ -33,7 +35,9 @@ __all__ = [
     "parse_int",
     "extract_final_answer",
     "extract_answer",
+    "extract_number",
     "arithmetic_correct",
+    "number_match",
     "exact_match",
     "answer_match",
     "char_accuracy",

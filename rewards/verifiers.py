@@ -22,7 +22,9 @@ __all__ = [
     "parse_int",
     "extract_final_answer",
     "extract_answer",
+    "extract_number",
     "arithmetic_correct",
+    "number_match",
     "exact_match",
     "answer_match",
     "char_accuracy",
@@ -151,6 +153,53 @@ def extract_answer(text: str | None) -> str | None:
             return value
     nonempty = [ln for ln in lines if ln]
     return nonempty[-1] if nonempty else None
+
+
+_BOXED = re.compile(r"\\boxed\{\s*([^{}]*?)\s*\}")
+_ANSWER_IS = re.compile(r"answer\s*(?:is|:|=)\s*\**\s*([+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?)", re.IGNORECASE)
+_ANY_NUMBER = re.compile(r"(?<![\w.])[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
+
+
+def extract_number(text: str | None) -> str | None:
+    """The number a free-form completion answers with (a chat model's reply).
+
+    In order of preference: the last ``\\boxed{...}``, the number after the last "answer is" / "answer:" /
+    "answer =", the final answer of :func:`extract_final_answer`, else the last number in the text.
+
+    Examples:
+        >>> extract_number("17 + 25 = 42"), extract_number("The answer is **42**."), extract_number("so \\boxed{42}")
+        ('42', '42', '42')
+        >>> extract_number("Answer: 1,234 apples"), extract_number("no digits") is None
+        ('1,234', True)
+    """
+    if not text:
+        return None
+    text = text.translate(_MINUS_SIGNS)
+    for pattern in (_BOXED, _ANSWER_IS):
+        found = pattern.findall(text)
+        if found:
+            return found[-1].strip()
+    final = extract_final_answer(text)
+    if final is not None and _NUMBER.fullmatch(final):
+        return final
+    numbers = _ANY_NUMBER.findall(text)
+    return numbers[-1] if numbers else None
+
+
+def number_match(prompts: list[str], completions: list[str], answer: Sequence[Any] | None = None, **_: Any) -> list[float]:
+    """1.0 when the number a free-form completion answers with (:func:`extract_number`) equals the integer
+    reference answer, else 0.0: the verifier for tasks posed to chat models.
+
+    Examples:
+        >>> number_match(["What is 17+25?"] * 3, ["17 + 25 = 42", "The answer is 42.", "17 + 25 = 32"], answer=[42] * 3)
+        [1.0, 1.0, 0.0]
+    """
+    _check_lengths("number_match", completions, answer=answer)
+    out = []
+    for completion, ref in zip(completions, answer):
+        got = parse_int(extract_number(completion))
+        out.append(1.0 if got is not None and got == _reference_int(ref, "number_match") else 0.0)
+    return out
 
 
 def _check_lengths(who: str, completions: Sequence, **columns: Any) -> None:

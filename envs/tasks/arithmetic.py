@@ -17,7 +17,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from tokengym.rewards import arithmetic_correct, arithmetic_step_reward, solve_expression
+from tokengym.rewards import arithmetic_correct, arithmetic_step_reward, number_match, solve_expression
+
+from ..chat import user_prompt
 
 from .base import Task
 
@@ -66,6 +68,10 @@ class ArithmeticTask(Task):
             the shipped ``tiny-arithmetic`` warm start was trained on.
         seed: seeds a private generator used only when :meth:`sample` gets no generator (environments
             always pass theirs).
+        chat: pose the problem to a chat model in words (``"What is 17+25? Answer with just the number."`` as a
+            user message), judged by :func:`tokengym.rewards.number_match`; the env needs a tokenizer with a
+            chat template. The solution is then just the answer, and there is no process reward.
+        system_prompt: an optional system message for the chat form.
 
     Samples: ``{"prompt": "12+7+30\\n", "solution": "12+7=19\\n19+30=49\\nA: 49", "answer": 49}``.
 
@@ -85,7 +91,11 @@ class ArithmeticTask(Task):
     stop_strings: tuple[str, ...] = ()
     step_delimiter = "\n"
 
-    def __init__(self, n_operands: int | tuple[int, int] = (2, 3), digits: int | tuple[int, int] = 2, operators: str = "+", seed: int | None = None):
+    QUESTION = "What is {expression}? Answer with just the number."
+    """The chat form's user message (``chat=True``)."""
+
+    def __init__(self, n_operands: int | tuple[int, int] = (2, 3), digits: int | tuple[int, int] = 2, operators: str = "+",
+                 seed: int | None = None, chat: bool = False, system_prompt: str | None = None):
         self.n_operands = _int_range("n_operands", n_operands, 2)
         self.digits = _int_range("digits", digits, 1, 18)
         if not isinstance(operators, str) or not operators:
@@ -99,10 +109,20 @@ class ArithmeticTask(Task):
         self.seed = _check_seed(seed)
         self._rng = np.random.default_rng(self.seed)
 
+        if not isinstance(chat, bool):
+            raise ValueError(f"chat must be true or false, got {chat!r}")
+        if system_prompt is not None and (not chat or not isinstance(system_prompt, str)):
+            raise ValueError("system_prompt needs chat=True and must be a string")
+        self.chat, self.system_prompt = chat, system_prompt
+
         n, d = self.n_operands[1], self.digits[1]
         self.max_prompt_chars = n * (d + 1)
         self.max_solution_chars = self._solution_bound(n, d, operators)
         self.default_max_new_tokens = self.max_solution_chars + 4
+        if chat:  # a free-form reply, then the model's end-of-turn token
+            self.step_delimiter = None
+            self.max_prompt_chars += len(self.QUESTION.format(expression="")) - 1 + len(system_prompt or "")  # no "\n"
+            self.default_max_new_tokens = 64
 
     @staticmethod
     def _solution_bound(n: int, d: int, operators: str) -> int:
@@ -141,15 +161,20 @@ class ArithmeticTask(Task):
         ops = [self.operators[int(i)] for i in rng.integers(0, len(self.operators), size=n - 1)]
         expression = str(values[0]) + "".join(f"{op}{v}" for op, v in zip(ops, values[1:]))
         steps, answer = solve_expression(expression)
+        if self.chat:
+            question = self.QUESTION.format(expression=expression)
+            return {"prompt": user_prompt(question, self.system_prompt), "solution": str(answer), "answer": answer}
         return {"prompt": expression + "\n", "solution": "\n".join([*steps, f"A: {answer}"]), "answer": answer}
 
     def reward(self) -> Callable:
-        """:func:`tokengym.rewards.arithmetic_correct` (1.0 iff the final answer is right)."""
-        return arithmetic_correct
+        """:func:`tokengym.rewards.arithmetic_correct` (1.0 iff the final answer is right); for the chat form
+        :func:`tokengym.rewards.number_match` (the number the reply answers with)."""
+        return number_match if self.chat else arithmetic_correct
 
-    def process_reward(self) -> Callable:
-        """:data:`tokengym.rewards.arithmetic_step_reward` (rule-based 0/1 score per line)."""
-        return arithmetic_step_reward
+    def process_reward(self) -> Callable | None:
+        """:data:`tokengym.rewards.arithmetic_step_reward` (rule-based 0/1 score per line); none for the chat form."""
+        return None if self.chat else arithmetic_step_reward
 
     def __repr__(self) -> str:
-        return f"ArithmeticTask(n_operands={self.n_operands}, digits={self.digits}, operators={self.operators!r})"
+        chat = f", chat=True, system_prompt={self.system_prompt!r}" if self.chat else ""
+        return f"ArithmeticTask(n_operands={self.n_operands}, digits={self.digits}, operators={self.operators!r}{chat})"

@@ -25,6 +25,8 @@ class Task:
         step_delimiter: text that ends one reasoning step (``"\\n"``); ``None`` when the task has no steps.
         max_prompt_chars: upper bound on prompt length in characters (sizes the env's prompt buffer).
         default_max_new_tokens: generation budget when the env is not given one.
+        chat: prompts are lists of chat messages (TRL's conversational format), rendered by the tokenizer's
+            chat template; otherwise strings.
     """
 
     name: str = "task"
@@ -32,6 +34,7 @@ class Task:
     step_delimiter: str | None = None
     max_prompt_chars: int = 64
     default_max_new_tokens: int = 32
+    chat: bool = False
 
     def sample(self, rng: np.random.Generator) -> dict[str, Any]:
         raise NotImplementedError

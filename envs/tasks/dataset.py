@@ -13,6 +13,7 @@ import numpy as np
 
 from tokengym.rewards import answer_match
 
+from ..chat import is_messages, prompt_chars
 from .arithmetic import _check_seed
 from .base import Task
 
@@ -57,7 +58,9 @@ def _is_hf_dataset_like(data: Any) -> bool:
 class DatasetTask(Task):
     """A task whose prompts (and reference answers, and any other columns) come from data.
 
-    Every column other than ``prompt_key`` becomes a task field passed to the rewards, e.g. ``answer``.
+    Every column other than ``prompt_key`` becomes a task field passed to the rewards, e.g. ``answer``. Prompts are
+    strings, or (all of them) lists of ``{"role", "content"}`` chat messages, TRL's conversational format, which
+    the env renders with the tokenizer's chat template.
 
     **Order.** ``sample(rng)`` walks the rows epoch by epoch and cycles forever. With ``shuffle=True``
     each epoch is a permutation drawn from ``rng`` when the epoch starts (``rng.permutation(len)``);
@@ -146,9 +149,11 @@ class DatasetTask(Task):
             raise ValueError(f"the data has a 'prompt' column and prompt_key={prompt_key!r}; rename one of them")
 
         prompts = self._hf[prompt_key] if self._hf is not None else [row[prompt_key] for row in rows]
+        self.chat = is_messages(prompts[0])
         for i, p in enumerate(prompts):
-            if not isinstance(p, str):
-                raise ValueError(f"row {i}: the prompt ({prompt_key!r}) must be a string, got {type(p).__name__}: {p!r}")
+            if not (is_messages(p) if self.chat else isinstance(p, str)):
+                kind = "list of chat messages, like row 0's" if self.chat else "string, like row 0's"
+                raise ValueError(f"row {i}: the prompt ({prompt_key!r}) must be a {kind}, got {type(p).__name__}: {p!r:.80}")
 
         self._rows = rows
         self._len = len(prompts)
@@ -167,7 +172,7 @@ class DatasetTask(Task):
         self._process_reward = process_reward
         self.step_delimiter = step_delimiter
         self.stop_strings = tuple(stop_strings)
-        self.max_prompt_chars = max(len(p) for p in prompts)
+        self.max_prompt_chars = max(prompt_chars(p) for p in prompts)
         self.default_max_new_tokens = int(max_new_tokens)
         self.name = name
         self.seed = _check_seed(seed)

@@ -6,6 +6,7 @@ from typing import Any, Sequence
 
 from tokengym.rewards import extract_answer
 
+from ..chat import user_prompt
 from .dataset import DatasetTask
 
 __all__ = ["ReasoningGymTask", "ReasoningGymReward"]
@@ -79,6 +80,8 @@ class ReasoningGymTask(DatasetTask):
         seed: the reasoning-gym generation seed (which questions exist, not the order they come in).
         shuffle: shuffle each epoch (see :class:`DatasetTask`).
         max_new_tokens: the default generation budget.
+        chat: pose each question as a chat user message (rendered by the tokenizer's chat template).
+        system_prompt: an optional system message for the chat form.
         **config: dataset-specific options passed to ``create_dataset``.
 
     Raises:
@@ -86,7 +89,8 @@ class ReasoningGymTask(DatasetTask):
         ValueError: unknown dataset name or invalid configuration.
     """
 
-    def __init__(self, name: str, size: int = 1000, seed: int = 0, *, shuffle: bool = True, max_new_tokens: int = 256, **config: Any):
+    def __init__(self, name: str, size: int = 1000, seed: int = 0, *, shuffle: bool = True, max_new_tokens: int = 256,
+                 chat: bool = False, system_prompt: str | None = None, **config: Any):
         rg = _import_reasoning_gym()
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"size must be an int >= 1, got {size!r}")
@@ -95,8 +99,11 @@ class ReasoningGymTask(DatasetTask):
         except (ValueError, TypeError, AssertionError) as e:
             raise ValueError(f"reasoning-gym could not create dataset {name!r} with size={size}, seed={seed}, config={config}: {e}") from e
         entries = [dataset[i] for i in range(len(dataset))]
+        if not isinstance(chat, bool) or (system_prompt is not None and not (chat and isinstance(system_prompt, str))):
+            raise ValueError(f"chat must be true or false and system_prompt a string with chat=True, got {chat!r}, {system_prompt!r}")
         rows = [
-            {"prompt": e["question"], "answer": str(e["answer"]), "solution": f"<answer>{e['answer']}</answer>", "index": i}
+            {"prompt": user_prompt(e["question"], system_prompt) if chat else e["question"], "answer": str(e["answer"]),
+             "solution": f"<answer>{e['answer']}</answer>", "index": i}
             for i, e in enumerate(entries)
         ]
         self.dataset = dataset

@@ -135,7 +135,7 @@ def test_default_reward_is_extracted_answer_exact_match():
         ([{"prompt": "a", "answer": 1}, {"prompt": "b"}], {}, r"rows have inconsistent keys: row 1 has \['prompt'\] but row 0 has \['answer', 'prompt'\] \(missing \['answer'\]"),
         ([{"prompt": "a", "answer": 1}, {"prompt": "b", "answer": 2, "x": 0}], {}, r"row 1 .*extra \['x'\]"),
         ([{"prompt": "a"}], {}, r"no reward given and the data has no 'answer' column \(columns: \['prompt'\]\); pass reward="),
-        ([{"prompt": 3, "answer": 1}], {}, r"row 0: the prompt \('prompt'\) must be a string, got int"),
+        ([{"prompt": 3, "answer": 1}], {}, r"row 0: the prompt \('prompt'\) must be a string, like row 0's, got int"),
         ([{"prompt": "a", "answer": 1}, "b"], {}, r"row 1 must be a dict, got str"),
         ([{"q": "a", "prompt": "b", "answer": 1}], {"prompt_key": "q"}, r"has a 'prompt' column and prompt_key='q'"),
         ([{"prompt": "a", "answer": 1}], {"reward": "exact"}, r"reward must be an outcome reward \(callable\) or None, got 'exact'"),
