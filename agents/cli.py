@@ -5,6 +5,7 @@
     tokengym sample [--env ID] [--model M] [...]           completions with their rewards and step scores
     tokengym plot runs/NAME                                 PNG learning curves from the run's metrics
     tokengym envs                                           list the registered environment ids
+    tokengym convert FILE.gguf|smollm2-135m-instruct [--out DIR]   a GGUF model as a save_pretrained folder
 
 Bad input (unknown env id, model, config key or run folder, a mistyped value, an incompatible resume)
 is one line on stderr and exit code 2; nothing is overwritten.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import warnings
 from typing import Any, Sequence
@@ -154,6 +156,29 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_convert(args: argparse.Namespace) -> int:
+    import time
+
+    from tokengym.agents import runs as R
+    from tokengym.agents.convert import SHIPPED_GGUF, convert_gguf, describe, find_gguf, gguf_folder
+
+    t0 = time.perf_counter()
+    try:
+        if args.out:
+            source = find_gguf(args.source) if args.source in SHIPPED_GGUF else args.source
+            if not os.path.isfile(source):
+                raise FileNotFoundError(f"GGUF file {source!r} does not exist")
+            R.write_folder_atomic(args.out, lambda tmp: convert_gguf(source, tmp), what="converted model")
+            folder = args.out
+        else:
+            folder = gguf_folder(args.source)
+    except (FileNotFoundError, ValueError, ImportError) as e:
+        raise R.UsageError(str(e)) from None
+    print(folder)
+    print(f"  {describe(folder)} ({time.perf_counter() - t0:.0f} s); use it as --model {folder}")
+    return 0
+
+
 def _cmd_plot(args: argparse.Namespace) -> int:
     from tokengym.agents import runs as R
     from tokengym.agents.plot import plot_run
@@ -248,6 +273,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("run", help="the run folder")
     p.add_argument("--out", help="output folder (default: RUN/plots)")
     p.set_defaults(fn=_cmd_plot)
+    p = sub.add_parser("convert", help="convert a GGUF model (a .gguf file, or smollm2-135m-instruct) to a save_pretrained folder")
+    p.add_argument("source", help="a .gguf file, or the name of a GGUF shipped in a Python wheel (smollm2-135m-instruct)")
+    p.add_argument("--out", help="the folder to write (default: the cache, $TOKENGYM_CACHE or ~/.cache/tokengym, "
+                   "which --model NAME.gguf also uses)")
+    p.set_defaults(fn=_cmd_convert)
     p = sub.add_parser("envs", help="list registered environment ids")
     p.set_defaults(fn=_cmd_envs)
     p = sub.add_parser("sample", help="roll out a scripted policy and print completions with their rewards")

