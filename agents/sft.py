@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 from tokengym.agents.rollout import evaluate, heldout_samples
+from tokengym.envs.chat import encode_prompts
 
 __all__ = ["SFTConfig", "SFTBatch", "make_batch", "batches", "sft_loss", "lr_factor", "train_sft", "evaluate_policy", "main"]
 
@@ -160,7 +161,7 @@ def make_batch(samples: Sequence[dict[str, Any]], tokenizer: Any, prompt_len: in
     missing = [i for i, s in enumerate(samples) if not isinstance(s.get("solution"), str)]
     if missing:
         raise ValueError(f"SFT needs a reference 'solution' string in every sample; sample {missing[0]} has none")
-    prompts = tokenizer([s["prompt"] for s in samples], add_special_tokens=True)["input_ids"]
+    prompts = encode_prompts(tokenizer, [s["prompt"] for s in samples])  # chat prompts through the template
     sols = tokenizer([s["solution"] for s in samples], add_special_tokens=False)["input_ids"]
     eos = tokenizer.eos_token_id
     eos = int(eos[0] if isinstance(eos, (list, tuple)) else eos)
@@ -240,7 +241,7 @@ def train_sft(policy: Any, task: Any, config: SFTConfig | None = None, log: Call
         config: :class:`SFTConfig` (defaults if ``None``).
         log: called as ``log(step, metrics)`` at every log and eval step; by default prints when
             ``config.log_every > 0``.
-        prompt_len: prompt columns ``P`` (default: the env's, ``task.max_prompt_chars + 2``).
+        prompt_len: prompt columns ``P`` (default: the env's for this task and tokenizer).
 
     Returns:
         ``{"step": [...], "loss": [...], "lr": [...], "eval": [{"step", "accuracy", "mean_reward",
@@ -251,9 +252,9 @@ def train_sft(policy: Any, task: Any, config: SFTConfig | None = None, log: Call
 
     cfg = config or SFTConfig()
     model, tok, device = policy.model, policy.tokenizer, policy.device
-    P = int(prompt_len or task.max_prompt_chars + 2)
     heldout = heldout_samples(task, cfg.eval_prompts)
-    eval_env = TokenVectorEnv(min(cfg.eval_batch, cfg.eval_prompts), task, tokenizer=tok, device=device, max_prompt_len=P)
+    eval_env = TokenVectorEnv(min(cfg.eval_batch, cfg.eval_prompts), task, tokenizer=tok, device=device, max_prompt_len=prompt_len)
+    P = eval_env.max_prompt_len  # the env's default room for the task's prompts (chat templates included)
     stream = batches(task, tok, cfg.batch_size, P, cfg.seed, {s["prompt"] for s in heldout} if cfg.exclude_heldout else None)
     opt = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))

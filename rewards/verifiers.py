@@ -194,12 +194,7 @@ def number_match(prompts: list[str], completions: list[str], answer: Sequence[An
         >>> number_match(["What is 17+25?"] * 3, ["17 + 25 = 42", "The answer is 42.", "17 + 25 = 32"], answer=[42] * 3)
         [1.0, 1.0, 0.0]
     """
-    _check_lengths("number_match", completions, answer=answer)
-    out = []
-    for completion, ref in zip(completions, answer):
-        got = parse_int(extract_number(completion))
-        out.append(1.0 if got is not None and got == _reference_int(ref, "number_match") else 0.0)
-    return out
+    return _int_match("number_match", extract_number, completions, answer)
 
 
 def _check_lengths(who: str, completions: Sequence, **columns: Any) -> None:
@@ -243,11 +238,16 @@ def arithmetic_correct(prompts: list[str], completions: list[str], answer: Seque
         >>> arithmetic_correct(["12+7+30\\n"] * 3, ["A: 49", "a = 49.", "A: 48"], answer=[49, 49, 49])
         [1.0, 1.0, 0.0]
     """
-    _check_lengths("arithmetic_correct", completions, answer=answer)
+    return _int_match("arithmetic_correct", extract_final_answer, completions, answer)
+
+
+def _int_match(who: str, extract: Any, completions: list[str], answer: Sequence[Any] | None) -> list[float]:
+    """1.0 per completion whose ``extract``-ed answer parses (:func:`parse_int`) to the integer reference."""
+    _check_lengths(who, completions, answer=answer)
     out = []
     for completion, ref in zip(completions, answer):
-        got = parse_int(extract_final_answer(completion))
-        out.append(1.0 if got is not None and got == _reference_int(ref, "arithmetic_correct") else 0.0)
+        got = parse_int(extract(completion))
+        out.append(1.0 if got is not None and got == _reference_int(ref, who) else 0.0)
     return out
 
 

@@ -229,3 +229,19 @@ def test_shipped_checkpoint_scores_what_its_card_says(one_thread):
     assert 0.4 <= res["accuracy"] <= 0.9  # a warm start that RL can still improve
     card = open(os.path.join(CHECKPOINT, "..", "README.md")).read()
     assert f"{100 * meta['eval'][-1]['accuracy']:.1f}%" in card
+
+
+def test_chat_samples_are_laid_out_through_the_chat_template():
+    """SFT on a chat task: each prompt is the template's rendering (as the env's), the solution follows it."""
+    from tokengym.envs import char_tokenizer
+    from tokengym.envs.tasks import ArithmeticTask
+
+    tok = char_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    sample = ArithmeticTask(chat=True).sample(np.random.default_rng(0))
+    batch = make_batch([sample], tok, prompt_len=80)
+    row = batch.tokens[0][batch.mask[0]].tolist()
+    prompt = tok.apply_chat_template(sample["prompt"], add_generation_prompt=True, tokenize=False)
+    assert tok.decode(row) == prompt + sample["solution"] + tok.eos_token
