@@ -170,6 +170,7 @@ class StaticDecoder:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"StaticDecoder cannot run this model: {reason}")
+        self.source = model  # what the Policy holds (a peft model for LoRA)
         model = _unwrap_lora(model)[0]  # LoRA adapters are added to the fused weights in _refresh
         cfg = model.config
         self.model = model
@@ -261,6 +262,13 @@ class StaticDecoder:
             self._head_t = mat(self.model.lm_head.weight)
         self._layers = layers
         self._key = key
+
+    def release(self) -> None:
+        """Free the fused weights and the KV cache (a copy of every linear layer, and more): they are rebuilt at the
+        next prefill anyway, and held between rollouts they would add to the update's peak memory."""
+        self._layers, self._cache, self._key = [], [], None
+        self._embed = self._norm_w = self._head_t = None
+        self._step = self._capacity = 0
 
     def _rope_table(self, length: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """``[length, 2, hd]``: cos and sin of every position from the model's rotary module."""

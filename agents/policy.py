@@ -176,9 +176,16 @@ class Policy(nn.Module):
     def _fast_decoder(self, width: int) -> StaticDecoder | None:
         if self.fast_path_reason(width) is not None:
             return None
-        if self._fast is None or self._fast.model is not self.model:
+        if self._fast is None or self._fast.source is not self.model:
             self._fast = StaticDecoder(self.model)
         return self._fast
+
+    def end_rollout(self) -> None:
+        """Free what a rollout held (the fast decoder's fused weights and cache, or the generic KV cache); the next
+        :meth:`prefill` starts afresh. ``collect`` calls it, so the update's peak memory does not include them."""
+        if self._fast is not None:
+            self._fast.release()
+        self._cache = self._mask = self._pos = self._seen = None
 
     @torch.inference_mode()
     def prefill(self, tokens: torch.Tensor, mask: torch.Tensor, max_new_tokens: int | None = None) -> torch.Tensor:

@@ -168,14 +168,19 @@ def _run_episodes(env, policy, greedy: bool, seed: int | None, samples: list | N
     obs, _ = env.reset(seed=seed, options={"samples": samples} if samples is not None else None)
     P, M, N = env.max_prompt_len, env.max_new_tokens, env.num_envs
     logps = torch.zeros((N, M), dtype=torch.float32, device=env.device)
-    logits = policy.prefill(obs["tokens"][:, :P], obs["mask"][:, :P], max_new_tokens=M)
-    for t in range(M):
-        actions, lp = policy.sample(logits, greedy=greedy)
-        logps[:, t] = lp
-        env.step(actions)
-        if env.all_done:
-            break
-        logits = policy.decode(actions)
+    lead = P - max(int(obs["mask"][:, :P].sum(1).max()), 1)  # prompt columns that are padding in every row
+    try:
+        logits = policy.prefill(obs["tokens"][:, lead:P], obs["mask"][:, lead:P], max_new_tokens=M)
+        for t in range(M):
+            actions, lp = policy.sample(logits, greedy=greedy)
+            logps[:, t] = lp
+            env.step(actions)
+            if env.all_done:
+                break
+            logits = policy.decode(actions)
+    finally:
+        if hasattr(policy, "end_rollout"):
+            policy.end_rollout()
     return logps
 
 
