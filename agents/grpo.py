@@ -19,6 +19,7 @@ from tokengym.agents import functional as F
 from tokengym.agents.config import check_config
 from tokengym.agents.distributed import LOCAL, aggregation_weights
 from tokengym.agents.logger import RunLogger
+from tokengym.agents.models import enable_checkpointing
 from tokengym.agents.optim import adamw
 from tokengym.agents.policy import make_reference
 from tokengym.agents.resources import check_fits
@@ -80,6 +81,9 @@ class GRPOConfig:
     """Recompute pi_old log-probs with a forward pass instead of reusing the rollout's (needed only when sampling used top-k/top-p)."""
     bf16: bool = False
     """bf16 autocast in the rollout (the fast decoder multiplies bf16 weights) and the update's forward/backward; faster on CPU for the small preset, ratios are 1 only up to bf16 rounding."""
+    gradient_checkpointing: bool = False
+    """Recompute each layer's activations in the backward pass instead of keeping them: far less update memory for
+    about a third more update compute (TRL's GRPOTrainer does this by default)."""
     eval_every: int = 10
     """Evaluate on held-out prompts every this many sampling steps when learn() gets eval samples (0 = only at the end)."""
     seed: int = 0
@@ -143,6 +147,8 @@ class GRPOAgent:
         self.config = config or GRPOConfig()
         self.logger = RunLogger(run_dir)
         self.optimizer = adamw(policy.parameters(), lr=self.config.lr, weight_decay=self.config.weight_decay)
+        if self.config.gradient_checkpointing:
+            enable_checkpointing(policy.model)
         self.ref = make_reference(policy) if self.config.beta > 0 else None  # beta = 0: no reference at all
         self.global_step = 0
         self._resume_step: int | None = None  # set by load_state_dict: learn() continues its schedule from here

@@ -25,7 +25,7 @@ from tokengym.envs.tokenizer import char_tokenizer, check_tokenizer
 from tokengym.rewards.common import quiet_transformers
 
 __all__ = ["PRESETS", "CHECKPOINTS", "ATTENTION", "preset_config", "build_preset", "load_model", "load_classifier",
-           "frozen_copy", "count_parameters", "use_tokengym_attention"]
+           "frozen_copy", "count_parameters", "use_tokengym_attention", "enable_checkpointing"]
 
 CHECKPOINTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoints")
 CHECKPOINTS: tuple[str, ...] = ("tiny-arithmetic",)
@@ -236,3 +236,12 @@ def frozen_copy(model: nn.Module) -> nn.Module:
 
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def enable_checkpointing(*models: nn.Module) -> None:
+    """Turn on ``transformers``' gradient checkpointing (non-reentrant) for each model that supports it; raise
+    ``ValueError`` naming one that does not."""
+    for model in models:
+        if not getattr(model, "supports_gradient_checkpointing", False) and not hasattr(model, "get_base_model"):
+            raise ValueError(f"{type(model).__name__} does not support gradient checkpointing")
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -33,6 +33,7 @@ from tokengym.agents.critic import Critic
 from tokengym.agents.config import check_config
 from tokengym.agents.distributed import LOCAL, aggregation_weights
 from tokengym.agents.logger import RunLogger
+from tokengym.agents.models import enable_checkpointing
 from tokengym.agents.optim import adamw
 from tokengym.agents.policy import make_reference
 from tokengym.agents.resources import check_fits
@@ -93,6 +94,9 @@ class PPOConfig:
     """Gradient clipping norm for policy and critic (0 = off)."""
     bf16: bool = False
     """bf16 autocast in the rollout, the reference/critic passes and the update's forward (faster on CPUs with bf16 matmuls; ratios are 1 only up to bf16 rounding)."""
+    gradient_checkpointing: bool = False
+    """Recompute each layer's activations in the backward pass instead of keeping them: far less update memory for
+    about a third more update compute (TRL's GRPOTrainer does this by default)."""
     share_trunk: bool = False
     """Critic shares the policy's transformer trunk (one backbone, two heads) instead of its own copy."""
     eval_every: int = 0
@@ -175,6 +179,8 @@ class PPOAgent:
         ids = {id(p) for p in policy_params}
         critic_params = [p for p in self.critic.parameters() if id(p) not in ids]  # shared trunk: policy optimiser owns it
         self.policy_opt = adamw(policy_params, lr=cfg.lr)
+        if cfg.gradient_checkpointing:
+            enable_checkpointing(policy.model, self.critic.trunk)
         self.critic_opt = adamw(critic_params, lr=cfg.critic_lr)
         self.kl_ctl = AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)
         self.ref = None

@@ -232,3 +232,24 @@ def test_a_step_with_nothing_to_learn_gives_frozen_weights_no_gradient():
     assert frozen.grad is None
     assert torch.equal(frozen, before)
     assert all(p.grad is not None and not p.grad.any() for p in policy.parameters() if p.requires_grad)
+
+
+def test_gradient_checkpointing_recomputes_the_same_gradients():
+    """``gradient_checkpointing=True`` keeps fewer activations and recomputes them in the backward: every update's
+    gradient equals that of a run that keeps them (float32 rounding), stepping in lockstep."""
+
+    def run(gc: bool, lockstep):
+        env = gym.make_vec("tokengym/Arithmetic-v0", num_envs=16, vectorization_mode="vector_entry_point", group_size=8)
+        policy = Policy.from_pretrained("tiny-arithmetic")
+        agent = GRPOAgent(policy, GRPOConfig(steps=2, lr=1e-4, seed=0, gradient_checkpointing=gc, skip_zero_advantage=False))
+        assert policy.model.is_gradient_checkpointing == gc
+        with lockstep:
+            agent.learn(env)
+        return env
+
+    kept = numerics.Lockstep()
+    env = run(False, kept)
+    recomputed = numerics.Lockstep(replay=kept.steps)
+    run(True, recomputed)
+    full = env.max_prompt_len + env.max_new_tokens
+    numerics.assert_gradients_match(recomputed.diffs, 2, 16 * full * WIDEST, "checkpointed vs kept activations")
