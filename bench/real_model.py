@@ -14,10 +14,14 @@ the number.") and the same thread count. The JSON line carries:
   layer read once per decode step), next to ``matmul_gflops`` (2048^3 fp32) and ``memcpy_gbps`` (a 256 MiB copy)
   measured in the same run.
 * ``grpo_step_speedup``: TRL seconds per step over tokengym's (goal >= 1.5), G=8, 2 prompts per step,
-  ``--new-tokens`` completions with stop tokens suppressed in both (equal work), beta=0, mu=1, fp32;
-  ``grpo_step_speedup_bf16`` with both in bf16 (tokengym's bf16 autocast, TRL's ``bf16=True``). Median step after
-  one warm-up step. ``peak_rss_ratio``: TRL's peak resident memory over tokengym's, in the fp32 step processes
-  (each loads the same model; goal >= 1.0).
+  ``--new-tokens`` completions with stop tokens suppressed in both (equal work), beta=0, mu=1, fp32, and neither
+  recomputing activations. TRL's ``GRPOConfig`` turns gradient checkpointing on by default, so
+  ``grpo_step_speedup_gc`` compares both with it on (tokengym's ``gradient_checkpointing=True``) and
+  ``grpo_step_speedup_defaults`` each library's default; ``grpo_step_speedup_bf16`` both in bf16 (tokengym's bf16
+  autocast, TRL's ``bf16=True``), without checkpointing. Median step after one warm-up step.
+* ``peak_rss_ratio``: TRL's peak resident memory over tokengym's (goal >= 1.0), both checkpointing (TRL's
+  default); ``peak_rss_ratio_nogc`` both without, ``peak_rss_ratio_defaults`` each library's default. Each process
+  loads the same model.
 * ``dpo_pairs_per_s`` (TRL conversational pairs through the chat template, batch 8) and ``ppo_update_s`` (one PPO
   update of 16 chat episodes with a critic built from the model's trunk and a KL reference), tokengym alone.
 * With ``--race-seconds S``: ``acc_before`` and ``acc_after_tokengym`` / ``acc_after_trl``, held-out greedy accuracy
@@ -139,14 +143,15 @@ def rollout_one(side: str, n: int, new_tokens: int, repeats: int) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- GRPO step
-def grpo_tokengym(steps: int, new_tokens: int, bf16: bool = False, seconds: float = 0.0, samples=None, **cfg) -> dict:
+def grpo_tokengym(steps: int, new_tokens: int, bf16: bool = False, gc: bool = False, seconds: float = 0.0, samples=None,
+                  **cfg) -> dict:
     speed = not seconds  # the speed comparison: every row runs to the budget, as in TRL below
     policy = (NoStopPolicy if speed else Policy).from_pretrained(folder(), temperature=cfg.pop("temperature", 1.0), seed=0)
     env = TokenVectorEnv(G * PROMPTS, task(), tokenizer=policy.tokenizer, group_size=G, max_new_tokens=new_tokens)
     if speed:
         policy.stop = torch.tensor(_stop_ids(env))
     agent = GRPOAgent(policy, GRPOConfig(steps=steps, lr=cfg.pop("lr", 1e-6), beta=0.0, mu=1, bf16=bf16, seed=0,
-                                         skip_zero_advantage=False, **cfg))
+                                         skip_zero_advantage=False, gradient_checkpointing=gc, **cfg))
     times, train_s = [], 0.0
 
     def cb(rec):
@@ -164,7 +169,8 @@ def grpo_tokengym(steps: int, new_tokens: int, bf16: bool = False, seconds: floa
     return out
 
 
-def grpo_trl(steps: int, new_tokens: int, bf16: bool = False, seconds: float = 0.0, samples=None, **cfg) -> dict:
+def grpo_trl(steps: int, new_tokens: int, bf16: bool = False, gc: bool = True, seconds: float = 0.0, samples=None,
+             **cfg) -> dict:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig as TRLConfig
@@ -197,7 +203,7 @@ def grpo_trl(steps: int, new_tokens: int, bf16: bool = False, seconds: float = 0
         max_completion_length=new_tokens, num_iterations=1, beta=0.0, learning_rate=cfg.get("lr", 1e-6),
         max_steps=steps, logging_strategy="no", disable_tqdm=True, log_level="error", report_to="none", use_cpu=True,
         save_strategy="no", loss_type="grpo", scale_rewards="group", temperature=cfg.get("temperature", 1.0), top_k=0,
-        top_p=1.0, bf16=bf16, disable_dropout=True, seed=0, dataloader_num_workers=0,
+        top_p=1.0, bf16=bf16, disable_dropout=True, seed=0, dataloader_num_workers=0, gradient_checkpointing=gc,
         generation_kwargs={} if seconds else {"suppress_tokens": _stop_ids(probe)},
     )
     trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=args, train_dataset=data, processing_class=tok,
@@ -246,8 +252,10 @@ def child(args) -> dict:
         samples = heldout_samples(task(), 200)
         r = fn(10**6, RECIPE["max_new_tokens"], seconds=args.race_seconds, samples=samples,
                lr=RECIPE["lr"], temperature=RECIPE["temperature"])
-    else:
-        r = fn(args.grpo_steps, args.new_tokens, bf16=side.endswith("bf16"))
+    else:  # side: tokengym|trl, then -gc / -nogc (each library's default otherwise) and -bf16
+        flags = side.split("-")[1:]
+        gc = {"gc": True, "nogc": False}.get(next((f for f in flags if "gc" in f), ""), side.startswith("trl"))
+        r = fn(args.grpo_steps, args.new_tokens, bf16="bf16" in flags, gc=gc)
     return {**r, "peak_rss_mib": peak_rss_mib()}
 
 
@@ -260,7 +268,7 @@ def main() -> None:
     ap.add_argument("--grpo-steps", type=int, default=4)
     ap.add_argument("--race-seconds", type=float, default=0.0, help="training seconds per side in the race (0 = no race)")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--parts", nargs="+", default=["rollout", "grpo", "others"], choices=["rollout", "grpo", "others"])
+    ap.add_argument("--parts", nargs="*", default=["rollout", "grpo", "others"], choices=["rollout", "grpo", "others"])
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -289,12 +297,19 @@ def main() -> None:
             ratios.append(g["seconds"] / t["seconds"])
         res["rollout_ratio"] = round(min(ratios), 3)
     if "grpo" in args.parts:
-        sides = {s: run(f"grpo:{s}") for s in ("tokengym", "trl", "tokengym_bf16", "trl_bf16")}
-        res["grpo_step_s"] = {s: round(r["step_s"], 3) for s, r in sides.items()}
-        res["grpo_step_speedup"] = round(sides["trl"]["step_s"] / sides["tokengym"]["step_s"], 3)
-        res["grpo_step_speedup_bf16"] = round(sides["trl_bf16"]["step_s"] / sides["tokengym_bf16"]["step_s"], 3)
-        res["peak_rss_mib"] = {s: round(r["peak_rss_mib"]) for s, r in sides.items()}
-        res["peak_rss_ratio"] = round(sides["trl"]["peak_rss_mib"] / sides["tokengym"]["peak_rss_mib"], 3)
+        names = ("tokengym", "trl-nogc", "tokengym-gc", "trl", "tokengym-bf16", "trl-nogc-bf16")
+        sides = {s: run(f"grpo:{s}") for s in names}
+        step = {s: r["step_s"] for s, r in sides.items()}
+        rss = {s: r["peak_rss_mib"] for s, r in sides.items()}
+        res["grpo_step_s"] = {s: round(v, 3) for s, v in step.items()}
+        res["grpo_step_speedup"] = round(step["trl-nogc"] / step["tokengym"], 3)  # equal work: no checkpointing
+        res["grpo_step_speedup_gc"] = round(step["trl"] / step["tokengym-gc"], 3)  # equal work: both checkpointing
+        res["grpo_step_speedup_defaults"] = round(step["trl"] / step["tokengym"], 3)  # TRL checkpoints by default
+        res["grpo_step_speedup_bf16"] = round(step["trl-nogc-bf16"] / step["tokengym-bf16"], 3)
+        res["peak_rss_mib"] = {s: round(v) for s, v in rss.items()}
+        res["peak_rss_ratio"] = round(rss["trl"] / rss["tokengym-gc"], 3)  # both checkpointing (TRL's default)
+        res["peak_rss_ratio_nogc"] = round(rss["trl-nogc"] / rss["tokengym"], 3)
+        res["peak_rss_ratio_defaults"] = round(rss["trl"] / rss["tokengym"], 3)
     if "others" in args.parts:
         res.update({k: round(v, 3) for k, v in run("others:tokengym").items() if k != "peak_rss_mib"})
     if args.race_seconds > 0:
