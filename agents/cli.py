@@ -38,7 +38,8 @@ def _cmd_envs(args: argparse.Namespace) -> int:
         print(f"{env_id}  {desc}")
         try:  # an example from the task's defaults, where it has them
             s = resolve_task(task).batch(np.random.default_rng(0), 1)[0]
-            print(f"    e.g.    {s['prompt']!r} -> {s['solution']!r}")
+            shown = repr(s["solution"]) if "solution" in s else f"(the env's answer: {s.get('answer')!r})"
+            print(f"    e.g.    {s['prompt']!r} -> {shown}")
         except (TypeError, ValueError, ImportError):
             pass
         print(f"    format: {fmt}\n    models: {fits}")

@@ -13,6 +13,8 @@ ENV_IDS: dict[str, tuple[str, str]] = {
     "tokengym/Dataset-v0": ("dataset", "prompts from JSONL / list / datasets.Dataset (data=...), any reward"),
     "tokengym/Target-v0": ("target", "emit a fixed target string; the smallest learnable task, for agent smoke tests"),
     "tokengym/ReasoningGym-v0": ("reasoning_gym", "a reasoning-gym dataset (name=...), scored by its score_answer"),
+    "tokengym/Calculator-v0": ("calculator", "multi-turn: Arithmetic with a calculator tool, <calc>38+87</calc> is answered =125"),
+    "tokengym/GuessNumber-v0": ("guess_number", "multi-turn: find a hidden number from the env's higher/lower replies"),
 }
 
 
@@ -30,6 +32,12 @@ ENV_GUIDE: dict[str, tuple[str, str]] = {
     "tokengym/ReasoningGym-v0": ("prompt: the dataset's English question; answer in <answer>...</answer> or on the last "
                                  "line, scored by the dataset", "a local instruct model that reads English: the bundled "
                                  "char-level models score 0 on these"),
+    "tokengym/Calculator-v0": ("completion: '<calc>EXPR</calc>' calls (the env writes '=VALUE' and a newline), then "
+                               "'A: <answer>'; reward 1 iff right, minus call_cost per call",
+                               "tiny-arithmetic knows the answer format but not the tool: SFT on the task's solutions "
+                               "(one call per reduction) first, then GRPO"),
+    "tokengym/GuessNumber-v0": ("each turn: a number and '?', answered higher/lower/correct; reward 1 - 0.1 per "
+                                "extra guess when found", "a demo of interaction without a tool; chat=True for an instruct model"),
 }
 """id -> (prompt and answer format, which models it fits); ``tokengym envs`` prints them."""
 

@@ -5,7 +5,9 @@ observations, so single and vector envs share every line of episode logic.
 
 Observation (a ``Dict`` space that ``check_env`` and stable-baselines3 accept):
 ``tokens`` int64 ``[P + M]`` (prompt left-padded into the first ``P`` slots, generated tokens from
-slot ``P`` on, pad after) and ``mask`` int8 ``[P + M]`` (1 on real tokens).
+slot ``P`` on, pad after), ``mask`` int8 ``[P + M]`` (1 on real tokens) and ``action_mask`` int8 ``[P + M]`` (1 on
+the agent's own tokens). In a multi-turn task one step can add many tokens: the agent's action and then the env's
+reply (``info["reply_tokens"]`` of them, with ``info["reply"]`` its text).
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ class TokenEnv(gym.Env):
         L = v.seq_len
         self.action_space = spaces.Discrete(v.vocab_size)
         self.observation_space = spaces.Dict(
-            {"tokens": spaces.Box(0, v.vocab_size - 1, (L,), np.int64), "mask": spaces.MultiBinary(L)}
+            {"tokens": spaces.Box(0, v.vocab_size - 1, (L,), np.int64), "mask": spaces.MultiBinary(L),
+             "action_mask": spaces.MultiBinary(L)}
         )
 
     @property
@@ -66,7 +69,8 @@ class TokenEnv(gym.Env):
         return self.venv.task
 
     def _obs(self, obs: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
-        return {"tokens": obs["tokens"][0].numpy(), "mask": obs["mask"][0].numpy().astype(np.int8)}
+        return {"tokens": obs["tokens"][0].numpy(), "mask": obs["mask"][0].numpy().astype(np.int8),
+                "action_mask": obs["action_mask"][0].numpy().astype(np.int8)}
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
         """Start an episode. ``options={"prompt": str | dict}`` sets the prompt instead of drawing one."""
@@ -88,6 +92,9 @@ class TokenEnv(gym.Env):
         obs, r, term, trunc, vinfo = self.venv.step(torch.as_tensor(a.reshape(1), dtype=torch.long))
         terminated, truncated = bool(term[0]), bool(trunc[0])
         info: dict[str, Any] = {}
+        n = int(self.venv.reply_len[0]) if "reply_len" in vinfo else 0
+        if n:
+            info.update(reply_tokens=n, reply=self.venv.history[0][-1])
         if terminated or truncated:
             v = self.venv
             info = {
@@ -106,3 +113,6 @@ class TokenEnv(gym.Env):
         v = self.venv
         text = v.tokenizer.batch_decode(v.generated_ids([0]), skip_special_tokens=True)[0]
         return v.prompts[0] + text
+
+    def close(self) -> None:
+        self.venv.close()

@@ -7,7 +7,14 @@ Layout of one row of the token buffer (``obs["tokens"][i]``, length ``L = P + M`
 
 Prompts are **left-padded** into the first ``P`` slots, so every row's generation starts at column ``P``
 and a lockstep batch writes each new token into the same column: the layout a KV-cached policy wants.
-``obs["mask"]`` is ``True`` on real tokens (prompt and generated), ``False`` on padding.
+``obs["mask"]`` is ``True`` on real tokens (prompt and generated), ``False`` on padding, and
+``obs["action_mask"]`` is ``True`` on the tokens the agent emitted (its actions): agents train on those only.
+
+Multi-turn tasks (those that override :meth:`Task.respond`, see :mod:`tokengym.envs.multiturn`) answer the agent
+mid-episode: when an agent turn ends, the env's reply tokens are appended to that row right after it, as
+context (``mask`` 1, ``action_mask`` 0), and the agent goes on from there. The ``M`` columns are then the
+episode's whole token budget, agent and env tokens together; ``info["reply_len"]`` says how many reply tokens
+each row got in the step.
 
 Per step, each active slot appends its action. A slot **terminates** when it emits a stop token (EOS,
 or the last token of a task/user stop string, matched on token ids) and is **truncated** when it
@@ -39,7 +46,10 @@ from gymnasium import spaces
 from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space
 
+import concurrent.futures as cf
+
 from tokengym.envs.chat import check_chat_template, encode_prompts, end_of_turn_ids, is_messages, prompt_texts, template_overhead
+from tokengym.envs.multiturn import Reply, ask_all, chat_reply_wrapper
 from tokengym.envs.tasks.base import Task
 from tokengym.envs.tokenizer import load_tokenizer
 from tokengym.rewards.common import TokengymWarning
@@ -49,7 +59,8 @@ __all__ = ["TokenVectorEnv", "resolve_task"]
 
 
 def resolve_task(task: str | Task, **task_kwargs: Any) -> Task:
-    """A :class:`Task` from a name (``"arithmetic"``, ``"reverse"``, ``"dataset"``, ``"reasoning_gym"``, ``"target"``) or instance."""
+    """A :class:`Task` from a name (``"arithmetic"``, ``"reverse"``, ``"dataset"``, ``"reasoning_gym"``, ``"target"``,
+    ``"calculator"``, ``"guess_number"``) or instance."""
     if isinstance(task, Task):
         if task_kwargs:
             raise TypeError(f"got a Task instance and extra task arguments {sorted(task_kwargs)}; pass one or the other")
@@ -57,7 +68,8 @@ def resolve_task(task: str | Task, **task_kwargs: Any) -> Task:
     from tokengym.envs import tasks as T
 
     named = {"arithmetic": "ArithmeticTask", "reverse": "ReverseTask", "dataset": "DatasetTask",
-             "reasoning_gym": "ReasoningGymTask", "target": "TargetTask"}
+             "reasoning_gym": "ReasoningGymTask", "target": "TargetTask",
+             "calculator": "CalculatorTask", "guess_number": "GuessNumberTask"}
     if not isinstance(task, str) or task not in named:
         raise ValueError(f"unknown task {task!r}; choose one of {sorted(named)} or pass a Task instance")
     return getattr(T, named[task])(**task_kwargs)
@@ -156,12 +168,22 @@ class TokenVectorEnv(VectorEnv):
         L, V = self.seq_len, self.vocab_size
         self.single_action_space = spaces.Discrete(V)
         self.single_observation_space = spaces.Dict(
-            {"tokens": spaces.Box(0, V - 1, (L,), np.int64), "mask": spaces.Box(0, 1, (L,), np.bool_)}
+            {"tokens": spaces.Box(0, V - 1, (L,), np.int64), "mask": spaces.Box(0, 1, (L,), np.bool_),
+             "action_mask": spaces.Box(0, 1, (L,), np.bool_)}
         )
         self.action_space = batch_space(self.single_action_space, num_envs)
         self.observation_space = batch_space(self.single_observation_space, num_envs)
 
-        self._build_lookups(stop_strings if stop_strings is not None else self.task.stop_strings)
+        self.multi_turn = self.task.multi_turn
+        stops = list(stop_strings if stop_strings is not None else self.task.stop_strings)
+        self._markers = [*stops, *self.task.turn_stop_strings] if self.multi_turn else stops
+        self._build_lookups(self._markers)
+        self._wrap = chat_reply_wrapper(self.tokenizer, self.task.reply_role) if self.multi_turn and self.task.chat else ("", "")
+        self._pool: cf.ThreadPoolExecutor | None = None
+        self.turn_stats = {"turns": 0, "replies": 0, "tool_errors": 0, "tool_timeouts": 0, "reply_overflows": 0, "max_turns": 0}
+        """Cumulative counts of multi-turn events: agent turns ended, replies appended, replies that raised or were not
+        text, replies past ``reply_timeout``, replies longer than the remaining budget (episode truncated) and
+        episodes truncated at ``max_turns``."""
         self._alloc()
 
     # ------------------------------------------------------------------ set-up
@@ -202,6 +224,14 @@ class TokenVectorEnv(VectorEnv):
         N, L, M, dev = self.num_envs, self.seq_len, self.max_new_tokens, self.device
         self.tokens = torch.full((N, L), self.pad_id, dtype=torch.long, device=dev)
         self.attention_mask = torch.zeros((N, L), dtype=torch.bool, device=dev)
+        self.action_mask = torch.zeros((N, L), dtype=torch.bool, device=dev)
+        self.last_action = torch.zeros(N, dtype=torch.long, device=dev)  # generation column of the newest action
+        self.turn_start = torch.zeros(N, dtype=torch.long, device=dev)  # where the current agent turn began
+        self.reply_len = torch.zeros(N, dtype=torch.long, device=dev)  # reply tokens appended by the last step
+        self.reply_count = torch.zeros(N, dtype=torch.long, device=dev)  # replies appended in each episode
+        self.turn_rewards = torch.zeros((N, M), dtype=torch.float32, device=dev)
+        self.history: list[list[str]] = [[] for _ in range(N)]
+        self.replied: list[int] = []  # rows that got a reply in the last step (host list, for the rollout engine)
         self.gen_len = torch.zeros(N, dtype=torch.long, device=dev)
         self.terminated = torch.zeros(N, dtype=torch.bool, device=dev)
         self.truncated = torch.zeros(N, dtype=torch.bool, device=dev)
@@ -311,13 +341,15 @@ class TokenVectorEnv(VectorEnv):
         self.attention_mask[idx] = False
         self.attention_mask[idx, :P] = real.to(self.device)
         for buf in (self.gen_len, self.terminated, self.truncated, self.rewards, self.process_rewards,
-                    self.step_end, self.outcome, self._needs_reset):
+                    self.step_end, self.outcome, self._needs_reset, self.action_mask, self.last_action,
+                    self.turn_start, self.reply_len, self.reply_count, self.turn_rewards):
             buf[idx] = 0
         gid = torch.tensor([self._next_group + g for g in groups], device=self.device)
         self.group_id[idx] = gid.repeat_interleave(self.group_size)
         self._next_group += self.n_groups
         for s, sample in zip(slots, samples):
             self.samples[s] = sample
+            self.history[s] = []
             self.step_scores[s] = []
             self.completions[s] = None
             self.reward_components[s] = {}
@@ -372,9 +404,8 @@ class TokenVectorEnv(VectorEnv):
         done_now = term_now | trunc_now
         delim_now = active & self._is_delim[a_safe] if self._is_delim is not None else None
         events = done_now if delim_now is None else done_now | delim_now
-        checks = [invalid.any(), active.any(), events.any(), (active & ~done_now).any()]
-        if resetting is not None:
-            checks.append(resetting.any())
+        checks = [invalid.any(), active.any(), events.any(), (active & ~done_now).any(),
+                  resetting.any() if resetting is not None else invalid.any(), term_now.any()]
         flags = torch.stack(checks).tolist()  # the one host sync per step
         if flags[0]:
             bad = int(invalid.nonzero()[0])
@@ -385,13 +416,23 @@ class TokenVectorEnv(VectorEnv):
         col = (self.gen_len + P).clamp(max=self.seq_len - 1).unsqueeze(1)
         self.tokens.scatter_(1, col, torch.where(active, a, self.tokens.gather(1, col)[:, 0]).unsqueeze(1))
         self.attention_mask.scatter_(1, col, (active | self.attention_mask.gather(1, col)[:, 0]).unsqueeze(1))
+        self.action_mask.scatter_(1, col, (active | self.action_mask.gather(1, col)[:, 0]).unsqueeze(1))
+        self.last_action = torch.where(active, self.gen_len, self.last_action)
         self.gen_len += active.long()
+        reward = torch.zeros(self.num_envs, dtype=torch.float32, device=self.device)
+        info: dict[str, Any] = {}
+        if self.multi_turn:
+            self.reply_len.zero_()
+            self.replied = []
+            if flags[5]:  # agent turns ended: the env answers them, or ends or truncates those episodes
+                term_now, trunc_now = self._answer_turns(term_now, trunc_now, reward)
+                done_now = term_now | trunc_now
+                info["reply_len"] = self.reply_len.clone()
+                flags[3] = bool((active & ~done_now).any())
         self.terminated |= term_now
         self.truncated |= trunc_now
         self.all_done = not flags[3]
 
-        reward = torch.zeros(self.num_envs, dtype=torch.float32, device=self.device)
-        info: dict[str, Any] = {}
         if flags[2]:
             t0 = time.perf_counter()
             self._score_events(done_now, delim_now, reward, info)
@@ -413,8 +454,74 @@ class TokenVectorEnv(VectorEnv):
             k = seq.numel()
             cols = (self.gen_len + self.max_prompt_len).unsqueeze(1) + torch.arange(-(k - 1), 0, device=self.device)
             prev = self.tokens.gather(1, cols.clamp(min=0))
-            hit |= (self.gen_len >= k - 1) & (prev == seq[:-1]).all(1) & (a == seq[-1])
+            # only the agent's current turn counts: an env reply before it never completes a marker
+            hit |= (self.gen_len - self.turn_start >= k - 1) & (prev == seq[:-1]).all(1) & (a == seq[-1])
         return hit
+
+    # ------------------------------------------------------------------ multi-turn
+    def _answer_turns(self, term_now: torch.Tensor, trunc_now: torch.Tensor, reward: torch.Tensor):
+        """Ask the task to answer the rows whose agent turn just ended (``term_now``); append each reply, or end
+        (terminated) or truncate the episode. Returns the updated ``(term_now, trunc_now)``."""
+        P, M, V = self.max_prompt_len, self.max_new_tokens, self.vocab_size
+        rows = term_now.nonzero().flatten().tolist()
+        starts, ends, lasts = (t[rows].tolist() for t in (self.turn_start, self.gen_len, self.last_action))
+        buf = self.tokens[rows, P:].tolist()
+        said = self.tokenizer.batch_decode([b[s:e] for b, s, e in zip(buf, starts, ends)], skip_special_tokens=True)
+        for s, text in zip(rows, said):
+            self.history[s].append(text)
+        if self._pool is None and self.task.reply_timeout is not None:
+            self._pool = cf.ThreadPoolExecutor(max_workers=min(32, self.num_envs), thread_name_prefix="tokengym-reply")
+        replies, errors, counts = ask_all(self.task, self._pool, [(self.samples[s], self.history[s]) for s in rows])
+        stats = self.turn_stats
+        stats["turns"] += len(rows)
+        for k, v in counts.items():
+            stats[k] += v
+        term, trunc = term_now.clone(), trunc_now.clone()
+        for s, rep, err, end, last in zip(rows, replies, errors, ends, lasts):
+            if rep.reward:
+                self.turn_rewards[s, last] += float(rep.reward)
+                self.rewards[s, last] += float(rep.reward)
+                reward[s] += float(rep.reward)
+            if rep.done:
+                if rep.text:
+                    self.history[s].append(rep.text)
+                continue
+            term[s] = False
+            ids = self._reply_ids(rep, sanitize=err)
+            if self.task.max_turns is not None and len(self.history[s]) // 2 + 1 >= self.task.max_turns:
+                trunc[s], stats["max_turns"] = True, stats["max_turns"] + 1
+            elif len(ids) >= M - end:  # no room for the reply and one more agent token
+                trunc[s], stats["reply_overflows"] = True, stats["reply_overflows"] + 1
+            else:
+                cols = torch.arange(P + end, P + end + len(ids), device=self.device)
+                self.tokens[s, cols] = torch.tensor(ids, dtype=torch.long, device=self.device)
+                self.attention_mask[s, cols] = True
+                self.gen_len[s] = end + len(ids)
+                self.turn_start[s] = end + len(ids)
+                self.reply_len[s] = len(ids)
+                self.reply_count[s] += 1
+                self.replied.append(s)
+                self.history[s].append(rep.text if rep.text is not None else self.tokenizer.decode(ids, skip_special_tokens=True))
+                stats["replies"] += 1
+        return term, trunc
+
+    def _reply_ids(self, rep: Reply, sanitize: bool) -> list[int]:
+        """The token ids of a reply (between the chat template's role markers in chat tasks), checked."""
+        if rep.ids is not None:
+            ids = [int(i) for i in rep.ids]
+            bad = [i for i in ids if not 0 <= i < self.vocab_size]
+            if bad:
+                raise ValueError(f"task {self.task.name!r} replied with token id {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
+            return ids
+        text = str(rep.text)
+        for m in self._markers:
+            if m in text:
+                if not sanitize:
+                    raise ValueError(f"task {self.task.name!r} replied {text[:60]!r}, which contains the end-of-turn marker "
+                                     f"{m!r}: the agent's next turn would look ended; escape or drop it in respond()")
+                text = text.replace(m, "")
+        before, after = self._wrap
+        return self.tokenizer(before + text + after, add_special_tokens=False)["input_ids"]
 
     # ------------------------------------------------------------------ rewards
     def generated_ids(self, slots: Sequence[int]) -> list[list[int]]:
@@ -433,9 +540,11 @@ class TokenVectorEnv(VectorEnv):
         """Score, in one batched call each, the slots that ended a step and those that ended an episode."""
         events = done_now if delim_now is None else done_now | delim_now
         slots = events.nonzero().flatten().tolist()
+        if not slots:  # only agent turns that the env answered
+            return
         done_set = set(done_now.nonzero().flatten().tolist())
         texts = self.tokenizer.batch_decode(self.generated_ids(slots), skip_special_tokens=True)
-        last = (self.gen_len - 1).clamp(min=0)
+        last = self.last_action  # the newest agent token (env replies are not actions)
         if self.process_reward_fn is not None:
             self._score_steps(slots, texts, done_set, last, reward)
         ended = [s for s in slots if s in done_set]
@@ -499,7 +608,7 @@ class TokenVectorEnv(VectorEnv):
 
     # ------------------------------------------------------------------ views
     def _obs(self) -> dict[str, torch.Tensor]:
-        return {"tokens": self.tokens.clone(), "mask": self.attention_mask.clone()}
+        return {"tokens": self.tokens.clone(), "mask": self.attention_mask.clone(), "action_mask": self.action_mask.clone()}
 
     def _info(self) -> dict[str, Any]:
         return {"group_id": self.group_id.clone()}
@@ -521,4 +630,6 @@ class TokenVectorEnv(VectorEnv):
         return [p + t for p, t in zip(self.prompts, texts)]
 
     def close(self, **kwargs: Any) -> None:
-        pass
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None

@@ -2,7 +2,8 @@
 
 Procedural tasks (:data:`TASKS`): :class:`ArithmeticTask`, :class:`ReverseTask`. Data-backed tasks:
 :class:`DatasetTask` (JSONL, list of dicts, ``datasets.Dataset``) and :class:`ReasoningGymTask`
-(optional extra ``reasoning``). :class:`TargetTask` (``toy``) is the smallest smoke-test task.
+(optional extra ``reasoning``). :class:`TargetTask` (``toy``) is the smallest smoke-test task. Multi-turn tasks, in
+which the env answers: :class:`CalculatorTask` (a tool) and :class:`GuessNumberTask` (a game).
 """
 
 from .arithmetic import ArithmeticTask
@@ -10,9 +11,12 @@ from .base import Task
 from .dataset import DatasetTask
 from .reasoning_gym import ReasoningGymReward, ReasoningGymTask
 from .reverse import ReverseTask
+from .tools import CalculatorTask, GuessNumberTask
 from .toy import TargetTask
 
-TASKS: dict[str, type[Task]] = {"arithmetic": ArithmeticTask, "reverse": ReverseTask}
+TASKS: dict[str, type[Task]] = {"arithmetic": ArithmeticTask, "reverse": ReverseTask, "calculator": CalculatorTask,
+                                "guess_number": GuessNumberTask}
 """The procedural tasks by name."""
 
-__all__ = ["Task", "ArithmeticTask", "ReverseTask", "DatasetTask", "ReasoningGymTask", "ReasoningGymReward", "TargetTask", "TASKS"]
+__all__ = ["Task", "ArithmeticTask", "ReverseTask", "DatasetTask", "ReasoningGymTask", "ReasoningGymReward", "TargetTask", "CalculatorTask",
+           "GuessNumberTask", "TASKS"]

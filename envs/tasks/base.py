@@ -27,6 +27,13 @@ class Task:
         default_max_new_tokens: generation budget when the env is not given one.
         chat: prompts are lists of chat messages (TRL's conversational format), rendered by the tokenizer's
             chat template; otherwise strings.
+        turn_stop_strings: texts that end an agent turn so that the env answers (``"</calc>"``); multi-turn only.
+        max_turns: agent turns after which a multi-turn episode is truncated (``None``: only the token budget).
+        reply_timeout: seconds a reply may take before it becomes an error message (``None``: no limit, inline).
+        reply_role: the chat role of the env's replies in chat tasks.
+
+    Multi-turn tasks override :meth:`respond` (see :mod:`tokengym.envs.multiturn`); every stop of an agent turn
+    (EOS, end-of-turn token, stop string or turn stop string) then asks it whether and how the env answers.
     """
 
     name: str = "task"
@@ -35,6 +42,10 @@ class Task:
     max_prompt_chars: int = 64
     default_max_new_tokens: int = 32
     chat: bool = False
+    turn_stop_strings: tuple[str, ...] = ()
+    max_turns: int | None = None
+    reply_timeout: float | None = 10.0
+    reply_role: str = "user"
 
     def sample(self, rng: np.random.Generator) -> dict[str, Any]:
         raise NotImplementedError
@@ -46,6 +57,16 @@ class Task:
     def process_reward(self) -> Callable | None:
         """The default process reward ``(prompts, steps, **fields) -> list[list[float]]``, or ``None``."""
         return None
+
+    def respond(self, sample: dict[str, Any], history: list[str]) -> Any:
+        """The env's answer to the agent turn ``history[-1]``: reply text, ``None`` to end the episode, or a
+        :class:`~tokengym.envs.multiturn.Reply`. ``history`` alternates agent turns and earlier replies (text)."""
+        return None
+
+    @property
+    def multi_turn(self) -> bool:
+        """Whether the task answers the agent mid-episode (it overrides :meth:`respond`)."""
+        return type(self).respond is not Task.respond
 
     def on_seed(self, seed: int | None) -> None:
         """Hook the environment calls on ``reset(seed=...)``, before sampling with the re-seeded generator.

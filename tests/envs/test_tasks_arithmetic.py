@@ -7,14 +7,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tokengym.envs.tasks import TASKS, ArithmeticTask, ReverseTask, Task
+from tokengym.envs.tasks import TASKS, ArithmeticTask, CalculatorTask, GuessNumberTask, ReverseTask, Task
 from tokengym.rewards import arithmetic_correct, arithmetic_step_reward, extract_final_answer, parse_int, score_process
 
 STEP = re.compile(r"(-?\d+)([-+*])(\d+)=(-?\d+)")
 
 
 def test_registry_and_defaults():
-    assert TASKS == {"arithmetic": ArithmeticTask, "reverse": ReverseTask}
+    assert TASKS == {"arithmetic": ArithmeticTask, "reverse": ReverseTask, "calculator": CalculatorTask,
+                     "guess_number": GuessNumberTask}
     t = ArithmeticTask()
     assert isinstance(t, Task) and t.name == "arithmetic"
     assert t.step_delimiter == "\n" and t.stop_strings == ()
