@@ -374,6 +374,11 @@ class StaticDecoder:
         self._rope_signed = torch.stack([rope[:, 0], rope[:, 1] * sign], 1).contiguous()  # [W, 2, hd]
         self._N, self._P = N, P
         self._step, self._capacity = 0, int(max_new_tokens)
+        self._cur = torch.zeros(N, dtype=torch.long, device=device)  # per-row columns written past P
+        self._n_prompt = mask.long().sum(1)
+        self._ragged = False  # rows at different columns (after an extend)
+        self._hi = P - 1  # the highest column any row has written (host)
+        self._arange_g = torch.arange(G, device=device)
         return logits.float()
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -393,6 +398,8 @@ class StaticDecoder:
         N, G, rep, hd = self._N, self.n_kv, self.rep, self.head_dim
         if tokens.shape != (N,):
             raise ValueError(f"decode() takes one token per slot, shape ({N},); got {tuple(tokens.shape)}")
+        if self._ragged:
+            return self._decode_ragged(tokens)
         col = self._P + t
         T = col + 1
         cs = self._rope_signed.index_select(0, self._pos[t])  # this step's [N, 2, hd], broadcast over heads
@@ -418,7 +425,117 @@ class StaticDecoder:
             a.mul_(gu[:, I:])
             x = _lin_add(x, a, w_d, b_d)
         self._step = t + 1
+        self._cur += 1
+        self._hi = col
         h = F.rms_norm(x, (D,), self._norm_w, self._norm_eps)
+        return _lin(h, self._head_t).float()
+
+    # ------------------------------------------------------------------ multi-turn: rows at different columns
+    def _to_ragged(self) -> None:
+        """Switch to per-row columns: mask every generation column a row has not written yet (a row may now be
+        ahead of another, and a reused cache holds stale columns)."""
+        W = self._bias.shape[-1]
+        unwritten = torch.arange(W, device=self._bias.device)[None] >= (self._P + self._cur)[:, None]
+        unwritten[:, : self._P] = False
+        self._bias.masked_fill_(unwritten.repeat_interleave(self.n_kv, 0)[:, None], float("-inf"))
+        self._ragged = True
+
+    def _decode_ragged(self, tokens: torch.Tensor) -> torch.Tensor:
+        """:meth:`decode` with each row's token at its own column ``P + cur`` (rows past the budget are finished
+        episodes whose tokens are never read: they write into the last column)."""
+        N, G, rep, hd, P = self._N, self.n_kv, self.rep, self.head_dim, self._P
+        if tokens.shape != (N,):
+            raise ValueError(f"decode() takes one token per slot, shape ({N},); got {tuple(tokens.shape)}")
+        W = self._bias.shape[-1]
+        cur = self._cur.clamp(max=W - P - 1)
+        colg = (P + cur).repeat_interleave(G)
+        rowg = torch.arange(N * G, device=colg.device)
+        self._bias[rowg, 0, colg] = 0.0
+        cs = self._rope_signed.index_select(0, self._n_prompt + cur)
+        cos, sin = cs[:, 0, None, None], cs[:, 1, None, None]
+        T = min(self._hi + 2, W)  # every row writes at most one column past the highest so far
+        bias = self._bias[:, :, :T]
+        x = F.embedding(tokens, self._embed)
+        D = x.shape[-1]
+        for (k_t, v_c), (w_in, eps_in, w_qkv, b_qkv, w_o, b_o, w_post, eps_post, w_gu, b_gu, I, w_d, b_d) in zip(self._cache, self._layers):
+            h = F.rms_norm(x, (D,), w_in, eps_in)
+            qkv = _lin(h, w_qkv, b_qkv).view(N, G, rep + 2, hd)
+            qk = qkv[:, :, : rep + 1]
+            r = torch.addcmul(qk * cos, qk.view(N, G, rep + 1, 2, hd // 2).flip(3).view(N, G, rep + 1, hd), sin)
+            k_t[rowg, :, colg] = r[:, :, rep].reshape(N * G, hd)
+            v_c[rowg, colg] = qkv[:, :, rep + 1].reshape(N * G, hd)
+            s = torch.baddbmm(bias, r[:, :, :rep].reshape(N * G, rep, hd), k_t[:, :, :T], alpha=self.scaling)
+            o = torch.bmm(torch.softmax(s, -1), v_c[:, :T]).view(N, -1)
+            x = _lin_add(x, o, w_o, b_o)
+            h = F.rms_norm(x, (D,), w_post, eps_post)
+            gu = _lin(h, w_gu, b_gu)
+            a = self.act(gu[:, :I])
+            a.mul_(gu[:, I:])
+            x = _lin_add(x, a, w_d, b_d)
+        self._step += 1
+        self._cur = cur + 1
+        self._hi = T - 1
+        h = F.rms_norm(x, (D,), self._norm_w, self._norm_eps)
+        return _lin(h, self._head_t).float()
+
+    def extend(self, rows: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Append ``lengths[r]`` tokens of ``tokens[R, K]`` (right-padded) to each row ``rows[r]``'s cache, at its own
+        columns and positions (a batched, ragged prefill of only the new tokens: an env's reply); return the next-token
+        logits ``[R, V]`` (fp32) after each row's last new token. Must run under ``no_grad``/``inference_mode``."""
+        dev_type = self._embed.device.type
+        with torch.autocast(dev_type, enabled=False):
+            return self._extend(rows, tokens, lengths)
+
+    def _extend(self, rows: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        G, rep, hd, H, P = self.n_kv, self.rep, self.head_dim, self.n_heads, self._P
+        R, K = tokens.shape
+        device = self._embed.device
+        rows, tokens, lengths = rows.to(device).long(), tokens.to(device), lengths.to(device).long()
+        W = self._bias.shape[-1]
+        if not self._ragged:
+            self._to_ragged()
+        cur = self._cur[rows]
+        ar = torch.arange(K, device=device)
+        cols = P + cur[:, None] + ar  # [R, K]
+        if int((cols[:, 0] + lengths).max()) > W:
+            raise RuntimeError(f"extend() past the cache's {W} columns: the env's budget should have truncated these rows")
+        valid = ar[None] < lengths[:, None]
+        cols = cols.clamp(max=W - 1)
+        vr, vk = valid.nonzero(as_tuple=True)
+        rg = (rows[vr, None] * G + self._arange_g).reshape(-1)  # every (row, new token) pair, per key-value head
+        cg = cols[vr, vk, None].expand(-1, G).reshape(-1)
+        self._bias[rg, 0, cg] = 0.0
+        T = int(cols.max()) + 1
+        self._hi = max(self._hi, T - 1)
+        rows_g = (rows[:, None] * G + self._arange_g).reshape(-1)
+        # attention over the row's own written columns, causal among the new tokens
+        allowed = (self._bias[rows_g, 0, :T].view(R, G, T)[:, 0] == 0)[:, None, :] & \
+            (torch.arange(T, device=device)[None, None] <= cols[:, :, None])  # [R, K, T]
+        dtype = self._embed.dtype
+        att_bias = torch.zeros(R, 1, 1, K, T, dtype=dtype, device=device).masked_fill_(~allowed[:, None, None], float("-inf"))
+        cs = self._rope_signed[(self._n_prompt[rows][:, None] + cols - P).clamp(max=W - 1)]  # [R, K, 2, hd]
+        cos, sin = cs[:, :, 0, None, None], cs[:, :, 1, None, None]
+        x = F.embedding(tokens, self._embed)  # [R, K, D]
+        D = x.shape[-1]
+        for (k_t, v_c), (w_in, eps_in, w_qkv, b_qkv, w_o, b_o, w_post, eps_post, w_gu, b_gu, I, w_d, b_d) in zip(self._cache, self._layers):
+            h = F.rms_norm(x, (D,), w_in, eps_in)
+            qkv = _lin(h, w_qkv, b_qkv).view(R, K, G, rep + 2, hd)
+            qk = qkv[:, :, :, : rep + 1]
+            r = torch.addcmul(qk * cos, qk.reshape(R, K, G, rep + 1, 2, hd // 2).flip(4).view(R, K, G, rep + 1, hd), sin)
+            k_t[rg, :, cg] = r[vr, vk, :, rep].reshape(-1, hd)
+            v_c[rg, cg] = qkv[vr, vk, :, rep + 1].reshape(-1, hd)
+            keys = k_t[rows_g, :, :T].view(R, G, 1, hd, T)
+            vals = v_c[rows_g, :T].view(R, G, 1, T, hd)
+            q = r[:, :, :, :rep].permute(0, 2, 3, 1, 4)  # [R, G, rep, K, hd]
+            att = torch.softmax((q @ keys) * self.scaling + att_bias, -1)
+            o = (att @ vals).permute(0, 3, 1, 2, 4).reshape(R, K, H * hd)
+            x = x + _lin(o, w_o, b_o)
+            h = F.rms_norm(x, (D,), w_post, eps_post)
+            gu = _lin(h, w_gu, b_gu)
+            x = x + _lin(self.act(gu[..., :I]) * gu[..., I:], w_d, b_d)
+        self._cur[rows] = cur + lengths
+        last = x[torch.arange(R, device=device), (lengths - 1).clamp(min=0)]
+        h = F.rms_norm(last, (D,), self._norm_w, self._norm_eps)
         return _lin(h, self._head_t).float()
 
 

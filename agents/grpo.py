@@ -23,7 +23,7 @@ from tokengym.agents.models import enable_checkpointing
 from tokengym.agents.optim import adamw
 from tokengym.agents.policy import make_reference
 from tokengym.agents.resources import check_fits
-from tokengym.agents.rollout import Rollout, collect, evaluate, trimmed_logprobs, used_slice
+from tokengym.agents.rollout import Rollout, collect, evaluate, trimmed_logprobs, turn_metrics, used_slice
 
 __all__ = ["GRPOConfig", "GRPOAgent", "grpo_advantages", "LR_SCHEDULES"]
 
@@ -116,7 +116,7 @@ def grpo_advantages(ro: Rollout, advantage: str, scale_rewards: str) -> torch.Te
     """Per-token advantages ``[N, M]`` of a rollout (0 off the action mask)."""
     m = ro.action_mask.shape[1]
     if advantage == "outcome":
-        adv = F.group_advantages(ro.outcome, ro.group_size, scale=scale_rewards)[:, None].expand(-1, m)
+        adv = F.group_advantages(ro.returns, ro.group_size, scale=scale_rewards)[:, None].expand(-1, m)
     else:
         step_rewards, step_ends = ro.step_rewards()
         adv = F.process_advantages(step_rewards, step_ends, ro.group_size, m)
@@ -339,7 +339,7 @@ class GRPOAgent:
 
     @staticmethod
     def _rollout_metrics(ro: Rollout, seconds: float) -> dict[str, float]:
-        g = ro.outcome.view(-1, ro.group_size)
+        g = ro.returns.view(-1, ro.group_size)
         lengths = ro.lengths.float()
         return {
             "reward/mean": ro.outcome.mean(),
@@ -350,6 +350,7 @@ class GRPOAgent:
             "completion/length_max": lengths.max(),
             "completion/truncated_frac": ro.truncated.float().mean(),
             "perf/tokens_per_s": lengths.sum() / max(seconds, 1e-9),
+            **turn_metrics(ro),
         }
 
     def config_dict(self) -> dict[str, Any]:

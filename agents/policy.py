@@ -6,6 +6,7 @@ Rollout API (what :func:`tokengym.agents.collect` uses; lockstep batches)::
     actions, logp = policy.sample(logits)                               # on the device, no host sync
     obs, ... = env.step(actions)
     logits = policy.decode(actions)                                     # one token per slot
+    logits[rows] = policy.extend(rows, reply, lengths)                  # multi-turn: the env's reply tokens
 
 Fast path: ``policy.prefill(tokens, mask, max_new_tokens=M)`` (what ``collect`` calls) runs supported
 Llama-family models (Llama, Mistral, Qwen2) through :class:`~tokengym.agents.fast_decode.StaticDecoder`:
@@ -128,6 +129,7 @@ class Policy(nn.Module):
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._cache: Any = None
+        self._ids: torch.Tensor | None = None  # the generic path's token history (to re-encode after an extend)
         self._mask: torch.Tensor | None = None
         self._pos: torch.Tensor | None = None
         self._seen: torch.Tensor | None = None
@@ -185,7 +187,7 @@ class Policy(nn.Module):
         :meth:`prefill` starts afresh. ``collect`` calls it, so the update's peak memory does not include them."""
         if self._fast is not None:
             self._fast.release()
-        self._cache = self._mask = self._pos = self._seen = None
+        self._cache = self._mask = self._pos = self._seen = self._ids = None
 
     @torch.inference_mode()
     def prefill(self, tokens: torch.Tensor, mask: torch.Tensor, max_new_tokens: int | None = None) -> torch.Tensor:
@@ -203,7 +205,7 @@ class Policy(nn.Module):
             return fast.prefill(tokens.to(self.device), mask.to(self.device), int(max_new_tokens))
         mask = mask.long()
         pos = position_ids(mask)
-        self._mask, self._pos = mask, pos[:, -1]
+        self._mask, self._pos, self._ids = mask, pos[:, -1], tokens
         return self._forward_cached(tokens, mask, pos, None)
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -219,8 +221,37 @@ class Policy(nn.Module):
         if self._mask is None:
             raise RuntimeError("decode() before prefill(): encode the prompts first")
         self._mask = torch.cat([self._mask, self._mask.new_ones(self._mask.shape[0], 1)], 1)
+        if self._ids is not None:
+            self._ids = torch.cat([self._ids, tokens[:, None].to(self._ids)], 1)
         self._pos = self._pos + 1
         return self._forward_cached(tokens[:, None], self._mask, self._pos[:, None], self._cache)
+
+    @torch.inference_mode()
+    def extend(self, rows: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Append ``lengths[r]`` tokens of ``tokens[R, K]`` (right-padded; an env's reply) to the cache of each slot
+        ``rows[r]``, after the tokens it already holds; return the next-token logits ``[R, V]`` of those slots.
+
+        The fast path runs one batched, ragged prefill of only the new tokens at each row's own positions. The generic
+        path re-encodes every slot's history with the reply appended (what a plain ``generate`` loop must do).
+        """
+        rows = torch.as_tensor(rows, device=self.device).long()
+        tokens, lengths = tokens.to(self.device), torch.as_tensor(lengths, device=self.device).long()
+        if self._fast_active:
+            return self._fast.extend(rows, tokens, lengths)
+        if self._ids is None:
+            raise RuntimeError("extend() before prefill(): encode the prompts first")
+        n = torch.zeros(self._ids.shape[0], dtype=torch.long, device=self.device)
+        n[rows] = lengths
+        add = torch.full((self._ids.shape[0], tokens.shape[1]), int(self.tokenizer.pad_token_id), dtype=self._ids.dtype, device=self.device)
+        add[rows] = tokens.to(self._ids.dtype)
+        keep = torch.arange(tokens.shape[1], device=self.device)[None] < n[:, None]
+        ids, mask = torch.cat([self._ids, add], 1), torch.cat([self._mask.bool(), keep], 1)
+        # right-align every row on its newest token (what was trailing padding becomes left padding)
+        width = ids.shape[1]
+        shift = (width - 1 - (mask.long() * torch.arange(width, device=self.device)).argmax(1))
+        cols = (torch.arange(width, device=self.device) - shift[:, None]) % width
+        logits = self.prefill(ids.gather(1, cols), mask.gather(1, cols))
+        return logits[rows]
 
     def sample(self, logits: torch.Tensor, greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample with the policy's settings and generator; see :func:`sample_logits`.
@@ -237,17 +268,18 @@ class Policy(nn.Module):
         """One action per slot for an env observation (``prompt_len`` = the env's ``max_prompt_len``).
 
         New episodes are detected from the observation (no generated tokens yet). When every slot is
-        new the prompts are prefilled; when only some restarted (``next_step`` autoreset) the whole
-        buffer is re-encoded (each row right-aligned on its newest token); otherwise the newest token
+        new the prompts are prefilled; when only some restarted (``next_step`` autoreset) or a multi-turn env
+        appended a reply, the whole buffer is re-encoded (each row right-aligned on its newest token); otherwise the newest token
         of each slot is decoded. This is the generic path; ``collect`` uses the faster lockstep API.
         """
         tokens, mask = obs["tokens"].to(self.device), obs["mask"].to(self.device)
         gen = mask[:, prompt_len:].long().sum(1)
         fresh = gen == 0
-        all_fresh, any_fresh = (bool(x) for x in torch.stack([fresh.all(), fresh.any()]).tolist())
+        jumped = (gen - self._seen > 1).any() if self._seen is not None else fresh.any()  # an env reply came in
+        all_fresh, any_fresh, any_jump = (bool(x) for x in torch.stack([fresh.all(), fresh.any(), jumped]).tolist())
         if all_fresh:
             logits = self.prefill(tokens[:, :prompt_len], mask[:, :prompt_len])
-        elif any_fresh or self._seen is None:
+        elif any_fresh or any_jump or self._seen is None:
             # re-encode every slot; rows with fewer generated tokens are rotated right so that each row's
             # newest token sits in the last column (its trailing padding becomes left padding)
             g_max = int(gen.max())

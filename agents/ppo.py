@@ -37,7 +37,7 @@ from tokengym.agents.models import enable_checkpointing
 from tokengym.agents.optim import adamw
 from tokengym.agents.policy import make_reference
 from tokengym.agents.resources import check_fits
-from tokengym.agents.rollout import Rollout, collect, evaluate, trimmed_logprobs, used_slice
+from tokengym.agents.rollout import Rollout, collect, evaluate, trimmed_logprobs, turn_metrics, used_slice
 
 __all__ = ["PPOConfig", "PPOAgent", "AdaptiveKLController", "ppo_rewards"]
 
@@ -345,6 +345,7 @@ class PPOAgent:
                 "completion/length_max": lengths.max(),
                 "completion/truncated_frac": ro.truncated.float().mean(),
                 "perf/tokens_per_s": lengths.sum() / max(time.perf_counter() - t_start, 1e-9),
+                **turn_metrics(ro),
             })
             if eval_env is not None and eval_samples and cfg.eval_every and self.global_step % cfg.eval_every == 0:
                 metrics.update(self.evaluate(eval_env, eval_samples))

@@ -15,16 +15,18 @@ import torch
 
 from tokengym.agents.resources import check_fits
 
-__all__ = ["Rollout", "collect", "evaluate", "heldout_samples", "used_columns", "used_slice", "trimmed_logprobs"]
+__all__ = ["Rollout", "collect", "evaluate", "heldout_samples", "turn_metrics", "used_columns", "used_slice", "trimmed_logprobs"]
 
 
 @dataclass
 class Rollout:
     """One batch of finished episodes; tensors ``[N, ...]`` on the env's device.
 
-    Token layout is the env's: ``tokens[:, :P]`` left-padded prompts, ``tokens[:, P:]`` generation.
-    Per-token tensors ``[N, M]`` are aligned with ``tokens[:, P:]``; ``action_mask`` is 1 on generated
-    tokens. ``values``/``last_values`` are filled only when a critic was given (``last_values`` is the
+    Token layout is the env's: ``tokens[:, :P]`` left-padded prompts, ``tokens[:, P:]`` the episode (the agent's
+    tokens and, in multi-turn envs, the env's replies between its turns). Per-token tensors ``[N, M]`` are aligned
+    with ``tokens[:, P:]``; ``action_mask`` (the env's) is 1 on the agent's tokens only: losses, KL, entropy and
+    advantages cover those, and env tokens are context. ``turn_rewards`` are the env's per-turn rewards (on the token
+    that ended each turn, also included in ``rewards``); ``turn_stats`` counts the batch's multi-turn events. ``values``/``last_values`` are filled only when a critic was given (``last_values`` is the
     bootstrap value V(s_M) for truncated rows and 0 for terminated ones).
     """
 
@@ -47,6 +49,8 @@ class Rollout:
     samples: list[dict[str, Any]] = field(default_factory=list)
     step_scores: list[list[float]] = field(default_factory=list)
     reward_components: dict[str, torch.Tensor] = field(default_factory=dict)
+    turn_rewards: torch.Tensor | None = None
+    turn_stats: dict[str, int] = field(default_factory=dict)
 
     @property
     def num_episodes(self) -> int:
@@ -54,8 +58,18 @@ class Rollout:
 
     @property
     def lengths(self) -> torch.Tensor:
-        """Generated tokens per episode, ``[N]``."""
+        """The agent's tokens per episode, ``[N]``."""
         return self.action_mask.sum(1)
+
+    @property
+    def episode_lengths(self) -> torch.Tensor:
+        """Tokens after the prompt per episode (agent and env), ``[N]``."""
+        return self.attention_mask[:, self.prompt_len:].sum(1)
+
+    @property
+    def returns(self) -> torch.Tensor:
+        """Each episode's outcome plus its turn rewards, ``[N]`` (what group-relative advantages compare)."""
+        return self.outcome if self.turn_rewards is None else self.outcome + self.turn_rewards.sum(1)
 
     def step_rewards(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(step_rewards[N, S], step_ends[N, S])`` for ``functional.process_advantages`` (-1 = no step)."""
@@ -80,10 +94,21 @@ class Rollout:
                 v = v[idx_t]
             elif isinstance(v, list):
                 v = [v[i] for i in pick] if v else v
-            elif isinstance(v, dict):
+            elif isinstance(v, dict) and f.name == "reward_components":
                 v = {k: t[idx_t] for k, t in v.items()}
             out[f.name] = v
         return Rollout(**out)
+
+
+def turn_metrics(ro: Rollout) -> dict[str, float]:
+    """Multi-turn counters of a rollout for the logs (``env/replies_per_episode`` is a tool env's call rate)."""
+    if not ro.turn_stats:
+        return {}
+    n = max(ro.num_episodes, 1)
+    st = ro.turn_stats
+    return {"env/turns_per_episode": st["turns"] / n, "env/replies_per_episode": st["replies"] / n,
+            "env/tool_errors": float(st["tool_errors"]), "env/tool_timeouts": float(st["tool_timeouts"]),
+            "env/reply_overflows": float(st["reply_overflows"]), "env/max_turns_truncations": float(st["max_turns"])}
 
 
 def used_columns(action_mask: torch.Tensor) -> int:
@@ -102,9 +127,8 @@ def used_slice(ro: "Rollout", rows: torch.Tensor | None = None) -> tuple[torch.T
     tokenizer can make far longer than the prompts). Positions come from the mask, so a full pass over the slice
     (reference, pi_old, an update) gives the same log-probs of the first ``m`` generated tokens."""
     P = ro.prompt_len
-    tokens, mask, am = (ro.tokens, ro.attention_mask, ro.action_mask) if rows is None else \
-        (ro.tokens[rows], ro.attention_mask[rows], ro.action_mask[rows])
-    longest, m = torch.stack([mask[:, :P].sum(1).max(), am.sum(1).max()]).tolist() if len(am) else (P, 1)
+    tokens, mask = (ro.tokens, ro.attention_mask) if rows is None else (ro.tokens[rows], ro.attention_mask[rows])
+    longest, m = torch.stack([mask[:, :P].sum(1).max(), mask[:, P:].sum(1).max()]).tolist() if len(mask) else (P, 1)
     lead, m = P - max(int(longest), 1), max(int(m), 1)
     return tokens[:, lead : P + m], mask[:, lead : P + m], P - lead, m
 
@@ -131,11 +155,12 @@ def collect(env, policy, critic=None, *, greedy: bool = False, seed: int | None 
         raise ValueError("collect() runs lockstep batches: create the env with autoreset_mode='disabled'")
     check_fits(policy, env)
     P, M = env.max_prompt_len, env.max_new_tokens
+    stats0 = dict(getattr(env, "turn_stats", {}))
     with torch.inference_mode():
         logps = _run_episodes(env, policy, greedy, seed, samples)
     logps = logps.clone()
     # Everything below is built outside inference mode, so the batch can be used in autograd.
-    action_mask = env.attention_mask[:, P:].clone()
+    action_mask = env.action_mask[:, P:].clone()
     ro = Rollout(
         tokens=env.tokens.clone(),
         attention_mask=env.attention_mask.clone(),
@@ -154,12 +179,15 @@ def collect(env, policy, critic=None, *, greedy: bool = False, seed: int | None 
         samples=list(env.samples),
         step_scores=[list(s) for s in env.step_scores],
         reward_components=_components(env),
+        turn_rewards=env.turn_rewards.clone() if getattr(env, "multi_turn", False) else None,
+        turn_stats={k: v - stats0[k] for k, v in env.turn_stats.items()} if getattr(env, "multi_turn", False) else {},
     )
     if critic is not None:
         with torch.no_grad():
             v = critic(ro.tokens, ro.attention_mask, P)  # [N, M + 1]: V(s_0) .. V(s_M)
         ro.values = v[:, :M] * action_mask
-        ro.last_values = torch.where(ro.truncated, v[:, M], torch.zeros_like(v[:, M]))
+        after = v.gather(1, ro.episode_lengths[:, None])[:, 0]  # V after the last token (M unless a reply overflowed)
+        ro.last_values = torch.where(ro.truncated, after, torch.zeros_like(after))
     return ro
 
 
@@ -167,21 +195,36 @@ def _run_episodes(env, policy, greedy: bool, seed: int | None, samples: list | N
     """Reset ``env`` and step it to the end with ``policy``; return the sampled tokens' log-probs ``[N, M]``."""
     obs, _ = env.reset(seed=seed, options={"samples": samples} if samples is not None else None)
     P, M, N = env.max_prompt_len, env.max_new_tokens, env.num_envs
-    logps = torch.zeros((N, M), dtype=torch.float32, device=env.device)
+    logps = torch.zeros((N, M + 1), dtype=torch.float32, device=env.device)  # column M: finished rows' samples
     lead = P - max(int(obs["mask"][:, :P].sum(1).max()), 1)  # prompt columns that are padding in every row
+    multi_turn = getattr(env, "multi_turn", False)
     try:
         logits = policy.prefill(obs["tokens"][:, lead:P], obs["mask"][:, lead:P], max_new_tokens=M)
-        for t in range(M):
+        for _ in range(M):  # every live row writes at least one column per step
             actions, lp = policy.sample(logits, greedy=greedy)
-            logps[:, t] = lp
+            logps.scatter_(1, torch.where(env.done, M, env.gen_len)[:, None], lp[:, None])
             env.step(actions)
             if env.all_done:
                 break
             logits = policy.decode(actions)
+            if multi_turn and env.replied:  # the env answered some rows: append their replies to those caches
+                logits = _extend_replies(env, policy, logits)
     finally:
         if hasattr(policy, "end_rollout"):
             policy.end_rollout()
-    return logps
+    return logps[:, :M]
+
+
+def _extend_replies(env, policy, logits: torch.Tensor) -> torch.Tensor:
+    """Feed the reply tokens the env just appended (rows ``env.replied``) to ``policy``; their logits replace the rows'."""
+    rows = torch.tensor(env.replied, device=env.device)
+    n = env.reply_len[rows]
+    k = int(n.max())
+    start = env.max_prompt_len + env.gen_len[rows] - n
+    cols = (start[:, None] + torch.arange(k, device=env.device)).clamp(max=env.seq_len - 1)
+    logits = logits.clone()
+    logits[rows] = policy.extend(rows, env.tokens[rows[:, None], cols], n)
+    return logits
 
 
 def _components(env) -> dict[str, torch.Tensor]:
@@ -201,12 +244,13 @@ def evaluate(policy, env, samples: list[dict[str, Any]], greedy: bool = True) ->
     """Score ``policy`` on ``samples`` (group_size 1 env) in batches of ``env.num_envs``.
 
     Returns ``mean_reward`` (the env's outcome reward), ``accuracy`` (fraction with outcome >= 1,
-    which for 0/1 verifiers is the fraction solved), ``mean_length`` and ``truncated``.
+    which for 0/1 verifiers is the fraction solved), ``mean_length`` and ``truncated``; for a multi-turn env also
+    ``replies_per_episode`` (a tool env's calls per episode).
     """
     if env.group_size != 1:
         raise ValueError("evaluate() needs an env with group_size=1")
     n = env.num_envs
-    rewards, lengths, truncs = [], [], []
+    rewards, lengths, truncs, replies = [], [], [], []
     for start in range(0, len(samples), n):
         chunk = list(samples[start : start + n])
         pad = n - len(chunk)
@@ -215,10 +259,15 @@ def evaluate(policy, env, samples: list[dict[str, Any]], greedy: bool = True) ->
         rewards.append(ro.outcome[keep])
         lengths.append(ro.lengths[keep].float())
         truncs.append(ro.truncated[keep].float())
+        if ro.turn_rewards is not None:
+            replies.append(env.reply_count[keep].float())
     r = torch.cat(rewards)
-    return {
+    out = {
         "mean_reward": r.mean().item(),
         "accuracy": (r >= 1.0 - 1e-6).float().mean().item(),
         "mean_length": torch.cat(lengths).mean().item(),
         "truncated": torch.cat(truncs).mean().item(),
     }
+    if replies:
+        out["replies_per_episode"] = torch.cat(replies).mean().item()
+    return out

@@ -322,3 +322,119 @@ def test_whiten_degenerate_masks_never_nan():
     assert torch.equal(same, torch.zeros(2, 3))
     with pytest.raises(ValueError, match=r"\(1, 3\).*\(1, 2\)"):
         whiten(x, torch.ones(1, 2))
+
+
+# ---------------------------------------------------------------------------------------------
+# multi-turn episodes: environment tokens (mask 0) in the middle of a row
+# ---------------------------------------------------------------------------------------------
+
+
+@st.composite
+def multi_turn_batch(draw, max_b=4, max_t=24):
+    """Random [B, T] batch whose masks have zeros anywhere, in particular mid-row env turns.
+
+    Returns ``(r, v, mask, last, gamma, lam)`` where ``r``/``v`` hold finite reals at valid
+    positions and padding garbage (nan, +-inf, +-1e30 or reals) at masked ones.
+    """
+    B = draw(st.integers(1, max_b))
+    T = draw(st.integers(1, max_t))
+
+    @st.composite
+    def turns(draw):
+        # alternating agent / environment runs, starting with either: [1,1,0,0,0,1,0,1,1,...]
+        out, agent = [], draw(st.booleans())
+        while len(out) < T:
+            out += [agent] * draw(st.integers(1, 5))
+            agent = not agent
+        return out[:T]
+
+    row = st.one_of(
+        st.lists(st.booleans(), min_size=T, max_size=T),
+        turns(),
+        st.just([False] * T),
+        st.just([True] * T),
+    )
+    mask_rows = draw(st.lists(row, min_size=B, max_size=B))
+    mask = torch.tensor(mask_rows)
+    grid = lambda s: torch.tensor(draw(st.lists(s, min_size=B * T, max_size=B * T)), dtype=F64).view(B, T)
+    r = torch.where(mask, grid(reals), grid(garbage))
+    v = torch.where(mask, grid(reals), grid(garbage))
+    last = torch.tensor(draw(st.lists(reals, min_size=B, max_size=B)), dtype=F64)
+    return r, v, mask, last, draw(unit), draw(unit)
+
+
+def gae_rounding_bound(r, v, last):
+    """Absolute float64 error bound for one valid entry of ``gae`` on a row of length ``T``.
+
+    Each A_t comes out of at most T backward steps ``a = r + g*V' - V + g*l*a'``: 5 roundings per
+    step, each of relative size <= eps, on quantities bounded by
+    S = sum_t (|r_t| + 2|V_t|) + |last| (|A| <= sum |delta| <= S as g, l <= 1), so
+    |error| <= 5 * T * eps * S. Two computations are compared, so the bound is doubled; another
+    factor 2 of slack keeps it robust (still ~1e-11 here, against O(0.1) errors of a wrong
+    recursion).
+    """
+    T = r.numel()
+    S = float(r.abs().sum() + 2 * v.abs().sum() + last.abs()) if T else 0.0
+    return 20 * max(T, 1) * torch.finfo(F64).eps * (S + 1.0)
+
+
+@given(multi_turn_batch(), st.sampled_from([torch.bool, torch.float32, torch.int64]))
+def test_masked_gae_equals_gae_of_row_with_env_tokens_removed(batch, mask_dtype):
+    """GAE over a masked row == GAE over the same row with its masked (env) tokens cut out.
+
+    The value of the last agent token before an environment turn bootstraps from the first
+    agent token after it; env tokens are neither steps of the recursion nor read at all.
+    """
+    r, v, mask, last, gamma, lam = batch
+    m = mask.to(mask_dtype)
+    adv, ret = gae(r, v, m, gamma=gamma, lam=lam, last_values=last)
+
+    # exactly 0 at masked positions (so also no nan/inf leaking out of the garbage there)
+    assert torch.all(adv[~mask] == 0) and torch.all(ret[~mask] == 0)
+    assert torch.isfinite(adv).all() and torch.isfinite(ret).all()
+
+    for b in range(r.shape[0]):
+        idx = mask[b].nonzero().flatten()
+        k = idx.numel()
+        if k == 0:
+            continue
+        rc, vc = r[b, idx].unsqueeze(0), v[b, idx].unsqueeze(0)  # compressed to the left
+        adv_c, ret_c = gae(rc, vc, torch.ones(1, k), gamma=gamma, lam=lam, last_values=last[b : b + 1])
+        tol = gae_rounding_bound(rc, vc, last[b])
+        torch.testing.assert_close(adv[b, idx], adv_c[0], atol=tol, rtol=0)
+        torch.testing.assert_close(ret[b, idx], ret_c[0], atol=tol, rtol=0)
+
+    # Garbage (nan, inf, 1e30) at masked positions changes nothing: same result, bit for bit, as
+    # with harmless finite values there.
+    clean_r = torch.where(mask, r, torch.full_like(r, 0.25))
+    clean_v = torch.where(mask, v, torch.full_like(v, -0.5))
+    adv_0, ret_0 = gae(clean_r, clean_v, m, gamma=gamma, lam=lam, last_values=last)
+    assert torch.equal(adv, adv_0) and torch.equal(ret, ret_0)
+
+
+def test_gae_hand_computed_multi_turn_env_reply_mid_row():
+    # One row: two agent tokens, a two-token environment (tool) reply, one final agent token.
+    #   position  0    1    2  3  4
+    #   mask      1    1    0  0  1
+    #   r         0    0.5  9  9  1      (the 9s sit on env tokens: ignored)
+    #   V         0.2  0.4  7  7  0.6    (the 7s too: V(next) of position 1 is V_4, not V_2)
+    # gamma = 0.9, lam = 0.8 (gamma*lam = 0.72), terminated (V after position 4 is 0).
+    # deltas, delta_t = r_t + gamma * V(next valid) - V_t:
+    #   delta_4 = 1   + 0.9*0   - 0.6 = 0.4
+    #   delta_1 = 0.5 + 0.9*0.6 - 0.4 = 0.64
+    #   delta_0 = 0   + 0.9*0.4 - 0.2 = 0.16
+    # backward recursion, A_t = delta_t + 0.72 * A(next valid):
+    #   A_4 = 0.4
+    #   A_1 = 0.64 + 0.72*0.4   = 0.928
+    #   A_0 = 0.16 + 0.72*0.928 = 0.82816
+    # returns = V + A = [1.02816, 1.328, 0, 0, 1.0]; env positions: A = R = 0.
+    # (Stepping to t+1 instead would give delta_1 = 0.5 + 0.9*7 - 0.4 = 6.4.)
+    r = torch.tensor([[0.0, 0.5, 9.0, 9.0, 1.0]], dtype=F64)
+    v = torch.tensor([[0.2, 0.4, 7.0, 7.0, 0.6]], dtype=F64)
+    mask = torch.tensor([[1, 1, 0, 0, 1]])
+    adv, ret = gae(r, v, mask, gamma=0.9, lam=0.8, last_values=torch.zeros(1, dtype=F64))
+    torch.testing.assert_close(adv, torch.tensor([[0.82816, 0.928, 0, 0, 0.4]], dtype=F64), atol=1e-6, rtol=0)
+    torch.testing.assert_close(ret, torch.tensor([[1.02816, 1.328, 0, 0, 1.0]], dtype=F64), atol=1e-6, rtol=0)
+    # the default (last_values=None) is the same terminated case
+    adv_n, _ = gae(r, v, mask, gamma=0.9, lam=0.8)
+    assert torch.equal(adv_n, adv)
