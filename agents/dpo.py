@@ -181,7 +181,8 @@ def _frozen(module: torch.nn.Module) -> Iterator[None]:
 def _fingerprint(data: PairData) -> str:
     """A digest of the tokenized pairs: a resumed ``fit`` checks it is given the pairs it was interrupted on."""
     h = hashlib.blake2b(digest_size=16)
-    for t in (data.prompts, data.prompt_mask, data.completions, data.completion_lens):
+    extra = () if data.completion_agent is None else (data.agent_mask,)  # multi-turn pairs: which tokens are scored
+    for t in (data.prompts, data.prompt_mask, data.completions, data.completion_lens, *extra):
         h.update(str(tuple(t.shape)).encode())
         h.update(t.contiguous().numpy().tobytes())
     return h.hexdigest()

@@ -157,7 +157,8 @@ class PairBatch:
     """``B`` pairs as one ``[2B, P + M]`` stack (rows ``:B`` chosen, ``B:`` rejected), on one device.
 
     ``tokens``/``mask``: prompt left-padded into ``P`` columns, completion from column ``P``;
-    ``completion_mask[2B, M]`` is 1 on completion tokens (the only ones scored); ``index`` are the
+    ``completion_mask[2B, M]`` is 1 on the completion tokens the agent wrote (the only ones scored; a multi-turn
+    episode's env replies are context, 1 in ``mask`` only); ``index`` are the
     pairs' positions in their :class:`PairData`; ``num_tokens`` counts real tokens (host int).
     """
 
@@ -272,6 +273,8 @@ class PairData:
         completion_lens: ``[2, N]`` completion lengths in tokens (>= 1).
         pad_id: the padding token id.
         records: optional per-pair metadata (texts, rewards, corruption kind, ...).
+        completion_agent: ``[2, N, M]`` bool, True on the completion tokens the agent wrote; ``None``: all of them.
+            Multi-turn episodes have env replies inside the completion: context that is never scored.
     """
 
     prompts: torch.Tensor
@@ -280,6 +283,7 @@ class PairData:
     completion_lens: torch.Tensor
     pad_id: int
     records: list[dict[str, Any]] = field(default_factory=list)
+    completion_agent: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         n = self.prompts.shape[0]
@@ -291,14 +295,24 @@ class PairData:
             raise ValueError(f"completion_lens must be [2, N={n}], got {tuple(self.completion_lens.shape)}")
         if n and int(self.completion_lens.min()) < 1:
             raise ValueError("every chosen and rejected completion needs at least one token")
+        if self.completion_agent is not None and self.completion_agent.shape != self.completions.shape:
+            raise ValueError(f"completion_agent {tuple(self.completion_agent.shape)} must match completions {tuple(self.completions.shape)}")
         self.prompt_lens = self.prompt_mask.sum(1)
         self._tokens_per_pair = (2 * self.prompt_lens + self.completion_lens.sum(0)).tolist()
         M = self.completions.shape[2]
-        same = (self.completions[0] == self.completions[1]) & (torch.arange(M) < self.completion_lens.min(0).values[:, None])
+        agent = self.agent_mask
+        same = (self.completions[0] == self.completions[1]) & (agent[0] == agent[1]) & \
+            (torch.arange(M) < self.completion_lens.min(0).values[:, None])
         self.common_prefix = same.long().cumprod(1).sum(1)  # [N] completion tokens chosen and rejected share
 
     def __len__(self) -> int:
         return self.prompts.shape[0]
+
+    @property
+    def agent_mask(self) -> torch.Tensor:
+        """``[2, N, M]`` bool: the completion tokens that are scored (the agent's, within each length)."""
+        real = torch.arange(self.completions.shape[2]) < self.completion_lens[..., None]
+        return real if self.completion_agent is None else real & self.completion_agent.bool()
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -411,13 +425,16 @@ class PairData:
 
         return cls(torch.cat([left(p.prompts, P, pad) for p in parts]), torch.cat([left(p.prompt_mask, P, False) for p in parts]),
                    torch.cat([right(p.completions, M) for p in parts], 1), torch.cat([p.completion_lens for p in parts], 1),
-                   pad, [r for p in parts for r in (p.records or [{}] * len(p))])
+                   pad, [r for p in parts for r in (p.records or [{}] * len(p))],
+                   None if all(p.completion_agent is None for p in parts) else
+                   torch.cat([torch.nn.functional.pad(p.agent_mask, (0, M - p.completions.shape[2])) for p in parts], 1))
 
     def select(self, idx: Sequence[int] | torch.Tensor) -> "PairData":
         """The pairs at ``idx``."""
         idx = torch.as_tensor(idx, dtype=torch.long)
         recs = [self.records[i] for i in idx.tolist()] if self.records else []
-        return PairData(self.prompts[idx], self.prompt_mask[idx], self.completions[:, idx], self.completion_lens[:, idx], self.pad_id, recs)
+        agent = None if self.completion_agent is None else self.completion_agent[:, idx]
+        return PairData(self.prompts[idx], self.prompt_mask[idx], self.completions[:, idx], self.completion_lens[:, idx], self.pad_id, recs, agent)
 
     # ---------------------------------------------------------------- batching
     def batch(self, idx: Sequence[int] | torch.Tensor, device: str | torch.device | None = None) -> PairBatch:
@@ -433,7 +450,7 @@ class PairData:
         tokens = torch.cat([prompts, comps], 1)
         mask = torch.cat([pmask, cmask], 1)
         ntok = sum(self._tokens_per_pair[i] for i in idx.tolist())
-        out = PairBatch(tokens, mask, cmask, P, idx, ntok)
+        out = PairBatch(tokens, mask, self.agent_mask[:, idx, :M].reshape(-1, M), P, idx, ntok)
         return out.to(device) if device is not None else out
 
     def shared_batch(self, idx: Sequence[int] | torch.Tensor, device: str | torch.device | None = None) -> SharedPrefixBatch:
@@ -458,8 +475,11 @@ class PairData:
         tokens = torch.where(in_prompt, prompt_tok, torch.where(in_chosen, chosen_tok, rej_tok))
         segment = torch.where(in_prompt | (in_chosen & (t < a_ + k_)), 0, torch.where(in_chosen, 1, 2))
         position = torch.where(in_rej, k_ + t - lc_, t)
-        score_c = in_chosen
-        score_r = (in_chosen & (t < a_ + k_)) | (in_rej & (t > a_ + lc_))
+        agent = self.agent_mask[:, idx]  # [2, B, M]: scored completion tokens
+        agent_c = agent[0].gather(1, (t - a_).clamp(0, M - 1))
+        agent_r = agent[1].gather(1, (k_ + t - a_ - lc_).clamp(0, M - 1))
+        score_c = in_chosen & agent_c
+        score_r = (in_chosen & (t < a_ + k_) & agent_c) | (in_rej & (t > a_ + lc_) & agent_r)
         # ... then packed: first-fit decreasing into rows of width W
         lengths = n.tolist()
         fill: list[int] = []
@@ -487,8 +507,9 @@ class PairData:
         out = SharedPrefixBatch(
             tokens=pack(tokens, self.pad_id), pair=pack(pair_ids, -1), segment=pack(segment.to(torch.int8), -1),
             position_ids=pack(position, 0), score_chosen=pack(score_c, False), score_rejected=pack(score_r, False),
-            first_rejected_at=torch.stack([row_t, first_col], 1), first_rejected=first_tok, has_rejected_suffix=r > 0,
-            completion_lens=torch.cat([lc, lr]), index=idx, num_tokens=ntok)
+            first_rejected_at=torch.stack([row_t, first_col], 1), first_rejected=first_tok,
+            has_rejected_suffix=(r > 0) & agent[1].gather(1, k_.clamp(max=M - 1))[:, 0],
+            completion_lens=agent.sum(2).reshape(-1), index=idx, num_tokens=ntok)
         return out.to(device) if device is not None else out
 
 
@@ -708,9 +729,10 @@ def mine_pairs(rollout: Any, min_gap: float = 0.0, score: str = "return", pad_id
     bi, wi = base + best[keep], base + worst[keep]
     P = rollout.prompt_len
     tokens, amask = rollout.tokens.cpu(), rollout.action_mask.cpu().bool()
+    real = rollout.attention_mask.cpu().bool()[:, P:]  # agent tokens and, in multi-turn episodes, env replies
     pad = _rollout_pad(rollout) if pad_id is None else int(pad_id)
-    comp = tokens[:, P:].masked_fill(~amask, pad)
-    lens = amask.sum(1)
+    comp = tokens[:, P:].masked_fill(~real, pad)
+    lens = real.sum(1)
     M = max(int(lens[torch.cat([bi, wi])].max()), 1) if len(keep) else 1
     return PairData(
         prompts=tokens[bi, :P].masked_fill(~rollout.attention_mask.cpu().bool()[bi, :P], pad),
@@ -723,6 +745,7 @@ def mine_pairs(rollout: Any, min_gap: float = 0.0, score: str = "return", pad_id
                   "rejected": rollout.completions[int(w)] if rollout.completions else None,
                   "group": int(k), "chosen_reward": float(r[b]), "rejected_reward": float(r[w])}
                  for k, b, w in zip(keep.tolist(), bi.tolist(), wi.tolist())],
+        completion_agent=None if bool((amask == real).all()) else torch.stack([amask[bi, :M], amask[wi, :M]]),
     )
 
 

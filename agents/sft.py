@@ -138,7 +138,8 @@ class SFTBatch:
 
     ``tokens[N, P + M]``: prompts (``<bos>`` included) left-padded into the first ``P`` columns, the
     completion (``solution + <eos>``) from column ``P``, right-padded. ``mask`` is 1 on real tokens;
-    ``loss_mask[N, M]`` is 1 on the completion tokens, the only ones that carry loss.
+    ``loss_mask[N, M]`` is 1 on the completion tokens the agent writes (not on env replies), the only ones that
+    carry loss.
     """
 
     tokens: torch.Tensor
@@ -155,6 +156,8 @@ def make_batch(samples: Sequence[dict[str, Any]], tokenizer: Any, prompt_len: in
 
     Prompts are encoded as the env encodes them (special tokens on: the char tokenizer prepends
     ``<bos>``); solutions without special tokens, then ``<eos>`` (the action that ends an episode).
+    A multi-turn sample's ``"solution_turns"`` (agent and env turns, alternating) are tokenized one turn at a
+    time, as the env tokenizes its replies, and only the agent's turns (and ``<eos>``) carry loss.
     """
     if not samples:
         raise ValueError("make_batch needs at least one sample")
@@ -162,21 +165,27 @@ def make_batch(samples: Sequence[dict[str, Any]], tokenizer: Any, prompt_len: in
     if missing:
         raise ValueError(f"SFT needs a reference 'solution' string in every sample; sample {missing[0]} has none")
     prompts = encode_prompts(tokenizer, [s["prompt"] for s in samples])  # chat prompts through the template
-    sols = tokenizer([s["solution"] for s in samples], add_special_tokens=False)["input_ids"]
     eos = tokenizer.eos_token_id
     eos = int(eos[0] if isinstance(eos, (list, tuple)) else eos)
-    comps = [list(c) + [eos] for c in sols]
+    comps, agent = [], []
+    for s in samples:
+        turns = s.get("solution_turns") or [s["solution"]]
+        pieces = tokenizer(list(turns), add_special_tokens=False)["input_ids"]
+        comps.append([t for p in pieces for t in p] + [eos])
+        agent.append([k % 2 == 0 for k, p in enumerate(pieces) for _ in p] + [True])
     longest = max(len(p) for p in prompts)
     if longest > prompt_len:
         raise ValueError(f"a prompt has {longest} tokens but prompt_len={prompt_len}; pass a larger prompt_len")
     P, M, N = prompt_len, max(len(c) for c in comps), len(samples)
     tokens = torch.full((N, P + M), int(tokenizer.pad_token_id), dtype=torch.long)
     mask = torch.zeros((N, P + M), dtype=torch.bool)
+    loss_mask = torch.zeros((N, M), dtype=torch.bool)
     for i, (p, c) in enumerate(zip(prompts, comps)):
         tokens[i, P - len(p) : P] = torch.tensor(p, dtype=torch.long)
         tokens[i, P : P + len(c)] = torch.tensor(c, dtype=torch.long)
         mask[i, P - len(p) : P + len(c)] = True
-    return SFTBatch(tokens, mask, mask[:, P:].clone(), P)
+        loss_mask[i, : len(c)] = torch.tensor(agent[i])
+    return SFTBatch(tokens, mask, loss_mask, P)
 
 
 def batches(task: Any, tokenizer: Any, batch_size: int, prompt_len: int, seed: int = 0,

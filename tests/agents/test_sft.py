@@ -245,3 +245,23 @@ def test_chat_samples_are_laid_out_through_the_chat_template():
     row = batch.tokens[0][batch.mask[0]].tolist()
     prompt = tok.apply_chat_template(sample["prompt"], add_generation_prompt=True, tokenize=False)
     assert tok.decode(row) == prompt + sample["solution"] + tok.eos_token
+
+
+def test_multi_turn_solutions_score_the_agents_turns_and_lay_out_like_the_env(policy):
+    """A tool episode's env replies are context in SFT too, and its tokens are the ones the env's buffer holds."""
+    from tokengym.envs.tasks import CalculatorTask
+
+    task = CalculatorTask(tool_rate=1.0)
+    sample = task.sample(np.random.default_rng(0))
+    turns = sample["solution_turns"]
+    assert len(turns) >= 3 and "".join(turns) == sample["solution"]
+    env = TokenVectorEnv(1, task, tokenizer=policy.tokenizer)
+    env.reset(options={"samples": [sample]})
+    for t in [i for k, turn in enumerate(turns) if k % 2 == 0 for i in policy.tokenizer(turn, add_special_tokens=False)["input_ids"]]:
+        env.step(torch.tensor([t]))  # the agent's turns; the env writes the replies
+    env.step(torch.tensor([policy.tokenizer.eos_token_id]))
+    P = env.max_prompt_len
+    b = make_batch([sample], policy.tokenizer, P)
+    n = int(env.gen_len[0])
+    assert torch.equal(b.tokens[0, : P + n], env.tokens[0, : P + n]) and float(env.outcome[0]) == 1.0
+    assert torch.equal(b.loss_mask[0, :n], env.action_mask[0, P : P + n])  # exactly the agent's tokens carry loss
