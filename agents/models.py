@@ -28,7 +28,7 @@ __all__ = ["PRESETS", "CHECKPOINTS", "ATTENTION", "preset_config", "build_preset
            "frozen_copy", "count_parameters", "use_tokengym_attention", "enable_checkpointing"]
 
 CHECKPOINTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoints")
-CHECKPOINTS: tuple[str, ...] = ("tiny-arithmetic",)
+CHECKPOINTS: tuple[str, ...] = ("tiny-arithmetic", "tiny-calculator")
 """Checkpoints shipped inside the package (see ``agents/checkpoints/README.md``), loadable by name."""
 
 PRESETS: dict[str, dict[str, int]] = {

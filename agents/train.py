@@ -43,7 +43,7 @@ class RunConfig:
     env_kwargs: dict | None = None
     """Task/env arguments as a TOML table or JSON object; None = the env's defaults (Arithmetic-v0's are the shipped checkpoint's task: 2-3 operands, 2 digits, '+')."""
     model: str | None = None
-    """Preset (tiny, small), shipped checkpoint (tiny-arithmetic) or local save_pretrained folder; None = tiny for sft, else tiny-arithmetic."""
+    """Preset (tiny, small), shipped checkpoint (tiny-arithmetic, tiny-calculator) or local save_pretrained folder; None = tiny for sft, else the env's shipped warm start (tiny-calculator for Calculator-v0, tiny-arithmetic otherwise)."""
     name: str | None = None
     """Run name; the run writes runs_dir/name (default: <algo>-<env>-<date>-<time>)."""
     runs_dir: str = "runs"
@@ -174,6 +174,8 @@ def load_policy(run: RunConfig, seed: int):
 
 
 ROLLOUT_DEFAULTS = {"grpo": (8, 8), "ppo": (64, 1)}
+WARM_STARTS = {"tokengym/Calculator-v0": "tiny-calculator"}
+"""Envs whose default model is not ``tiny-arithmetic``: the shipped warm start made for their task."""
 """``(prompts, group_size)`` per step when the run sets neither: 64 episodes per step for both (PPO with 8 rollouts
 per update against the learned RM fell from 64.5% to 60.9% held-out greedy; with 64 it rose to 71.1%)."""
 
@@ -344,7 +346,11 @@ def _initial_eval(trainer: Trainer, agent: Any, eval_env: Any, samples: Any) -> 
 
 def _summary(history: list[dict[str, Any]], key: str = "eval/accuracy") -> dict[str, Any]:
     values = [r[key] for r in history if r.get(key) is not None]
-    return {"start": values[0], "final": values[-1]} if values else {}
+    calls = [r["eval/replies_per_episode"] for r in history if r.get("eval/replies_per_episode") is not None]
+    out = {"start": values[0], "final": values[-1]} if values else {}
+    if out and calls:  # a multi-turn env: its replies (a tool env's calls) per episode
+        out["replies"] = (calls[0], calls[-1])
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- algorithms
@@ -679,8 +685,8 @@ def resolve(algo: str, values_file: dict[str, Any], values_flags: dict[str, Any]
             k, old, new = changed[0]
             raise R.UsageError(f"cannot resume {resume_dir} with a different config: {k} was {old!r}, now {new!r}")
         return run, cfg, resume_dir
-    if run.model is None:
-        run.model = "tiny" if algo == "sft" else "tiny-arithmetic"
+    if run.model is None:  # the shipped warm start of the env's task
+        run.model = "tiny" if algo == "sft" else WARM_STARTS.get(run.env, "tiny-arithmetic")
     return run, cfg, _new_run_dir(run, algo)
 
 
@@ -767,6 +773,8 @@ def _train(algo: str, run: RunConfig, cfg: Any, run_dir: str, resume: bool, dp: 
         return 0
     if "start" in result:
         print(f"held-out greedy accuracy: {result['start']:.1%} -> {result['final']:.1%}")
+        if "replies" in result:
+            print("env replies (tool calls) per held-out episode: {:.2f} -> {:.2f}".format(*result["replies"]))
     elif result:
         print(f"{result['label']}: {result['final']:.1%}")
     print(f"done: model in {run_dir}/model, metrics in {run_dir}/metrics.jsonl")

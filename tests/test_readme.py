@@ -38,6 +38,18 @@ def _percent_pair(out: str, label: str = "held-out greedy accuracy") -> list[tup
     return [(float(a), float(b)) for a, b in re.findall(rf"{label}: ([\d.]+)% -> ([\d.]+)%", out)]
 
 
+def check_tool_env(out: str) -> None:
+    assert "['<sq>86</sq>', '=7396\\n', 'A: 7396'] 1.0" in out, out  # the README's printed lines
+    assert "agent tokens 19 of 25" in out, out
+
+
+def check_calculator(out: str) -> None:
+    (start, end), = _percent_pair(out)
+    assert start == 59.8 and end >= 90.0, (start, end)  # README: 59.8% -> 97.3% (tool use learned)
+    calls = re.search(r"per held-out episode: ([\d.]+) -> ([\d.]+)", out)
+    assert float(calls[1]) == 0.0 and float(calls[2]) >= 1.0, calls[0]  # README: 0.00 -> 1.57
+
+
 def check_first_run(out: str) -> None:
     (start, end), = _percent_pair(out)
     assert start == 64.5 and end >= 70.0, (start, end)  # README: 64.5% -> 72.7% (70-74% across CPUs)
@@ -62,7 +74,7 @@ def check_prm(out: str) -> None:
     assert acc >= 60.0, acc  # README: 66.4% (the majority label alone: about 55%)
 
 
-CHECKS = {"first-run": check_first_run, "recipes": check_recipes, "agents": check_agents, "prm": check_prm}
+CHECKS = {"tool_env": check_tool_env, "calculator": check_calculator, "first-run": check_first_run, "recipes": check_recipes, "agents": check_agents, "prm": check_prm}
 
 
 def _params():
