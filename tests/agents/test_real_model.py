@@ -97,6 +97,25 @@ def test_fast_decoder_log_probs_agree_with_a_full_forward(policy):
     assert float((ro.logprobs[am] - full[am]).abs().max()) < 1e-4
 
 
+def test_a_multi_turn_chat_episode_extends_the_cache_with_user_turns(policy):
+    """GuessNumber in chat form: each guess ends with <|im_end|>, the env answers as a user turn between the template's
+    role markers, and the rollout's log-probs over the whole conversation equal a full forward's to 1e-4 (fp32)."""
+    from tokengym.envs import TokenVectorEnv
+    from tokengym.envs.tasks import GuessNumberTask
+
+    env = TokenVectorEnv(4, GuessNumberTask(high=20, max_turns=4, chat=True), tokenizer=policy.tokenizer, max_new_tokens=80)
+    policy.seed(0)
+    ro = collect(env, policy, seed=0)
+    assert ro.turn_stats["replies"] >= 2
+    row = int(torch.tensor([len(h) for h in env.history]).argmax())
+    text = policy.tokenizer.decode(ro.tokens[row][ro.attention_mask[row]].tolist())
+    assert "<|im_end|>\n<|im_start|>user\n" in text.split("<|im_start|>assistant\n", 1)[1]  # a user turn inside the episode
+    with torch.no_grad():
+        full = policy(ro.tokens, ro.attention_mask, ro.prompt_len)
+    am = ro.action_mask.bool()
+    assert float((ro.logprobs[am] - full[am]).abs().max()) < 1e-4
+
+
 def test_two_grpo_steps_with_a_kl_reference(policy):
     """A smoke run: two GRPO steps (G=4, 2 prompts, beta > 0: the frozen reference is a copy of the real model)
     update the weights, with finite statistics and a KL that starts at 0."""

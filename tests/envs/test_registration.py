@@ -58,6 +58,8 @@ def test_stable_baselines3_check_env_and_ppo_interop():
     from stable_baselines3.common.env_checker import check_env as sb3_check_env
     from stable_baselines3.common.monitor import Monitor
 
+    for multi_turn in ("calculator", "guess_number"):  # observations that grow by many tokens in a step
+        sb3_check_env(tokengym.envs.TokenEnv(multi_turn), warn=False)
     env = tokengym.envs.TokenEnv("reverse", length=(2, 3), max_new_tokens=6)
     sb3_check_env(env, warn=False)
     env = Monitor(env)
