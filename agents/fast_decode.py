@@ -381,15 +381,22 @@ class StaticDecoder:
         self._arange_g = torch.arange(G, device=device)
         return logits.float()
 
-    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Append one token per slot (``tokens[N]``, written at column ``P + step``); return logits ``[N, V]`` (fp32)."""
+    def decode(self, tokens: torch.Tensor, hold: torch.Tensor | None = None) -> torch.Tensor:
+        """Append one token per slot (``tokens[N]``, written at column ``P + step``); return logits ``[N, V]`` (fp32).
+
+        ``hold[N]`` (bool): slots that stay where they are (a multi-turn row waiting for a reply): their token is
+        computed but not kept, and the next token (or :meth:`extend`) overwrites its column."""
         dev_type = self._embed.device.type
+        if hold is not None and not self._ragged:
+            self._to_ragged()
         if torch.is_autocast_enabled(dev_type):  # the matrices' dtype was fixed at prefill; the rest stays explicit
             with torch.autocast(dev_type, enabled=False):
-                return self._decode(tokens)
-        return self._decode(tokens)
+                return self._decode(tokens, hold)
+        return self._decode(tokens, hold)
 
-    def _decode(self, tokens: torch.Tensor) -> torch.Tensor:
+    def _decode(self, tokens: torch.Tensor, hold: torch.Tensor | None = None) -> torch.Tensor:
+        if self._ragged:  # per-row columns, each row within its budget (finished rows write into the last column)
+            return self._decode_ragged(tokens, hold)
         t = self._step
         if t >= self._capacity:
             raise RuntimeError(
@@ -398,8 +405,6 @@ class StaticDecoder:
         N, G, rep, hd = self._N, self.n_kv, self.rep, self.head_dim
         if tokens.shape != (N,):
             raise ValueError(f"decode() takes one token per slot, shape ({N},); got {tuple(tokens.shape)}")
-        if self._ragged:
-            return self._decode_ragged(tokens)
         col = self._P + t
         T = col + 1
         cs = self._rope_signed.index_select(0, self._pos[t])  # this step's [N, 2, hd], broadcast over heads
@@ -440,7 +445,7 @@ class StaticDecoder:
         self._bias.masked_fill_(unwritten.repeat_interleave(self.n_kv, 0)[:, None], float("-inf"))
         self._ragged = True
 
-    def _decode_ragged(self, tokens: torch.Tensor) -> torch.Tensor:
+    def _decode_ragged(self, tokens: torch.Tensor, hold: torch.Tensor | None = None) -> torch.Tensor:
         """:meth:`decode` with each row's token at its own column ``P + cur`` (rows past the budget are finished
         episodes whose tokens are never read: they write into the last column)."""
         N, G, rep, hd, P = self._N, self.n_kv, self.rep, self.head_dim, self._P
@@ -473,7 +478,7 @@ class StaticDecoder:
             a.mul_(gu[:, I:])
             x = _lin_add(x, a, w_d, b_d)
         self._step += 1
-        self._cur = cur + 1
+        self._cur = cur + 1 if hold is None else cur + (~hold.to(cur.device)).long()
         self._hi = T - 1
         h = F.rms_norm(x, (D,), self._norm_w, self._norm_eps)
         return _lin(h, self._head_t).float()

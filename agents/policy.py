@@ -208,22 +208,27 @@ class Policy(nn.Module):
         self._mask, self._pos, self._ids = mask, pos[:, -1], tokens
         return self._forward_cached(tokens, mask, pos, None)
 
-    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Append one token per slot (``tokens[N]``) to the cache; return the next-token logits ``[N, V]``."""
-        if torch.is_inference_mode_enabled():  # skip re-entering inference mode on every token (rollouts)
-            return self._decode(tokens)
-        with torch.inference_mode():
-            return self._decode(tokens)
+    def decode(self, tokens: torch.Tensor, hold: torch.Tensor | None = None) -> torch.Tensor:
+        """Append one token per slot (``tokens[N]``) to the cache; return the next-token logits ``[N, V]``.
 
-    def _decode(self, tokens: torch.Tensor) -> torch.Tensor:
+        ``hold[N]`` (bool): slots whose token the env ignored (a multi-turn row waiting for a slow reply); their
+        history does not grow, and the reply that comes later is appended with :meth:`extend`.
+        """
+        if torch.is_inference_mode_enabled():  # skip re-entering inference mode on every token (rollouts)
+            return self._decode(tokens, hold)
+        with torch.inference_mode():
+            return self._decode(tokens, hold)
+
+    def _decode(self, tokens: torch.Tensor, hold: torch.Tensor | None = None) -> torch.Tensor:
         if self._fast_active:
-            return self._fast.decode(tokens)
+            return self._fast.decode(tokens, hold)
         if self._mask is None:
             raise RuntimeError("decode() before prefill(): encode the prompts first")
-        self._mask = torch.cat([self._mask, self._mask.new_ones(self._mask.shape[0], 1)], 1)
+        new = self._mask.new_ones(self._mask.shape[0], 1) if hold is None else (~hold.to(self.device))[:, None].to(self._mask.dtype)
+        self._mask = torch.cat([self._mask, new], 1)
         if self._ids is not None:
             self._ids = torch.cat([self._ids, tokens[:, None].to(self._ids)], 1)
-        self._pos = self._pos + 1
+        self._pos = self._pos + new[:, 0].to(self._pos.dtype)
         return self._forward_cached(tokens[:, None], self._mask, self._pos[:, None], self._cache)
 
     @torch.inference_mode()

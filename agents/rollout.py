@@ -200,13 +200,15 @@ def _run_episodes(env, policy, greedy: bool, seed: int | None, samples: list | N
     multi_turn = getattr(env, "multi_turn", False)
     try:
         logits = policy.prefill(obs["tokens"][:, lead:P], obs["mask"][:, lead:P], max_new_tokens=M)
-        for _ in range(M):  # every live row writes at least one column per step
+        for _ in range(M + 1000):  # every live row writes a column per step (or waits for a slow reply: bounded by its timeout)
             actions, lp = policy.sample(logits, greedy=greedy)
-            logps.scatter_(1, torch.where(env.done, M, env.gen_len)[:, None], lp[:, None])
+            held = env.waiting.clone() if multi_turn and env._pending else None  # rows whose actions the env ignores
+            idle = env.done if held is None else env.done | held
+            logps.scatter_(1, torch.where(idle, M, env.gen_len)[:, None], lp[:, None])
             env.step(actions)
             if env.all_done:
                 break
-            logits = policy.decode(actions)
+            logits = policy.decode(actions) if held is None else policy.decode(actions, hold=held)
             if multi_turn and env.replied:  # the env answered some rows: append their replies to those caches
                 logits = _extend_replies(env, policy, logits)
     finally:

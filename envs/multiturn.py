@@ -7,7 +7,10 @@ ended). It returns the reply text (appended to the episode as context), ``None``
 a :class:`Reply` for a turn reward, token ids or a last message. The reply is tokenized once, by the env (between
 the chat template's role markers for chat tasks), and nothing already in the buffer is ever re-tokenized.
 
-Replies of the rows whose turns end in the same step run concurrently, each under the task's ``reply_timeout``. A
+Replies of the rows whose turns end in the same step run concurrently, each under the task's ``reply_timeout``. By
+default the step waits for all of them; with the task's ``reply_grace`` (seconds) it waits that long, and rows whose
+reply is still out then wait (``env.waiting``: their actions are ignored) while the others go on, and their reply is
+appended at a later step, as soon as it is there. A
 reply that raises, times out or is not a str/Reply/None becomes an ``error: ...`` message in the observation and
 is counted (:attr:`TokenVectorEnv.turn_stats`), never a crash of the batch. A reply that contains the task's
 end-of-turn marker, or token ids outside the vocabulary, is the env's bug: a ``ValueError`` naming the task.
@@ -19,7 +22,7 @@ import concurrent.futures as cf
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-__all__ = ["Reply", "ask_all", "chat_reply_wrapper"]
+__all__ = ["Reply", "answer_one", "ask_all", "chat_reply_wrapper", "timed_out"]
 
 
 @dataclass
@@ -52,6 +55,18 @@ def _normalise(out: Any) -> tuple[Reply, str | None]:
     return Reply(text=f"error: the reply was a {type(out).__name__}, not text"), "tool_errors"
 
 
+def answer_one(task: Any, sample: dict, history: list[str]) -> tuple[Reply, str | None]:
+    """``task.respond(sample, history)`` as a :class:`Reply`, and the kind of error it was (``None`` if none)."""
+    try:
+        return _normalise(task.respond(sample, history))
+    except Exception as e:  # a tool that raises is an observation, not a crash of the batch
+        return Reply(text=f"error: {type(e).__name__}: {str(e)[:160]}"), "tool_errors"
+
+
+def timed_out(task: Any) -> tuple[Reply, str]:
+    return Reply(text=f"error: no reply within {task.reply_timeout:g} s"), "tool_timeouts"
+
+
 def ask_all(task: Any, pool: cf.ThreadPoolExecutor | None, jobs: list[tuple[dict, list[str]]]
             ) -> tuple[list[Reply], list[bool], dict[str, int]]:
     """``task.respond(sample, history)`` for every job, concurrently under ``task.reply_timeout`` seconds (inline when
@@ -59,20 +74,12 @@ def ask_all(task: Any, pool: cf.ThreadPoolExecutor | None, jobs: list[tuple[dict
     timeouts."""
     counts = {"tool_errors": 0, "tool_timeouts": 0}
     replies: list[Reply] = []
-
-    def one(sample: dict, history: list[str]) -> tuple[Reply, str | None]:
-        try:
-            return _normalise(task.respond(sample, history))
-        except Exception as e:  # a tool that raises is an observation, not a crash of the batch
-            return Reply(text=f"error: {type(e).__name__}: {str(e)[:160]}"), "tool_errors"
-
     if pool is None or task.reply_timeout is None:
-        results = [one(s, h) for s, h in jobs]
+        results = [answer_one(task, s, h) for s, h in jobs]
     else:
-        futures = [pool.submit(one, s, list(h)) for s, h in jobs]
+        futures = [pool.submit(answer_one, task, s, list(h)) for s, h in jobs]
         done, _ = cf.wait(futures, timeout=task.reply_timeout)
-        results = [f.result() if f in done else
-                   (Reply(text=f"error: no reply within {task.reply_timeout:g} s"), "tool_timeouts") for f in futures]
+        results = [f.result() if f in done else timed_out(task) for f in futures]
     for reply, err in results:
         replies.append(reply)
         if err:

@@ -49,7 +49,7 @@ from gymnasium.vector.utils import batch_space
 import concurrent.futures as cf
 
 from tokengym.envs.chat import check_chat_template, encode_prompts, end_of_turn_ids, is_messages, prompt_texts, template_overhead
-from tokengym.envs.multiturn import Reply, ask_all, chat_reply_wrapper
+from tokengym.envs.multiturn import Reply, answer_one, ask_all, chat_reply_wrapper, timed_out
 from tokengym.envs.tasks.base import Task
 from tokengym.envs.tokenizer import load_tokenizer
 from tokengym.rewards.common import TokengymWarning
@@ -232,6 +232,8 @@ class TokenVectorEnv(VectorEnv):
         self.turn_rewards = torch.zeros((N, M), dtype=torch.float32, device=dev)
         self.history: list[list[str]] = [[] for _ in range(N)]
         self.replied: list[int] = []  # rows that got a reply in the last step (host list, for the rollout engine)
+        self.waiting = torch.zeros(N, dtype=torch.bool, device=dev)  # rows whose reply is still out (reply_grace)
+        self._pending: dict[int, tuple[cf.Future, float]] = {}
         self.gen_len = torch.zeros(N, dtype=torch.long, device=dev)
         self.terminated = torch.zeros(N, dtype=torch.bool, device=dev)
         self.truncated = torch.zeros(N, dtype=torch.bool, device=dev)
@@ -342,7 +344,7 @@ class TokenVectorEnv(VectorEnv):
         self.attention_mask[idx, :P] = real.to(self.device)
         for buf in (self.gen_len, self.terminated, self.truncated, self.rewards, self.process_rewards,
                     self.step_end, self.outcome, self._needs_reset, self.action_mask, self.last_action,
-                    self.turn_start, self.reply_len, self.reply_count, self.turn_rewards):
+                    self.turn_start, self.reply_len, self.reply_count, self.turn_rewards, self.waiting):
             buf[idx] = 0
         gid = torch.tensor([self._next_group + g for g in groups], device=self.device)
         self.group_id[idx] = gid.repeat_interleave(self.group_size)
@@ -350,6 +352,7 @@ class TokenVectorEnv(VectorEnv):
         for s, sample in zip(slots, samples):
             self.samples[s] = sample
             self.history[s] = []
+            self._pending.pop(s, None)  # a reply still out for the slot's previous episode is dropped
             self.step_scores[s] = []
             self.completions[s] = None
             self.reward_components[s] = {}
@@ -391,10 +394,10 @@ class TokenVectorEnv(VectorEnv):
         a = self._check_actions(actions)
         if self.autoreset_mode is AutoresetMode.NEXT_STEP:
             resetting = self._needs_reset.clone()
-            active = ~resetting
+            active = ~resetting & ~self.waiting
         else:
             resetting = None
-            active = ~(self.terminated | self.truncated)
+            active = ~(self.terminated | self.truncated | self.waiting)
         V, M, P = self.vocab_size, self.max_new_tokens, self.max_prompt_len
         invalid = active & ((a < 0) | (a >= V))
         a_safe = a.clamp(0, V - 1)
@@ -410,7 +413,7 @@ class TokenVectorEnv(VectorEnv):
         if flags[0]:
             bad = int(invalid.nonzero()[0])
             raise ValueError(f"action {int(a[bad])} for env {bad} is outside the action space [0, {V})")
-        if not flags[1] and not (resetting is not None and flags[4]):
+        if not flags[1] and not self._pending and not (resetting is not None and flags[4]):
             raise RuntimeError("step() called after every episode ended (terminated or truncated); call reset() first")
 
         col = (self.gen_len + P).clamp(max=self.seq_len - 1).unsqueeze(1)
@@ -424,11 +427,12 @@ class TokenVectorEnv(VectorEnv):
         if self.multi_turn:
             self.reply_len.zero_()
             self.replied = []
-            if flags[5]:  # agent turns ended: the env answers them, or ends or truncates those episodes
-                term_now, trunc_now = self._answer_turns(term_now, trunc_now, reward)
+            if flags[5] or self._pending:  # the env answers ended turns, or ends or truncates those episodes
+                term_now, trunc_now, ended = self._answer_turns(term_now if flags[5] else None, term_now, trunc_now, active, reward)
                 done_now = term_now | trunc_now
                 info["reply_len"] = self.reply_len.clone()
-                flags[3] = bool((active & ~done_now).any())
+                flags[2] = flags[2] or ended
+                flags[3] = bool((~(self.terminated | self.truncated | done_now)).any())
         self.terminated |= term_now
         self.truncated |= trunc_now
         self.all_done = not flags[3]
@@ -459,39 +463,57 @@ class TokenVectorEnv(VectorEnv):
         return hit
 
     # ------------------------------------------------------------------ multi-turn
-    def _answer_turns(self, term_now: torch.Tensor, trunc_now: torch.Tensor, reward: torch.Tensor):
-        """Ask the task to answer the rows whose agent turn just ended (``term_now``); append each reply, or end
-        (terminated) or truncate the episode. Returns the updated ``(term_now, trunc_now)``."""
-        P, M, V = self.max_prompt_len, self.max_new_tokens, self.vocab_size
-        rows = term_now.nonzero().flatten().tolist()
-        starts, ends, lasts = (t[rows].tolist() for t in (self.turn_start, self.gen_len, self.last_action))
-        buf = self.tokens[rows, P:].tolist()
-        said = self.tokenizer.batch_decode([b[s:e] for b, s, e in zip(buf, starts, ends)], skip_special_tokens=True)
-        for s, text in zip(rows, said):
-            self.history[s].append(text)
+    def _answer_turns(self, ended: torch.Tensor | None, term_now: torch.Tensor, trunc_now: torch.Tensor,
+                      active: torch.Tensor, reward: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """Ask the task to answer the rows whose agent turn just ended (``ended``) and collect replies still out;
+        append each reply, or end (terminated) or truncate the episode. Returns the updated ``(term_now, trunc_now)``
+        and whether an episode ended."""
+        P, M = self.max_prompt_len, self.max_new_tokens
+        rows = ended.nonzero().flatten().tolist() if ended is not None else []
+        if rows:
+            starts, ends = self.turn_start[rows].tolist(), self.gen_len[rows].tolist()
+            buf = self.tokens[rows, P:].tolist()
+            said = self.tokenizer.batch_decode([b[s:e] for b, s, e in zip(buf, starts, ends)], skip_special_tokens=True)
+            for s, text in zip(rows, said):
+                self.history[s].append(text)
+            self.turn_stats["turns"] += len(rows)
         if self._pool is None and self.task.reply_timeout is not None:
             self._pool = cf.ThreadPoolExecutor(max_workers=min(32, self.num_envs), thread_name_prefix="tokengym-reply")
-        replies, errors, counts = ask_all(self.task, self._pool, [(self.samples[s], self.history[s]) for s in rows])
-        stats = self.turn_stats
-        stats["turns"] += len(rows)
-        for k, v in counts.items():
-            stats[k] += v
         term, trunc = term_now.clone(), trunc_now.clone()
-        for s, rep, err, end, last in zip(rows, replies, errors, ends, lasts):
+        if self.task.reply_grace is None or self._pool is None:  # every reply of this step, now
+            replies, errors, counts = ask_all(self.task, self._pool, [(self.samples[s], self.history[s]) for s in rows])
+            results = list(zip(rows, replies, errors))
+        else:  # a slow reply leaves its row waiting while the other rows go on
+            now = time.monotonic()
+            for s in rows:
+                self._pending[s] = (self._pool.submit(answer_one, self.task, self.samples[s], list(self.history[s])),
+                                    now + float(self.task.reply_timeout))
+            if rows:
+                self.waiting[rows] = True
+                term[rows] = False
+            live = bool((active & ~term & ~trunc & ~self.waiting).any())
+            results, counts = self._collect_pending(self.task.reply_grace if live else None)
+        for k, v in counts.items():
+            self.turn_stats[k] += v
+        stats, any_end = self.turn_stats, False
+        ends, lasts = self.gen_len.tolist(), self.last_action.tolist()
+        for s, rep, err in results:
+            end, last = ends[s], lasts[s]
             if rep.reward:
                 self.turn_rewards[s, last] += float(rep.reward)
                 self.rewards[s, last] += float(rep.reward)
                 reward[s] += float(rep.reward)
             if rep.done:
+                term[s], any_end = True, True
                 if rep.text:
                     self.history[s].append(rep.text)
                 continue
             term[s] = False
             ids = self._reply_ids(rep, sanitize=err)
             if self.task.max_turns is not None and len(self.history[s]) // 2 + 1 >= self.task.max_turns:
-                trunc[s], stats["max_turns"] = True, stats["max_turns"] + 1
+                trunc[s], stats["max_turns"], any_end = True, stats["max_turns"] + 1, True
             elif len(ids) >= M - end:  # no room for the reply and one more agent token
-                trunc[s], stats["reply_overflows"] = True, stats["reply_overflows"] + 1
+                trunc[s], stats["reply_overflows"], any_end = True, stats["reply_overflows"] + 1, True
             else:
                 cols = torch.arange(P + end, P + end + len(ids), device=self.device)
                 self.tokens[s, cols] = torch.tensor(ids, dtype=torch.long, device=self.device)
@@ -503,7 +525,34 @@ class TokenVectorEnv(VectorEnv):
                 self.replied.append(s)
                 self.history[s].append(rep.text if rep.text is not None else self.tokenizer.decode(ids, skip_special_tokens=True))
                 stats["replies"] += 1
-        return term, trunc
+        return term, trunc, any_end
+
+    def _collect_pending(self, wait: float | None) -> tuple[list[tuple[int, Reply, bool]], dict[str, int]]:
+        """Replies still out that are in (after up to ``wait`` seconds; ``None``: until one is in or past its time limit,
+        because no row could act meanwhile), and those past ``reply_timeout`` as error messages."""
+        counts = {"tool_errors": 0, "tool_timeouts": 0}
+        if not self._pending:
+            return [], counts
+        futures = [f for f, _ in self._pending.values()]
+        if wait is None:
+            soonest = min(d for _, d in self._pending.values())
+            cf.wait(futures, timeout=max(soonest - time.monotonic(), 0.0), return_when=cf.FIRST_COMPLETED)
+        else:
+            cf.wait(futures, timeout=wait)
+        now, results = time.monotonic(), []
+        for s, (f, deadline) in sorted(self._pending.items()):
+            if f.done():
+                rep, err = f.result()
+            elif now >= deadline:
+                rep, err = timed_out(self.task)
+            else:
+                continue
+            del self._pending[s]
+            self.waiting[s] = False
+            if err:
+                counts[err] += 1
+            results.append((s, rep, err is not None))
+        return results, counts
 
     def _reply_ids(self, rep: Reply, sanitize: bool) -> list[int]:
         """The token ids of a reply (between the chat template's role markers in chat tasks), checked."""

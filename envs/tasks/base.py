@@ -30,6 +30,8 @@ class Task:
         turn_stop_strings: texts that end an agent turn so that the env answers (``"</calc>"``); multi-turn only.
         max_turns: agent turns after which a multi-turn episode is truncated (``None``: only the token budget).
         reply_timeout: seconds a reply may take before it becomes an error message (``None``: no limit, inline).
+        reply_grace: ``None`` (a step waits for every reply of its agent turns) or seconds after which a step returns
+            with the rows whose reply is still out waiting, so that a slow tool does not hold up the other rows.
         reply_role: the chat role of the env's replies in chat tasks.
 
     Multi-turn tasks override :meth:`respond` (see :mod:`tokengym.envs.multiturn`); every stop of an agent turn
@@ -45,6 +47,7 @@ class Task:
     turn_stop_strings: tuple[str, ...] = ()
     max_turns: int | None = None
     reply_timeout: float | None = 10.0
+    reply_grace: float | None = None
     reply_role: str = "user"
 
     def sample(self, rng: np.random.Generator) -> dict[str, Any]:

@@ -166,3 +166,44 @@ def test_shipped_calculator_warm_start_scores_what_its_card_says():
     assert 0.05 <= sum("<calc>" in c for c in ro.completions) / 256 <= 0.4
     card = open(os.path.join(folder, "..", "README.md")).read()
     assert f"{100 * meta['calculator_accuracy']:.1f}%" in card
+
+
+class SlowTool(Chatter):
+    """Chatter whose replies to one row take 0.5 s: with reply_grace the other rows go on meanwhile."""
+
+    reply_timeout = 5.0
+    reply_grace = 0.02
+    max_turns = 6
+
+    def sample(self, rng):
+        return {"prompt": "x" * int(rng.integers(1, 10)), "answer": 1, "slow": False}
+
+    def respond(self, sample, history):
+        if sample.get("slow"):
+            import time
+
+            time.sleep(0.5)
+        return super().respond(sample, history)
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["static-cache", "generic"])
+def test_a_slow_tool_holds_up_only_its_own_row_and_log_probs_still_agree(fast):
+    policy = Policy.from_pretrained("tiny", fast_decode=fast, seed=1)
+    env = TokenVectorEnv(4, SlowTool())
+    samples = [{"prompt": "xx", "answer": 1, "slow": i == 0} for i in range(4)]
+    seen_waiting = []
+    step = env.step
+
+    def spy(actions):
+        out = step(actions)
+        seen_waiting.append(env.waiting.tolist())
+        return out
+
+    env.step = spy
+    ro = collect(env, policy, samples=samples)
+    waited = [w[0] and not any(w[1:]) for w in seen_waiting]
+    assert sum(waited) >= 2  # row 0 waited for its reply over several steps while the others stepped on
+    assert ro.turn_stats["replies"] >= 8 and ro.turn_stats["tool_timeouts"] == 0
+    assert int((ro.attention_mask[0, ro.prompt_len:].sum() - ro.action_mask[0].sum())) > 0  # row 0's replies landed
+    full = trimmed_logprobs(policy, ro).detach()
+    assert float(((full - ro.logprobs) * ro.action_mask).abs().max()) < 1e-4
