@@ -36,6 +36,7 @@ Autoreset modes (``metadata["autoreset_mode"]``):
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import time
 import warnings
 from typing import Any, Callable, Sequence
@@ -46,10 +47,8 @@ from gymnasium import spaces
 from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space
 
-import concurrent.futures as cf
-
 from tokengym.envs.chat import check_chat_template, encode_prompts, end_of_turn_ids, is_messages, prompt_texts, template_overhead
-from tokengym.envs.multiturn import Reply, answer_one, ask_all, chat_reply_wrapper, timed_out
+from tokengym.envs.multiturn import MultiTurnMixin, chat_reply_wrapper
 from tokengym.envs.tasks.base import Task
 from tokengym.envs.tokenizer import load_tokenizer
 from tokengym.rewards.common import TokengymWarning
@@ -85,7 +84,7 @@ def _parse_mode(mode: Any) -> AutoresetMode:
     return by_name[key]
 
 
-class TokenVectorEnv(VectorEnv):
+class TokenVectorEnv(MultiTurnMixin, VectorEnv):
     """N token-generation episodes held as torch tensors on ``device``.
 
     Args:
@@ -461,116 +460,6 @@ class TokenVectorEnv(VectorEnv):
             # only the agent's current turn counts: an env reply before it never completes a marker
             hit |= (self.gen_len - self.turn_start >= k - 1) & (prev == seq[:-1]).all(1) & (a == seq[-1])
         return hit
-
-    # ------------------------------------------------------------------ multi-turn
-    def _answer_turns(self, ended: torch.Tensor | None, term_now: torch.Tensor, trunc_now: torch.Tensor,
-                      active: torch.Tensor, reward: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """Ask the task to answer the rows whose agent turn just ended (``ended``) and collect replies still out;
-        append each reply, or end (terminated) or truncate the episode. Returns the updated ``(term_now, trunc_now)``
-        and whether an episode ended."""
-        P, M = self.max_prompt_len, self.max_new_tokens
-        rows = ended.nonzero().flatten().tolist() if ended is not None else []
-        if rows:
-            starts, ends = self.turn_start[rows].tolist(), self.gen_len[rows].tolist()
-            buf = self.tokens[rows, P:].tolist()
-            said = self.tokenizer.batch_decode([b[s:e] for b, s, e in zip(buf, starts, ends)], skip_special_tokens=True)
-            for s, text in zip(rows, said):
-                self.history[s].append(text)
-            self.turn_stats["turns"] += len(rows)
-        if self._pool is None and self.task.reply_timeout is not None:
-            self._pool = cf.ThreadPoolExecutor(max_workers=min(32, self.num_envs), thread_name_prefix="tokengym-reply")
-        term, trunc = term_now.clone(), trunc_now.clone()
-        if self.task.reply_grace is None or self._pool is None:  # every reply of this step, now
-            replies, errors, counts = ask_all(self.task, self._pool, [(self.samples[s], self.history[s]) for s in rows])
-            results = list(zip(rows, replies, errors))
-        else:  # a slow reply leaves its row waiting while the other rows go on
-            now = time.monotonic()
-            for s in rows:
-                self._pending[s] = (self._pool.submit(answer_one, self.task, self.samples[s], list(self.history[s])),
-                                    now + float(self.task.reply_timeout))
-            if rows:
-                self.waiting[rows] = True
-                term[rows] = False
-            live = bool((active & ~term & ~trunc & ~self.waiting).any())
-            results, counts = self._collect_pending(self.task.reply_grace if live else None)
-        for k, v in counts.items():
-            self.turn_stats[k] += v
-        stats, any_end = self.turn_stats, False
-        ends, lasts = self.gen_len.tolist(), self.last_action.tolist()
-        for s, rep, err in results:
-            end, last = ends[s], lasts[s]
-            if rep.reward:
-                self.turn_rewards[s, last] += float(rep.reward)
-                self.rewards[s, last] += float(rep.reward)
-                reward[s] += float(rep.reward)
-            if rep.done:
-                term[s], any_end = True, True
-                if rep.text:
-                    self.history[s].append(rep.text)
-                continue
-            term[s] = False
-            ids = self._reply_ids(rep, sanitize=err)
-            if self.task.max_turns is not None and len(self.history[s]) // 2 + 1 >= self.task.max_turns:
-                trunc[s], stats["max_turns"], any_end = True, stats["max_turns"] + 1, True
-            elif len(ids) >= M - end:  # no room for the reply and one more agent token
-                trunc[s], stats["reply_overflows"], any_end = True, stats["reply_overflows"] + 1, True
-            else:
-                cols = torch.arange(P + end, P + end + len(ids), device=self.device)
-                self.tokens[s, cols] = torch.tensor(ids, dtype=torch.long, device=self.device)
-                self.attention_mask[s, cols] = True
-                self.gen_len[s] = end + len(ids)
-                self.turn_start[s] = end + len(ids)
-                self.reply_len[s] = len(ids)
-                self.reply_count[s] += 1
-                self.replied.append(s)
-                self.history[s].append(rep.text if rep.text is not None else self.tokenizer.decode(ids, skip_special_tokens=True))
-                stats["replies"] += 1
-        return term, trunc, any_end
-
-    def _collect_pending(self, wait: float | None) -> tuple[list[tuple[int, Reply, bool]], dict[str, int]]:
-        """Replies still out that are in (after up to ``wait`` seconds; ``None``: until one is in or past its time limit,
-        because no row could act meanwhile), and those past ``reply_timeout`` as error messages."""
-        counts = {"tool_errors": 0, "tool_timeouts": 0}
-        if not self._pending:
-            return [], counts
-        futures = [f for f, _ in self._pending.values()]
-        if wait is None:
-            soonest = min(d for _, d in self._pending.values())
-            cf.wait(futures, timeout=max(soonest - time.monotonic(), 0.0), return_when=cf.FIRST_COMPLETED)
-        else:
-            cf.wait(futures, timeout=wait)
-        now, results = time.monotonic(), []
-        for s, (f, deadline) in sorted(self._pending.items()):
-            if f.done():
-                rep, err = f.result()
-            elif now >= deadline:
-                rep, err = timed_out(self.task)
-            else:
-                continue
-            del self._pending[s]
-            self.waiting[s] = False
-            if err:
-                counts[err] += 1
-            results.append((s, rep, err is not None))
-        return results, counts
-
-    def _reply_ids(self, rep: Reply, sanitize: bool) -> list[int]:
-        """The token ids of a reply (between the chat template's role markers in chat tasks), checked."""
-        if rep.ids is not None:
-            ids = [int(i) for i in rep.ids]
-            bad = [i for i in ids if not 0 <= i < self.vocab_size]
-            if bad:
-                raise ValueError(f"task {self.task.name!r} replied with token id {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
-            return ids
-        text = str(rep.text)
-        for m in self._markers:
-            if m in text:
-                if not sanitize:
-                    raise ValueError(f"task {self.task.name!r} replied {text[:60]!r}, which contains the end-of-turn marker "
-                                     f"{m!r}: the agent's next turn would look ended; escape or drop it in respond()")
-                text = text.replace(m, "")
-        before, after = self._wrap
-        return self.tokenizer(before + text + after, add_special_tokens=False)["input_ids"]
 
     # ------------------------------------------------------------------ rewards
     def generated_ids(self, slots: Sequence[int]) -> list[list[int]]:
