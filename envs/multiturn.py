@@ -145,6 +145,8 @@ class MultiTurnMixin:
             self.turn_stats[k] += v
         stats, any_end = self.turn_stats, False
         ends, lasts = self.gen_len.tolist(), self.last_action.tolist()
+        ids_of = dict(zip([s for s, rep, _ in results if not rep.done],
+                          self._reply_ids([(rep, err) for _, rep, err in results if not rep.done])))
         for s, rep, err in results:
             end, last = ends[s], lasts[s]
             if rep.reward:
@@ -157,7 +159,7 @@ class MultiTurnMixin:
                     self.history[s].append(rep.text)
                 continue
             term[s] = False
-            ids = self._reply_ids(rep, sanitize=err)
+            ids = ids_of[s]
             if self.task.max_turns is not None and len(self.history[s]) // 2 + 1 >= self.task.max_turns:
                 trunc[s], stats["max_turns"], any_end = True, stats["max_turns"] + 1, True
             elif len(ids) >= M - end:  # no room for the reply and one more agent token
@@ -202,20 +204,28 @@ class MultiTurnMixin:
             results.append((s, rep, err is not None))
         return results, counts
 
-    def _reply_ids(self, rep: Reply, sanitize: bool) -> list[int]:
-        """The token ids of a reply (between the chat template's role markers in chat tasks), checked."""
-        if rep.ids is not None:
-            ids = [int(i) for i in rep.ids]
-            bad = [i for i in ids if not 0 <= i < self.vocab_size]
-            if bad:
-                raise ValueError(f"task {self.task.name!r} replied with token id {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
-            return ids
-        text = str(rep.text)
-        for m in self._markers:
-            if m in text:
-                if not sanitize:
-                    raise ValueError(f"task {self.task.name!r} replied {text[:60]!r}, which contains the end-of-turn marker "
-                                     f"{m!r}: the agent's next turn would look ended; escape or drop it in respond()")
-                text = text.replace(m, "")
-        before, after = self._wrap
-        return self.tokenizer(before + text + after, add_special_tokens=False)["input_ids"]
+    def _reply_ids(self, replies: list[tuple[Reply, bool]]) -> list[list[int]]:
+        """The token ids of each ``(reply, is an error message)`` (between the chat template's role markers in chat
+        tasks), checked; the texts go through the tokenizer in one call."""
+        out: list[list[int] | None] = []
+        texts: list[str] = []
+        for rep, err in replies:
+            if rep.ids is not None:
+                ids = [int(i) for i in rep.ids]
+                bad = [i for i in ids if not 0 <= i < self.vocab_size]
+                if bad:
+                    raise ValueError(f"task {self.task.name!r} replied with token id {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
+                out.append(ids)
+                continue
+            text = str(rep.text)
+            for m in self._markers:
+                if m in text:
+                    if not err:
+                        raise ValueError(f"task {self.task.name!r} replied {text[:60]!r}, which contains the end-of-turn "
+                                         f"marker {m!r}: the agent's next turn would look ended; escape or drop it in respond()")
+                    text = text.replace(m, "")  # an error message quoting the agent
+            before, after = self._wrap
+            texts.append(before + text + after)
+            out.append(None)
+        encoded = iter(self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else [])
+        return [ids if ids is not None else list(next(encoded)) for ids in out]
