@@ -146,11 +146,12 @@ def rollout_one(side: str, n: int, new_tokens: int, repeats: int) -> dict:
 def grpo_tokengym(steps: int, new_tokens: int, bf16: bool = False, gc: bool = False, seconds: float = 0.0, samples=None,
                   **cfg) -> dict:
     speed = not seconds  # the speed comparison: every row runs to the budget, as in TRL below
-    policy = (NoStopPolicy if speed else Policy).from_pretrained(folder(), temperature=cfg.pop("temperature", 1.0), seed=0)
+    seed = cfg.pop("seed", 0)
+    policy = (NoStopPolicy if speed else Policy).from_pretrained(folder(), temperature=cfg.pop("temperature", 1.0), seed=seed)
     env = TokenVectorEnv(G * PROMPTS, task(), tokenizer=policy.tokenizer, group_size=G, max_new_tokens=new_tokens)
     if speed:
         policy.stop = torch.tensor(_stop_ids(env))
-    agent = GRPOAgent(policy, GRPOConfig(steps=steps, lr=cfg.pop("lr", 1e-6), beta=0.0, mu=1, bf16=bf16, seed=0,
+    agent = GRPOAgent(policy, GRPOConfig(steps=steps, lr=cfg.pop("lr", 1e-6), beta=0.0, mu=1, bf16=bf16, seed=seed,
                                          skip_zero_advantage=False, gradient_checkpointing=gc, **cfg))
     times, train_s = [], 0.0
 
@@ -203,7 +204,7 @@ def grpo_trl(steps: int, new_tokens: int, bf16: bool = False, gc: bool = True, s
         max_completion_length=new_tokens, num_iterations=1, beta=0.0, learning_rate=cfg.get("lr", 1e-6),
         max_steps=steps, logging_strategy="no", disable_tqdm=True, log_level="error", report_to="none", use_cpu=True,
         save_strategy="no", loss_type="grpo", scale_rewards="group", temperature=cfg.get("temperature", 1.0), top_k=0,
-        top_p=1.0, bf16=bf16, disable_dropout=True, seed=0, dataloader_num_workers=0, gradient_checkpointing=gc,
+        top_p=1.0, bf16=bf16, disable_dropout=True, seed=cfg.get("seed", 0), dataloader_num_workers=0, gradient_checkpointing=gc,
         generation_kwargs={} if seconds else {"suppress_tokens": _stop_ids(probe)},
     )
     trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=args, train_dataset=data, processing_class=tok,
@@ -251,7 +252,7 @@ def child(args) -> dict:
     if kind == "race":
         samples = heldout_samples(task(), 200)
         r = fn(10**6, RECIPE["max_new_tokens"], seconds=args.race_seconds, samples=samples,
-               lr=RECIPE["lr"], temperature=RECIPE["temperature"])
+               lr=RECIPE["lr"], temperature=RECIPE["temperature"], seed=args.race_seed)
     else:  # side: tokengym|trl, then -gc / -nogc (each library's default otherwise) and -bf16
         flags = side.split("-")[1:]
         gc = {"gc": True, "nogc": False}.get(next((f for f in flags if "gc" in f), ""), side.startswith("trl"))
@@ -267,6 +268,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--grpo-steps", type=int, default=4)
     ap.add_argument("--race-seconds", type=float, default=0.0, help="training seconds per side in the race (0 = no race)")
+    ap.add_argument("--race-seed", type=int, default=0, help="seed of both sides' race runs (sampling, prompt order)")
+    ap.add_argument("--race-sides", nargs="+", default=["tokengym", "trl"], choices=["tokengym", "trl"])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--parts", nargs="*", default=["rollout", "grpo", "others"], choices=["rollout", "grpo", "others"])
     ap.add_argument("--one", help=argparse.SUPPRESS)
@@ -280,7 +283,8 @@ def main() -> None:
     def run(one: str, *extra: str) -> dict:
         return run_child(os.path.abspath(__file__), ["--one", one, "--threads", str(args.threads), "--new-tokens",
                                                      str(args.new_tokens), "--repeats", str(args.repeats), "--grpo-steps",
-                                                     str(args.grpo_steps), "--race-seconds", str(args.race_seconds), *extra])
+                                                     str(args.grpo_steps), "--race-seconds", str(args.race_seconds),
+                                                     "--race-seed", str(args.race_seed), *extra])
 
     folder()  # convert once, before any timing
     res: dict = {"model": MODEL, "threads": args.threads, "new_tokens": args.new_tokens, "load_avg_start": round(os.getloadavg()[0], 2),
@@ -317,7 +321,8 @@ def main() -> None:
         samples = heldout_samples(task(), 200)
         res["acc_before"] = evaluate(policy, TokenVectorEnv(100, task(), tokenizer=policy.tokenizer,
                                                             max_new_tokens=RECIPE["max_new_tokens"]), samples)["accuracy"]
-        for side in ("tokengym", "trl"):
+        res["race_seed"] = args.race_seed
+        for side in args.race_sides:
             r = run(f"race:{side}")
             res[f"acc_after_{side}"], res[f"race_steps_{side}"] = r["accuracy"], r["steps"]
     res["load_avg_end"] = round(os.getloadavg()[0], 2)
