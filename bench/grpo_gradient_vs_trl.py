@@ -13,7 +13,8 @@ attention 2.9% (cosine 0.9996); tokengym twice: 0. The gradient of a group whose
 per-sequence terms, so kernel-level rounding shows at the percent level, led by the RMSNorm weights: the two updates
 agree to within the spread of TRL's own kernel choice.
 """
-import sys, torch, numpy as np
+import numpy as np
+import torch
 torch.set_num_threads(2)
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
