@@ -49,11 +49,14 @@ def _cmd_envs(args: argparse.Namespace) -> int:
 def scripted_rollout(env, policy: str, generator: torch.Generator) -> None:
     """Run one lockstep batch of ``env`` (already reset) to the end with a scripted policy."""
     tok = env.tokenizer
-    if policy == "reference":
-        plans = [tok(s.get("solution", ""), add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for s in env.samples]
-    for t in range(env.max_new_tokens):
+    if policy == "reference":  # a multi-turn solution: only the agent's turns (the env writes its replies)
+        plans = [[t for turn in (s["solution_turns"][::2] if s.get("solution_turns") else [s.get("solution", "")])
+                  for t in tok(turn, add_special_tokens=False)["input_ids"]] + [tok.eos_token_id] for s in env.samples]
+        pos = torch.zeros(env.num_envs, dtype=torch.long)
+    for _ in range(env.max_new_tokens):
         if policy == "reference":
-            acts = torch.tensor([p[t] if t < len(p) else tok.eos_token_id for p in plans], device=env.device)
+            acts = torch.tensor([p[k] if k < len(p) else tok.eos_token_id for p, k in zip(plans, pos.tolist())], device=env.device)
+            pos += (~(env.done | getattr(env, "waiting", env.done))).long().cpu()  # rows whose action the env takes
         else:
             acts = torch.randint(0, env.vocab_size, (env.num_envs,), generator=generator).to(env.device)
         env.step(acts)

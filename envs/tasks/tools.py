@@ -102,6 +102,9 @@ class CalculatorTask(ArithmeticTask):
     def reward(self) -> Callable:
         return arithmetic_correct if not self.chat else super().reward()
 
+    def process_reward(self) -> Callable | None:
+        return None  # the Arithmetic PRM scores reduction lines, and here the calculator writes them
+
 
 def calculate(expression: str) -> str:
     """The value of an integer expression of ``+``, ``-``, ``*`` (at most 64 characters), or ``"error"``."""

@@ -29,6 +29,13 @@ def test_sample_from_a_model_prints_its_completions(capsys):
     assert float(re.search(r"mean outcome reward: ([0-9.]+)", out).group(1)) > 0.2  # the warm start solves some
 
 
+def test_sample_on_the_tool_env_replays_the_agents_turns_of_the_reference(capsys):
+    assert main(["sample", "--env", "tokengym/Calculator-v0", "--num", "4", "--policy", "reference"]) == 0
+    out = capsys.readouterr().out
+    assert float(re.search(r"mean outcome reward: ([0-9.]+)", out).group(1)) == 1.0
+    assert "<calc>63+51</calc>=114 | <calc>114+26</calc>=140 | A: 140" in out  # the env wrote each '=value' line
+
+
 def test_sample_errors_are_one_line(capsys):
     assert main(["sample", "--env", "tokengym/Nope-v0"]) == 2
     assert "unknown env id" in capsys.readouterr().err
