@@ -125,6 +125,8 @@ class MultiTurnMixin:
             for s, text in zip(rows, said):
                 self.history[s].append(text)
             self.turn_stats["turns"] += len(rows)
+            if self._turn_steps:
+                self._score_turn_steps(rows, reward)
         if self._pool is None and self.task.reply_timeout is not None:
             self._pool = cf.ThreadPoolExecutor(max_workers=min(32, self.num_envs), thread_name_prefix="tokengym-reply")
         term, trunc = term_now.clone(), trunc_now.clone()
@@ -176,6 +178,23 @@ class MultiTurnMixin:
                 self.history[s].append(rep.text if rep.text is not None else self.tokenizer.decode(ids, skip_special_tokens=True))
                 stats["replies"] += 1
         return term, trunc, any_end
+
+    def _score_turn_steps(self, rows: list[int], reward: torch.Tensor) -> None:
+        """A process reward on a multi-turn task without a step delimiter: each agent turn is a step, scored (one batched
+        call) when it ends and placed on the token that ended it, as a PRM step score is."""
+        from tokengym.rewards.protocols import score_process
+
+        prompts, fields = self._fields(rows)
+        scores = score_process(self.process_reward_fn, prompts, [self.history[s][::2] for s in rows], fields)
+        idx = torch.tensor(rows, device=self.device)
+        last = self.last_action[idx]
+        v = torch.tensor([float(row[-1]) if len(row) else 0.0 for row in scores], dtype=torch.float32, device=self.device)
+        for s, row in zip(rows, scores):
+            self.step_scores[s] = list(row)
+        self.process_rewards[idx, last] += v
+        self.rewards[idx, last] += v
+        self.step_end[idx, last] = True
+        reward[idx] += v
 
     def _collect_pending(self, wait: float | None) -> tuple[list[tuple[int, Reply, bool]], dict[str, int]]:
         """Replies still out that are in (after up to ``wait`` seconds; ``None``: until one is in or past its time limit,

@@ -212,9 +212,11 @@ class TokenVectorEnv(MultiTurnMixin, VectorEnv):
         self._is_stop = is_stop.to(dev)
         self._is_delim = None
         delim = self.task.step_delimiter
-        if self.process_reward_fn is not None:
+        self._turn_steps = self.process_reward_fn is not None and not delim and self.multi_turn  # each agent turn is a step
+        if self.process_reward_fn is not None and not self._turn_steps:
             if not delim:
-                raise ValueError(f"task {self.task.name!r} has no step_delimiter, so a process reward cannot be placed")
+                raise ValueError(f"task {self.task.name!r} has no step_delimiter (and is not multi-turn, where each agent "
+                                 "turn would be a step), so a process reward cannot be placed")
             texts = tok.convert_ids_to_tokens(list(range(V)))
             pieces = [tok.convert_tokens_to_string([t]) if t is not None else "" for t in texts]
             self._is_delim = torch.tensor([delim in p for p in pieces], dtype=torch.bool, device=dev)
@@ -483,7 +485,7 @@ class TokenVectorEnv(MultiTurnMixin, VectorEnv):
         done_set = set(done_now.nonzero().flatten().tolist())
         texts = self.tokenizer.batch_decode(self.generated_ids(slots), skip_special_tokens=True)
         last = self.last_action  # the newest agent token (env replies are not actions)
-        if self.process_reward_fn is not None:
+        if self._is_delim is not None:
             self._score_steps(slots, texts, done_set, last, reward)
         ended = [s for s in slots if s in done_set]
         if ended:

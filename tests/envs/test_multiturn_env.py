@@ -209,3 +209,27 @@ def test_vector_env_observation_space_holds_the_action_mask():
     assert env.observation_space.contains({k: v.numpy() for k, v in obs.items()})
     assert not bool(obs["action_mask"].any())
     env.close()
+
+
+def test_a_process_reward_scores_each_agent_turn_of_a_multi_turn_task():
+    """Without a step delimiter a multi-turn task's steps are its agent turns: each is scored when it ends (the PRM sees
+    every turn so far), on the token that ended it."""
+    seen = []
+
+    def per_turn(prompts, steps, **_):
+        seen.append([list(s) for s in steps])
+        return [[float(len(t)) for t in s] for s in steps]
+
+    env = TokenVectorEnv(1, CalculatorTask(), process_reward=per_turn)
+    env.reset(seed=0)
+    s = env.samples[0]
+    feed(env, [f"<calc>1+2</calc>A: {s['answer']}"])
+    env.step(torch.tensor([env.tokenizer.eos_token_id]))
+    call = len(ids(env, "<calc>1+2</calc>"))
+    assert seen == [[["<calc>1+2</calc>"]], [["<calc>1+2</calc>", f"A: {s['answer']}"]]]
+    ends = env.step_end[0].nonzero().flatten().tolist()
+    assert ends == [call - 1, int(env.last_action[0])]
+    assert env.process_rewards[0, ends].tolist() == [float(call), float(len(f"A: {s['answer']}"))]
+    assert env.step_scores[0] == [float(call), float(len(f"A: {s['answer']}"))]
+    with pytest.raises(ValueError, match="no step_delimiter"):
+        TokenVectorEnv(1, "reverse", process_reward=per_turn)
