@@ -2,10 +2,12 @@
 
 Importing this package registers every ``tokengym/<Task>-v0`` id for ``gymnasium.make`` (a
 :class:`TokenEnv`) and ``gymnasium.make_vec(..., vectorization_mode="vector_entry_point")`` (a
-:class:`TokenVectorEnv`).
+:class:`TokenVectorEnv`). Multi-turn tasks answer the agent mid-episode (:meth:`Task.respond`, :class:`Reply`; see
+:mod:`tokengym.envs.multiturn`).
 """
 
 from tokengym.envs.checker import check_vector_env
+from tokengym.envs.multiturn import Reply
 from tokengym.envs.registration import ENV_GUIDE, ENV_IDS, register_envs
 from tokengym.envs.tasks.base import Task
 from tokengym.envs.token_env import TokenEnv
@@ -17,6 +19,7 @@ register_envs()
 __all__ = [
     "ENV_GUIDE",
     "ENV_IDS",
+    "Reply",
     "Task",
     "TokenEnv",
     "TokenVectorEnv",
