@@ -374,11 +374,12 @@ class StaticDecoder:
         self._rope_signed = torch.stack([rope[:, 0], rope[:, 1] * sign], 1).contiguous()  # [W, 2, hd]
         self._N, self._P = N, P
         self._step, self._capacity = 0, int(max_new_tokens)
-        self._cur = torch.zeros(N, dtype=torch.long, device=device)  # per-row columns written past P
+        self._cur = None  # per-row columns written past P, once rows diverge (until then every row is at step)
         self._n_prompt = mask.long().sum(1)
         self._ragged = False  # rows at different columns (after an extend)
         self._hi = P - 1  # the highest column any row has written (host)
         self._arange_g = torch.arange(G, device=device)
+        self._arange_ng = torch.arange(N * G, device=device)
         return logits.float()
 
     def decode(self, tokens: torch.Tensor, hold: torch.Tensor | None = None) -> torch.Tensor:
@@ -430,7 +431,6 @@ class StaticDecoder:
             a.mul_(gu[:, I:])
             x = _lin_add(x, a, w_d, b_d)
         self._step = t + 1
-        self._cur += 1
         self._hi = col
         h = F.rms_norm(x, (D,), self._norm_w, self._norm_eps)
         return _lin(h, self._head_t).float()
@@ -440,6 +440,7 @@ class StaticDecoder:
         """Switch to per-row columns: mask every generation column a row has not written yet (a row may now be
         ahead of another, and a reused cache holds stale columns)."""
         W = self._bias.shape[-1]
+        self._cur = torch.full((self._N,), self._step, dtype=torch.long, device=self._bias.device)
         unwritten = torch.arange(W, device=self._bias.device)[None] >= (self._P + self._cur)[:, None]
         unwritten[:, : self._P] = False
         self._bias.masked_fill_(unwritten.repeat_interleave(self.n_kv, 0)[:, None], float("-inf"))
@@ -454,7 +455,7 @@ class StaticDecoder:
         W = self._bias.shape[-1]
         cur = self._cur.clamp(max=W - P - 1)
         colg = (P + cur).repeat_interleave(G)
-        rowg = torch.arange(N * G, device=colg.device)
+        rowg = self._arange_ng
         self._bias[rowg, 0, colg] = 0.0
         cs = self._rope_signed.index_select(0, self._n_prompt + cur)
         cos, sin = cs[:, 0, None, None], cs[:, 1, None, None]
