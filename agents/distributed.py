@@ -125,7 +125,7 @@ class DataParallel:
                    if isinstance(getattr(x, f.name), (torch.Tensor, list))}
             for f in dataclasses.fields(x):
                 d = getattr(x, f.name)
-                if isinstance(d, dict) and f.name == "reward_components":  # a name some rank lacks counts 0 on that rank's rows
+                if isinstance(d, dict):  # a name some rank lacks counts 0 on that rank's rows
                     names = sorted({k for part in self.all_gather_object(sorted(d)) for k in part})
                     zero = x.tokens.new_zeros(x.tokens.shape[0], dtype=torch.float32)
                     out[f.name] = {k: self._gather_one(d.get(k, zero)) for k in names}

@@ -26,7 +26,7 @@ class Rollout:
     tokens and, in multi-turn envs, the env's replies between its turns). Per-token tensors ``[N, M]`` are aligned
     with ``tokens[:, P:]``; ``action_mask`` (the env's) is 1 on the agent's tokens only: losses, KL, entropy and
     advantages cover those, and env tokens are context. ``turn_rewards`` are the env's per-turn rewards (on the token
-    that ended each turn, also included in ``rewards``); ``turn_stats`` counts the batch's multi-turn events. ``values``/``last_values`` are filled only when a critic was given (``last_values`` is the
+    that ended each turn, also included in ``rewards``); ``turn_counts`` holds each episode's multi-turn events. ``values``/``last_values`` are filled only when a critic was given (``last_values`` is the
     bootstrap value V(s_M) for truncated rows and 0 for terminated ones).
     """
 
@@ -50,7 +50,7 @@ class Rollout:
     step_scores: list[list[float]] = field(default_factory=list)
     reward_components: dict[str, torch.Tensor] = field(default_factory=dict)
     turn_rewards: torch.Tensor | None = None
-    turn_stats: dict[str, int] = field(default_factory=dict)
+    turn_counts: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def num_episodes(self) -> int:
@@ -65,6 +65,11 @@ class Rollout:
     def episode_lengths(self) -> torch.Tensor:
         """Tokens after the prompt per episode (agent and env), ``[N]``."""
         return self.attention_mask[:, self.prompt_len:].sum(1)
+
+    @property
+    def turn_stats(self) -> dict[str, int]:
+        """The batch's multi-turn events, summed over episodes (``{}`` for single-turn envs)."""
+        return {k: int(v.sum()) for k, v in self.turn_counts.items()}
 
     @property
     def returns(self) -> torch.Tensor:
@@ -94,7 +99,7 @@ class Rollout:
                 v = v[idx_t]
             elif isinstance(v, list):
                 v = [v[i] for i in pick] if v else v
-            elif isinstance(v, dict) and f.name == "reward_components":
+            elif isinstance(v, dict):
                 v = {k: t[idx_t] for k, t in v.items()}
             out[f.name] = v
         return Rollout(**out)
@@ -102,7 +107,7 @@ class Rollout:
 
 def turn_metrics(ro: Rollout) -> dict[str, float]:
     """Multi-turn counters of a rollout for the logs (``env/replies_per_episode`` is a tool env's call rate)."""
-    if not ro.turn_stats:
+    if not ro.turn_counts:
         return {}
     n = max(ro.num_episodes, 1)
     st = ro.turn_stats
@@ -155,7 +160,6 @@ def collect(env, policy, critic=None, *, greedy: bool = False, seed: int | None 
         raise ValueError("collect() runs lockstep batches: create the env with autoreset_mode='disabled'")
     check_fits(policy, env)
     P, M = env.max_prompt_len, env.max_new_tokens
-    stats0 = dict(getattr(env, "turn_stats", {}))
     with torch.inference_mode():
         logps = _run_episodes(env, policy, greedy, seed, samples)
     logps = logps.clone()
@@ -180,7 +184,7 @@ def collect(env, policy, critic=None, *, greedy: bool = False, seed: int | None 
         step_scores=[list(s) for s in env.step_scores],
         reward_components=_components(env),
         turn_rewards=env.turn_rewards.clone() if getattr(env, "multi_turn", False) else None,
-        turn_stats={k: v - stats0[k] for k, v in env.turn_stats.items()} if getattr(env, "multi_turn", False) else {},
+        turn_counts={k: v.clone() for k, v in env.turn_counts.items()} if getattr(env, "multi_turn", False) else {},
     )
     if critic is not None:
         with torch.no_grad():
@@ -261,8 +265,8 @@ def evaluate(policy, env, samples: list[dict[str, Any]], greedy: bool = True) ->
         rewards.append(ro.outcome[keep])
         lengths.append(ro.lengths[keep].float())
         truncs.append(ro.truncated[keep].float())
-        if ro.turn_rewards is not None:
-            replies.append(env.reply_count[keep].float())
+        if ro.turn_counts:
+            replies.append(ro.turn_counts["replies"][keep].float())
     r = torch.cat(rewards)
     out = {
         "mean_reward": r.mean().item(),

@@ -12,7 +12,7 @@ default the step waits for all of them; with the task's ``reply_grace`` (seconds
 reply is still out then wait (``env.waiting``: their actions are ignored) while the others go on, and their reply is
 appended at a later step, as soon as it is there. A
 reply that raises, times out or is not a str/Reply/None becomes an ``error: ...`` message in the observation and
-is counted (:attr:`TokenVectorEnv.turn_stats`), never a crash of the batch. A reply that contains the task's
+is counted (``TokenVectorEnv.turn_counts``, per row), never a crash of the batch. A reply that contains the task's
 end-of-turn marker, or token ids outside the vocabulary, is the env's bug: a ``ValueError`` naming the task.
 """
 
@@ -25,7 +25,12 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["Reply", "MultiTurnMixin", "answer_one", "ask_all", "chat_reply_wrapper", "timed_out"]
+__all__ = ["TURN_EVENTS", "Reply", "MultiTurnMixin", "answer_one", "ask_all", "chat_reply_wrapper", "timed_out"]
+
+
+TURN_EVENTS = ("turns", "replies", "tool_errors", "tool_timeouts", "reply_overflows", "max_turns")
+"""Per-row counts an env keeps: agent turns ended, replies appended, replies that raised or were not text, replies
+past ``reply_timeout``, replies longer than the remaining budget (episode truncated), truncations at ``max_turns``."""
 
 
 @dataclass
@@ -71,23 +76,14 @@ def timed_out(task: Any) -> tuple[Reply, str]:
 
 
 def ask_all(task: Any, pool: cf.ThreadPoolExecutor | None, jobs: list[tuple[dict, list[str]]]
-            ) -> tuple[list[Reply], list[bool], dict[str, int]]:
+            ) -> list[tuple[Reply, str | None]]:
     """``task.respond(sample, history)`` for every job, concurrently under ``task.reply_timeout`` seconds (inline when
-    it is ``None``); returns the replies in order, whether each is an error message, and the counts of errors and
-    timeouts."""
-    counts = {"tool_errors": 0, "tool_timeouts": 0}
-    replies: list[Reply] = []
+    it is ``None``); returns each reply with the kind of error it is (``"tool_errors"``, ``"tool_timeouts"``, ``None``)."""
     if pool is None or task.reply_timeout is None:
-        results = [answer_one(task, s, h) for s, h in jobs]
-    else:
-        futures = [pool.submit(answer_one, task, s, list(h)) for s, h in jobs]
-        done, _ = cf.wait(futures, timeout=task.reply_timeout)
-        results = [f.result() if f in done else timed_out(task) for f in futures]
-    for reply, err in results:
-        replies.append(reply)
-        if err:
-            counts[err] += 1
-    return replies, [err is not None for _, err in results], counts
+        return [answer_one(task, s, h) for s, h in jobs]
+    futures = [pool.submit(answer_one, task, s, list(h)) for s, h in jobs]
+    done, _ = cf.wait(futures, timeout=task.reply_timeout)
+    return [f.result() if f in done else timed_out(task) for f in futures]
 
 
 def chat_reply_wrapper(tokenizer: Any, role: str) -> tuple[str, str]:
@@ -124,15 +120,15 @@ class MultiTurnMixin:
             said = self.tokenizer.batch_decode([b[s:e] for b, s, e in zip(buf, starts, ends)], skip_special_tokens=True)
             for s, text in zip(rows, said):
                 self.history[s].append(text)
-            self.turn_stats["turns"] += len(rows)
+            self.turn_counts["turns"][rows] += 1
             if self._turn_steps:
                 self._score_turn_steps(rows, reward)
         if self._pool is None and self.task.reply_timeout is not None:
             self._pool = cf.ThreadPoolExecutor(max_workers=min(32, self.num_envs), thread_name_prefix="tokengym-reply")
         term, trunc = term_now.clone(), trunc_now.clone()
         if self.task.reply_grace is None or self._pool is None:  # every reply of this step, now
-            replies, errors, counts = ask_all(self.task, self._pool, [(self.samples[s], self.history[s]) for s in rows])
-            results = list(zip(rows, replies, errors))
+            answers = ask_all(self.task, self._pool, [(self.samples[s], self.history[s]) for s in rows])
+            results = [(s, rep, err) for s, (rep, err) in zip(rows, answers)]
         else:  # a slow reply leaves its row waiting while the other rows go on
             now = time.monotonic()
             for s in rows:
@@ -142,15 +138,15 @@ class MultiTurnMixin:
                 self.waiting[rows] = True
                 term[rows] = False
             live = bool((active & ~term & ~trunc & ~self.waiting).any())
-            results, counts = self._collect_pending(self.task.reply_grace if live else None)
-        for k, v in counts.items():
-            self.turn_stats[k] += v
-        stats, any_end = self.turn_stats, False
+            results = self._collect_pending(self.task.reply_grace if live else None)
+        count, any_end = self.turn_counts, False
         ends, lasts = self.gen_len.tolist(), self.last_action.tolist()
         ids_of = dict(zip([s for s, rep, _ in results if not rep.done],
                           self._reply_ids([(rep, err) for _, rep, err in results if not rep.done])))
         for s, rep, err in results:
             end, last = ends[s], lasts[s]
+            if err:
+                count[err][s] += 1
             if rep.reward:
                 self.turn_rewards[s, last] += float(rep.reward)
                 self.rewards[s, last] += float(rep.reward)
@@ -163,9 +159,11 @@ class MultiTurnMixin:
             term[s] = False
             ids = ids_of[s]
             if self.task.max_turns is not None and len(self.history[s]) // 2 + 1 >= self.task.max_turns:
-                trunc[s], stats["max_turns"], any_end = True, stats["max_turns"] + 1, True
+                trunc[s], any_end = True, True
+                count["max_turns"][s] += 1
             elif len(ids) >= M - end:  # no room for the reply and one more agent token
-                trunc[s], stats["reply_overflows"], any_end = True, stats["reply_overflows"] + 1, True
+                trunc[s], any_end = True, True
+                count["reply_overflows"][s] += 1
             else:
                 cols = torch.arange(P + end, P + end + len(ids), device=self.device)
                 self.tokens[s, cols] = torch.tensor(ids, dtype=torch.long, device=self.device)
@@ -173,10 +171,9 @@ class MultiTurnMixin:
                 self.gen_len[s] = end + len(ids)
                 self.turn_start[s] = end + len(ids)
                 self.reply_len[s] = len(ids)
-                self.reply_count[s] += 1
+                count["replies"][s] += 1
                 self.replied.append(s)
                 self.history[s].append(rep.text if rep.text is not None else self.tokenizer.decode(ids, skip_special_tokens=True))
-                stats["replies"] += 1
         return term, trunc, any_end
 
     def _score_turn_steps(self, rows: list[int], reward: torch.Tensor) -> None:
@@ -196,12 +193,11 @@ class MultiTurnMixin:
         self.step_end[idx, last] = True
         reward[idx] += v
 
-    def _collect_pending(self, wait: float | None) -> tuple[list[tuple[int, Reply, bool]], dict[str, int]]:
+    def _collect_pending(self, wait: float | None) -> list[tuple[int, Reply, str | None]]:
         """Replies still out that are in (after up to ``wait`` seconds; ``None``: until one is in or past its time limit,
         because no row could act meanwhile), and those past ``reply_timeout`` as error messages."""
-        counts = {"tool_errors": 0, "tool_timeouts": 0}
         if not self._pending:
-            return [], counts
+            return []
         futures = [f for f, _ in self._pending.values()]
         if wait is None:
             soonest = min(d for _, d in self._pending.values())
@@ -218,13 +214,11 @@ class MultiTurnMixin:
                 continue
             del self._pending[s]
             self.waiting[s] = False
-            if err:
-                counts[err] += 1
-            results.append((s, rep, err is not None))
-        return results, counts
+            results.append((s, rep, err))
+        return results
 
     def _reply_ids(self, replies: list[tuple[Reply, bool]]) -> list[list[int]]:
-        """The token ids of each ``(reply, is an error message)`` (between the chat template's role markers in chat
+        """The token ids of each ``(reply, its error kind or None)`` (between the chat template's role markers in chat
         tasks), checked; the texts go through the tokenizer in one call."""
         out: list[list[int] | None] = []
         texts: list[str] = []

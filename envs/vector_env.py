@@ -48,7 +48,7 @@ from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space
 
 from tokengym.envs.chat import check_chat_template, encode_prompts, end_of_turn_ids, is_messages, prompt_texts, template_overhead
-from tokengym.envs.multiturn import MultiTurnMixin, chat_reply_wrapper
+from tokengym.envs.multiturn import TURN_EVENTS, MultiTurnMixin, chat_reply_wrapper
 from tokengym.envs.tasks.base import Task
 from tokengym.envs.tokenizer import load_tokenizer
 from tokengym.rewards.common import TokengymWarning
@@ -179,10 +179,6 @@ class TokenVectorEnv(MultiTurnMixin, VectorEnv):
         self._build_lookups(self._markers)
         self._wrap = chat_reply_wrapper(self.tokenizer, self.task.reply_role) if self.multi_turn and self.task.chat else ("", "")
         self._pool: cf.ThreadPoolExecutor | None = None
-        self.turn_stats = {"turns": 0, "replies": 0, "tool_errors": 0, "tool_timeouts": 0, "reply_overflows": 0, "max_turns": 0}
-        """Cumulative counts of multi-turn events: agent turns ended, replies appended, replies that raised or were not
-        text, replies past ``reply_timeout``, replies longer than the remaining budget (episode truncated) and
-        episodes truncated at ``max_turns``."""
         self._alloc()
 
     # ------------------------------------------------------------------ set-up
@@ -229,7 +225,8 @@ class TokenVectorEnv(MultiTurnMixin, VectorEnv):
         self.last_action = torch.zeros(N, dtype=torch.long, device=dev)  # generation column of the newest action
         self.turn_start = torch.zeros(N, dtype=torch.long, device=dev)  # where the current agent turn began
         self.reply_len = torch.zeros(N, dtype=torch.long, device=dev)  # reply tokens appended by the last step
-        self.reply_count = torch.zeros(N, dtype=torch.long, device=dev)  # replies appended in each episode
+        self.turn_counts = {k: torch.zeros(N, dtype=torch.long, device=dev) for k in TURN_EVENTS}
+        """Each row's multi-turn events in its current episode (see :data:`TURN_EVENTS`)."""
         self.turn_rewards = torch.zeros((N, M), dtype=torch.float32, device=dev)
         self.history: list[list[str]] = [[] for _ in range(N)]
         self.replied: list[int] = []  # rows that got a reply in the last step (host list, for the rollout engine)
@@ -345,7 +342,7 @@ class TokenVectorEnv(MultiTurnMixin, VectorEnv):
         self.attention_mask[idx, :P] = real.to(self.device)
         for buf in (self.gen_len, self.terminated, self.truncated, self.rewards, self.process_rewards,
                     self.step_end, self.outcome, self._needs_reset, self.action_mask, self.last_action,
-                    self.turn_start, self.reply_len, self.reply_count, self.turn_rewards, self.waiting):
+                    self.turn_start, self.reply_len, self.turn_rewards, self.waiting, *self.turn_counts.values()):
             buf[idx] = 0
         gid = torch.tensor([self._next_group + g for g in groups], device=self.device)
         self.group_id[idx] = gid.repeat_interleave(self.group_size)
@@ -552,6 +549,11 @@ class TokenVectorEnv(MultiTurnMixin, VectorEnv):
 
     def _info(self) -> dict[str, Any]:
         return {"group_id": self.group_id.clone()}
+
+    @property
+    def turn_stats(self) -> dict[str, int]:
+        """The current episodes' multi-turn events, summed over rows (see :data:`TURN_EVENTS`)."""
+        return {k: int(v.sum()) for k, v in self.turn_counts.items()}
 
     @property
     def done(self) -> torch.Tensor:

@@ -207,3 +207,14 @@ def test_a_slow_tool_holds_up_only_its_own_row_and_log_probs_still_agree(fast):
     assert int((ro.attention_mask[0, ro.prompt_len:].sum() - ro.action_mask[0].sum())) > 0  # row 0's replies landed
     full = trimmed_logprobs(policy, ro).detach()
     assert float(((full - ro.logprobs) * ro.action_mask).abs().max()) < 1e-4
+
+
+def test_turn_counts_are_per_episode_so_a_sub_batch_keeps_its_own():
+    """A rollout's multi-turn counts are [N] tensors like its reward components: select (and the data-parallel
+    gather, which concatenates the same way) keeps each episode's own, and the batch totals are their sums."""
+    env = TokenVectorEnv(8, Chatter())
+    ro = collect(env, Policy.from_pretrained("tiny", seed=1), seed=0)
+    replies = ro.turn_counts["replies"]
+    assert replies.shape == (8,) and int(replies.sum()) == ro.turn_stats["replies"] == env.turn_stats["replies"]
+    sub = ro.select([1, 3])
+    assert sub.turn_stats["replies"] == int(replies[1] + replies[3]) and torch.equal(sub.turn_counts["replies"], replies[[1, 3]])
