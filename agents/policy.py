@@ -48,6 +48,15 @@ def position_ids(mask: torch.Tensor) -> torch.Tensor:
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def right_aligned(tokens: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tokens, mask)`` with each row rotated so that its newest real token sits in the last column (its trailing
+    padding becomes left padding): the layout a prefill continues from."""
+    width = tokens.shape[1]
+    ar = torch.arange(width, device=tokens.device)
+    cols = (ar - (width - 1 - (mask.long() * ar).argmax(1))[:, None]) % width
+    return tokens.gather(1, cols), mask.gather(1, cols)
+
+
 def sample_logits(
     logits: torch.Tensor,
     temperature: float = 1.0,
@@ -251,12 +260,7 @@ class Policy(nn.Module):
         add[rows] = tokens.to(self._ids.dtype)
         keep = torch.arange(tokens.shape[1], device=self.device)[None] < n[:, None]
         ids, mask = torch.cat([self._ids, add], 1), torch.cat([self._mask.bool(), keep], 1)
-        # right-align every row on its newest token (what was trailing padding becomes left padding)
-        width = ids.shape[1]
-        shift = (width - 1 - (mask.long() * torch.arange(width, device=self.device)).argmax(1))
-        cols = (torch.arange(width, device=self.device) - shift[:, None]) % width
-        logits = self.prefill(ids.gather(1, cols), mask.gather(1, cols))
-        return logits[rows]
+        return self.prefill(*right_aligned(ids, mask))[rows]
 
     def sample(self, logits: torch.Tensor, greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample with the policy's settings and generator; see :func:`sample_logits`.
@@ -285,12 +289,8 @@ class Policy(nn.Module):
         if all_fresh:
             logits = self.prefill(tokens[:, :prompt_len], mask[:, :prompt_len])
         elif any_fresh or any_jump or self._seen is None:
-            # re-encode every slot; rows with fewer generated tokens are rotated right so that each row's
-            # newest token sits in the last column (its trailing padding becomes left padding)
-            g_max = int(gen.max())
-            width = prompt_len + g_max
-            cols = (torch.arange(width, device=tokens.device) - (g_max - gen)[:, None]) % width
-            logits = self.prefill(tokens[:, :width].gather(1, cols), mask[:, :width].gather(1, cols))
+            width = prompt_len + int(gen.max())  # re-encode every slot
+            logits = self.prefill(*right_aligned(tokens[:, :width], mask[:, :width]))
         else:
             last = tokens.gather(1, (prompt_len + gen - 1).unsqueeze(1))[:, 0]
             new = gen > self._seen  # finished slots get no new token: feed a masked pad
