@@ -20,3 +20,24 @@ def run_child(script: str, argv: list[str]) -> Any:
     if out.returncode != 0:
         raise RuntimeError(f"{os.path.basename(script)} {' '.join(argv)} failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def trl_step_timer(state: dict, after_step: Any = None) -> Any:
+    """A ``transformers`` ``TrainerCallback`` that adds each optimiser step's seconds to ``state["times"]`` and
+    ``state["train_s"]``; ``after_step(step_state, control)``, if given, then evaluates or stops the run."""
+    import time
+
+    from transformers import TrainerCallback
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, args, st, control, **kw):
+            state["t0"] = time.perf_counter()
+
+        def on_step_end(self, args, st, control, **kw):
+            dt = time.perf_counter() - state["t0"]
+            state["times"].append(dt)
+            state["train_s"] += dt
+            if after_step is not None:
+                after_step(st, control)
+
+    return Timer()

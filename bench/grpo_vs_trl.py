@@ -57,7 +57,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 
@@ -113,7 +112,7 @@ def tokengym_run(model, tok, steps: int, eval_every: int = 0, eval_samples=None,
 def trl_run(model, tok, steps: int, eval_every: int = 0, eval_samples=None, budget_s: float = 0.0,
             bf16: bool = False) -> dict:
     from datasets import Dataset
-    from transformers import TrainerCallback
+    from _isolate import trl_step_timer
     from trl import GRPOConfig as TRLConfig
     from trl import GRPOTrainer
 
@@ -122,23 +121,16 @@ def trl_run(model, tok, steps: int, eval_every: int = 0, eval_samples=None, budg
     eval_env = TokenVectorEnv(100, make_task(), tokenizer=tok)
     state = {"t0": 0.0, "times": [], "train_s": 0.0, "reached": None, "accs": []}
 
-    class Timer(TrainerCallback):
-        def on_step_begin(self, args, st, control, **kw):
-            state["t0"] = time.perf_counter()
-
-        def on_step_end(self, args, st, control, **kw):
-            dt = time.perf_counter() - state["t0"]
-            state["times"].append(dt)
-            state["train_s"] += dt
-            if eval_samples and eval_every and st.global_step % eval_every == 0:
-                model.eval()
-                acc = evaluate(Policy(model, tok), eval_env, eval_samples)["accuracy"]
-                model.train()
-                state["accs"].append(acc)
-                if acc >= 0.9 and state["reached"] is None:
-                    state["reached"] = state["train_s"]
-            if state["reached"] is not None or (budget_s and state["train_s"] > budget_s):
-                control.should_training_stop = True
+    def eval_and_stop(st, control):
+        if eval_samples and eval_every and st.global_step % eval_every == 0:
+            model.eval()
+            acc = evaluate(Policy(model, tok), eval_env, eval_samples)["accuracy"]
+            model.train()
+            state["accs"].append(acc)
+            if acc >= 0.9 and state["reached"] is None:
+                state["reached"] = state["train_s"]
+        if state["reached"] is not None or (budget_s and state["train_s"] > budget_s):
+            control.should_training_stop = True
 
     args = TRLConfig(
         output_dir="/tmp/tokengym-trl-bench", per_device_train_batch_size=G * PROMPTS_PER_STEP, num_generations=G,
@@ -149,7 +141,7 @@ def trl_run(model, tok, steps: int, eval_every: int = 0, eval_samples=None, budg
         bf16=bf16, disable_dropout=True, seed=0, dataloader_num_workers=0,
     )
     trainer = GRPOTrainer(model=model, reward_funcs=[arithmetic_correct], args=args, train_dataset=data, processing_class=tok,
-                          callbacks=[Timer()])
+                          callbacks=[trl_step_timer(state, eval_and_stop)])
     with contextlib.redirect_stdout(sys.stderr):  # TRL prints a summary dict; keep stdout for the JSON line
         trainer.train()
     return {"step_s": statistics.median(state["times"][2:] or state["times"]), "seconds_to_90": state["reached"],

@@ -173,7 +173,8 @@ def grpo_tokengym(steps: int, new_tokens: int, bf16: bool = False, gc: bool = Fa
 def grpo_trl(steps: int, new_tokens: int, bf16: bool = False, gc: bool = True, seconds: float = 0.0, samples=None,
              **cfg) -> dict:
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from _isolate import trl_step_timer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig as TRLConfig
     from trl import GRPOTrainer
 
@@ -188,16 +189,9 @@ def grpo_trl(steps: int, new_tokens: int, bf16: bool = False, gc: bool = True, s
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]  # conversational completions
         return number_match(prompts, texts, answer=answer)
 
-    class Timer(TrainerCallback):
-        def on_step_begin(self, args, st, control, **kw):
-            state["t0"] = time.perf_counter()
-
-        def on_step_end(self, args, st, control, **kw):
-            dt = time.perf_counter() - state["t0"]
-            state["times"].append(dt)
-            state["train_s"] += dt
-            if seconds and state["train_s"] >= seconds:
-                control.should_training_stop = True
+    def stop_at_budget(st, control):
+        if seconds and state["train_s"] >= seconds:
+            control.should_training_stop = True
 
     args = TRLConfig(
         output_dir="/tmp/tokengym-trl-real-bench", per_device_train_batch_size=G * PROMPTS, num_generations=G,
@@ -208,7 +202,7 @@ def grpo_trl(steps: int, new_tokens: int, bf16: bool = False, gc: bool = True, s
         generation_kwargs={} if seconds else {"suppress_tokens": _stop_ids(probe)},
     )
     trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=args, train_dataset=data, processing_class=tok,
-                          callbacks=[Timer()])
+                          callbacks=[trl_step_timer(state, stop_at_budget)])
     with contextlib.redirect_stdout(sys.stderr):
         trainer.train()
     out = {"step_s": statistics.median(state["times"][1:] or state["times"]), "steps": len(state["times"]),
