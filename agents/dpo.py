@@ -64,7 +64,7 @@ from tokengym.agents.logger import RunLogger
 from tokengym.agents.config import check_config
 from tokengym.agents.distributed import LOCAL
 from tokengym.agents.models import frozen_copy
-from tokengym.agents.optim import adamw
+from tokengym.agents.optim import LR_SCHEDULES, adamw, lr_factor
 from tokengym.agents.policy import AdapterDisabledReference, make_reference
 from tokengym.agents.pairs import PairBatch, PairData, SharedPrefixBatch, mine_pairs
 from tokengym.agents.rollout import collect, evaluate
@@ -137,7 +137,7 @@ class DPOConfig:
             "max_prompt_len": self.max_prompt_len is None or self.max_prompt_len >= 1,
             "max_length": self.max_length is None or self.max_length >= 2,
         }
-        check_config(self, checks, {"schedule": SCHEDULES, "loss_type": F.DPO_LOSSES})
+        check_config(self, checks, {"schedule": LR_SCHEDULES, "loss_type": F.DPO_LOSSES})
         z = torch.zeros(1)
         try:  # beta / label_smoothing / loss_type compatibility: the loss function's own checks
             F.dpo_loss(z, z, z, z, self.beta, self.loss_type, self.label_smoothing)
@@ -152,11 +152,6 @@ class DPOConfig:
         return self.loss_type == "ipo"
 
 
-SCHEDULES: dict[str, Callable[[float], float]] = {
-    "constant": lambda t: 1.0,
-    "linear": lambda t: 1.0 - t,
-    "cosine": lambda t: 0.5 * (1.0 + math.cos(math.pi * t)),
-}
 
 
 def _wrap_policy(model: Any, like: Any) -> Any:
@@ -398,10 +393,7 @@ class DPOLearner:
 
     def _lr(self, step: int, total: int) -> float:
         cfg = self.config
-        if step < cfg.warmup_steps:
-            return cfg.lr * (step + 1) / cfg.warmup_steps
-        t = min((step - cfg.warmup_steps) / max(total - cfg.warmup_steps, 1), 1.0)
-        return cfg.lr * SCHEDULES[cfg.schedule](t)
+        return cfg.lr * lr_factor(step, total, cfg.schedule, cfg.warmup_steps)
 
     # ------------------------------------------------------------------ loop
     def _start_fit(self, data: PairData, eval_data: PairData | None) -> dict[str, Any]:

@@ -21,28 +21,19 @@ are summed over ranks before clipping: see :mod:`tokengym.agents.distributed`.
 
 from __future__ import annotations
 
-import math
-import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from tokengym.agents import functional as F
 from tokengym.agents.critic import Critic
 from tokengym.agents.config import check_config
-from tokengym.agents.distributed import LOCAL, aggregation_weights
-from tokengym.agents.logger import RunLogger
-from tokengym.agents.models import enable_checkpointing
+from tokengym.agents.onpolicy import Minibatch, OnPolicyAgent
 from tokengym.agents.optim import adamw
-from tokengym.agents.policy import make_reference
-from tokengym.agents.resources import check_fits
-from tokengym.agents.rollout import Rollout, collect, evaluate, trimmed_logprobs, turn_metrics, used_slice
+from tokengym.agents.rollout import Rollout, collect, turn_metrics
 
 __all__ = ["PPOConfig", "PPOAgent", "AdaptiveKLController", "ppo_rewards"]
-
-_STATE_KEYS = ("global_step", "policy_optimizer", "critic_optimizer", "kl_controller", "shuffle_rng", "policy_rng")
-
 
 @dataclass
 class PPOConfig:
@@ -150,7 +141,7 @@ def ppo_rewards(ro: Rollout, ref_logp: torch.Tensor | None, beta: float, estimat
     return (ro.rewards - beta * kl) * am, kl
 
 
-class PPOAgent:
+class PPOAgent(OnPolicyAgent):
     """PPO with a critic on a :class:`~tokengym.envs.TokenVectorEnv` (``DISABLED`` autoreset).
 
     Args:
@@ -170,49 +161,52 @@ class PPOAgent:
         (2, ['critic', 'policy', 'ref'])
     """
 
+    config_cls = PPOConfig
+    optimizer_names = ("policy_optimizer", "critic_optimizer")
+    grad_norm_names = ("grad_norm", "critic_grad_norm")
+
     def __init__(self, policy, config: PPOConfig | None = None, critic: Critic | None = None, run_dir: str | None = None):
-        self.policy = policy
-        self.config = cfg = config or PPOConfig()
+        cfg = config or PPOConfig()
         self.critic = critic if critic is not None else Critic.from_policy(policy, share_trunk=cfg.share_trunk, seed=cfg.seed)
-        self.logger = RunLogger(run_dir)
-        policy_params = list(policy.parameters())
+        self.kl_ctl = AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)
+        super().__init__(policy, cfg, run_dir)
+        self.policy_opt, self.critic_opt = self.optimizers
+
+    # ------------------------------------------------------------------ the skeleton's hooks
+    def uses_reference(self) -> bool:
+        return self.config.kl_coef > 0
+
+    def make_optimizers(self) -> list[torch.optim.Optimizer]:
+        policy_params = list(self.policy.parameters())
         ids = {id(p) for p in policy_params}
         critic_params = [p for p in self.critic.parameters() if id(p) not in ids]  # shared trunk: policy optimiser owns it
-        self.policy_opt = adamw(policy_params, lr=cfg.lr)
-        if cfg.gradient_checkpointing:
-            enable_checkpointing(policy.model, self.critic.trunk)
-        self.critic_opt = adamw(critic_params, lr=cfg.critic_lr)
-        self.kl_ctl = AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)
-        self.ref = None
-        if cfg.kl_coef > 0:
-            self.ref = make_reference(policy)
-        self.global_step = 0
-        self._shuffle = torch.Generator().manual_seed(cfg.seed)
-        self._resume_step: int | None = None  # set by load_state_dict: learn() continues its schedule from here
-        self.dp = LOCAL  # data parallel: set by distributed.prepare under torchrun
+        return [adamw(policy_params, lr=self.config.lr), adamw(critic_params, lr=self.config.critic_lr)]
 
-    # ------------------------------------------------------------------ rollout + advantages
-    def _rollout(self, env) -> tuple[Rollout, dict[str, float]]:
-        t0, r0 = time.perf_counter(), env.reward_seconds
-        self.policy.eval()
-        self.critic.eval()
-        with self._autocast(env.device):
-            ro = collect(env, self.policy, self.critic, seed=self.config.seed if self.global_step == 0 else None)
-        reward_t = env.reward_seconds - r0
-        return ro, {"time/rollout": time.perf_counter() - t0 - reward_t, "time/reward": reward_t}
+    def checkpointed_modules(self) -> tuple[torch.nn.Module, ...]:
+        return (self.policy.model, self.critic.trunk)
 
-    def _autocast(self, device: torch.device | str):
-        """bf16 autocast on ``device`` when ``config.bf16`` (a no-op context otherwise)."""
-        return torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=self.config.bf16)
+    def train_mode(self, on: bool) -> None:
+        self.policy.train(on)
+        self.critic.train(on)
 
-    @torch.no_grad()
-    def _ref_logprobs(self, ro: Rollout) -> torch.Tensor | None:
-        """Reference log-probs ``[N, M]`` of the rollout's tokens (None without a reference)."""
-        if self.ref is None:
-            return None
-        with self._autocast(ro.tokens.device):
-            return trimmed_logprobs(self.ref, ro)
+    def collect(self, env) -> Rollout:
+        return collect(env, self.policy, self.critic, seed=self.config.seed if self.global_step == 0 else None)
 
+    def extra_state(self) -> dict[str, Any]:
+        return {"kl_controller": self.kl_ctl.state_dict()}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        self.kl_ctl.load_state_dict(state["kl_controller"])
+
+    def checkpoint_modules(self) -> dict[str, torch.nn.Module]:
+        """Modules whose weights a checkpoint must hold: ``policy`` (the model), ``critic`` and, when the
+        reference is a separate frozen copy (``kl_coef > 0``, no LoRA adapter to disable), ``ref``."""
+        modules = {"policy": self.policy.model, "critic": self.critic}
+        if isinstance(getattr(self.ref, "model", None), torch.nn.Module):
+            modules["ref"] = self.ref.model
+        return modules
+
+    # ------------------------------------------------------------------ advantages
     @torch.no_grad()
     def advantages(self, ro: Rollout, ref_logp: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
         """Frozen ``(advantages, returns)`` of a rollout and the KL statistics.
@@ -220,8 +214,8 @@ class PPOAgent:
         ``ref_logp``: the reference's log-probs of the rollout (default: computed here when there is a reference).
         """
         cfg = self.config
-        if ref_logp is None:
-            ref_logp = self._ref_logprobs(ro)
+        if ref_logp is None and self.ref is not None:
+            ref_logp = self._logprobs(self.ref, ro)
         rewards, kl = ppo_rewards(ro, ref_logp, self.kl_ctl.value, cfg.kl_estimator)
         last_values = ro.last_values if cfg.bootstrap_truncated else None
         adv, ret = F.gae(rewards, ro.values, ro.action_mask, cfg.gamma, cfg.lam, last_values)
@@ -238,158 +232,71 @@ class PPOAgent:
         }
         return adv, ret, stats
 
+    def prepare(self, ro: Rollout, old_logp: torch.Tensor, ref_logp: torch.Tensor | None):
+        adv, ret, stats = self.advantages(ro, ref_logp)
+        return {"adv": adv, "ret": ret, "values": ro.values}, stats
+
     # ------------------------------------------------------------------ update
-    def _update(self, ro: Rollout, adv: torch.Tensor, ret: torch.Tensor) -> dict[str, float]:
-        cfg, n, dp = self.config, ro.num_episodes, self.dp
-        self.policy.train()
-        self.critic.train()
-        sums: dict[str, float] = {}
-        count = 0
-        clip = (lambda params: torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf))
-        policy_params, critic_params = self.policy_opt.param_groups[0]["params"], self.critic_opt.param_groups[0]["params"]
-        # Data parallel: a rank's policy loss is weighted by its share of the minibatch's policy-loss denominator,
-        # its value loss (and token means) by its share of the minibatch's action tokens (1 and 1 in one process).
-        policy_w, token_w = aggregation_weights(ro.action_mask, cfg.aggregation), aggregation_weights(ro.action_mask, "token-mean")
-        for _ in range(cfg.mu):
-            order = torch.randperm(n, generator=self._shuffle).to(ro.tokens.device)
-            for mb in order.chunk(cfg.minibatches):
-                _, pshare = dp.shard(mb, policy_w)
-                mb, tshare = dp.shard(mb, token_w)
-                tokens, mask, p, m = used_slice(ro, mb)  # columns that are padding in every row are skipped
-                am = ro.action_mask[mb, :m]
-                with self._autocast(tokens.device):
-                    logp, ent = self.policy(tokens, mask, p, return_entropy=True)
-                    values = self.critic(tokens, mask, p)[:, :m]
-                pg, pstats = F.policy_loss(logp, ro.logprobs[mb, :m], adv[mb, :m], am, cfg.clip_eps, cfg.clip_eps_high, cfg.aggregation)
-                vf, vstats = F.value_loss(values, ro.values[mb, :m], ret[mb, :m], am, cfg.value_clip)
-                loss = pg + vf if not dp.distributed else pg * pshare + vf * tshare
-                if cfg.entropy_coef > 0:
-                    loss = loss - cfg.entropy_coef * pshare * F.masked_aggregate(ent, am, cfg.aggregation)
-                self.policy_opt.zero_grad(set_to_none=True)
-                self.critic_opt.zero_grad(set_to_none=True)
-                loss.backward()
-                dp.sync_gradients(policy_params + critic_params)  # one flat all-reduce: every rank clips and steps alike
-                pnorm = clip(policy_params)
-                vnorm = clip(critic_params)
-                self.policy_opt.step()
-                self.critic_opt.step()
-                stats = {**pstats, **vstats, "policy_loss": pg.detach(), "value_loss": vf.detach(),
-                         "entropy": F.masked_aggregate(ent.detach(), am, "token-mean"),
-                         "grad_norm": pnorm, "critic_grad_norm": vnorm}
-                if dp.distributed:
-                    stats = self._global_stats(stats, pshare, tshare, values.detach(), ret[mb, :m], am)
-                for k, v in stats.items():
-                    sums[k] = sums.get(k, 0.0) + float(v)
-                count += 1
-        return {f"train/{k}": v / count for k, v in sums.items()}
+    def loss_kinds(self) -> list[str]:
+        return [self.config.aggregation, "token-mean"]  # the policy loss's, the value loss's
 
-    def _global_stats(self, stats: dict[str, Any], pshare: float, tshare: float, values: torch.Tensor,
-                      returns: torch.Tensor, am: torch.Tensor) -> dict[str, float]:
-        """A minibatch's statistics over all ranks from this rank's share: token means weighted by the share's
-        tokens, the policy loss by its share of the loss, maxima by max, explained variance from the summed
-        moments of the returns and residuals (one all-reduce, plus one for the maxima)."""
-        weight = {"policy_loss": pshare, "grad_norm": 1.0 / self.dp.world_size, "critic_grad_norm": 1.0 / self.dp.world_size}
-        valid = am.bool()
-        r, e = returns.double()[valid], (returns.double() - values.double())[valid]
-        moments = {"n": float(valid.sum()), "r": float(r.sum()), "r2": float((r * r).sum()),
-                   "e": float(e.sum()), "e2": float((e * e).sum())}
-        local = {k: (float(v) if k.endswith("_max") else float(v) * weight.get(k, tshare)) for k, v in stats.items()
-                 if k != "explained_variance"}
-        out = self.dp.weighted({**local, **{f"moment/{k}": v for k, v in moments.items()}}, 1.0)
-        s = {k: out.pop(f"moment/{k}") for k in moments}
-        n = s["n"]
-        var = {k: (s[f"{k}2"] - s[k] ** 2 / n) / (n - 1) if n >= 2 else 0.0 for k in "re"}
-        eps = torch.finfo(torch.float32).eps  # value_loss's rule: Var(R) negligible next to Var(R - V) -> 0
-        out["explained_variance"] = 1.0 - var["e"] / var["r"] if var["r"] > eps * var["e"] else 0.0
-        return out
+    def forward_extra(self, tokens: torch.Tensor, mask: torch.Tensor, prompt_len: int, m: int) -> dict[str, torch.Tensor]:
+        return {"values": self.critic(tokens, mask, prompt_len)[:, :m]}
 
-    # ------------------------------------------------------------------ loop
-    def check_env(self, env) -> None:
-        """Raise ``ValueError`` if ``env``'s rows do not fit the policy's (and critic's) positions."""
-        check_fits(self.policy, env)
+    def loss(self, mb: Minibatch, batch: dict[str, torch.Tensor]):
+        cfg, am = self.config, mb.action_mask
+        pg, pstats = F.policy_loss(mb.logp, mb.take(batch["old_logp"]), mb.take(batch["adv"]), am,
+                                   cfg.clip_eps, cfg.clip_eps_high, cfg.aggregation)
+        vf, vstats = F.value_loss(mb.extra["values"], mb.take(batch["values"]), mb.take(batch["ret"]), am, cfg.value_clip)
+        terms = [(pg, cfg.aggregation), (vf, "token-mean")]
+        if cfg.entropy_coef > 0:
+            terms.append((-(cfg.entropy_coef * F.masked_aggregate(mb.entropy, am, cfg.aggregation)), cfg.aggregation))
+        stats = {**pstats, **vstats, "policy_loss": pg.detach(), "value_loss": vf.detach(),
+                 "entropy": F.masked_aggregate(mb.entropy.detach(), am, "token-mean")}
+        return terms, stats
 
-    def learn(self, env, eval_env=None, eval_samples: list | None = None,
-              callback: Callable[[dict[str, float]], Any] | None = None) -> list[dict[str, float]]:
-        """Train for ``config.steps`` rollout/update cycles; return the records logged.
+    def reduce_stats(self, stats: dict[str, Any], shares: dict[str, float], mb: Minibatch, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+        stats.pop("loss")  # policy_loss and value_loss are logged; their sum has no global form under data parallelism
+        if not self.dp.distributed:
+            return stats
+        return global_stats(self.dp, stats, shares[self.config.aggregation], shares["token-mean"],
+                            mb.extra["values"].detach(), mb.take(batch["ret"]), mb.action_mask)
 
-        ``callback(record)`` is called once per step; returning ``False`` stops after that step. The first
-        call after :meth:`load_state_dict` runs only the rest of the interrupted schedule. With ``eval_env``
-        (group_size 1) and ``eval_samples``, greedy held-out accuracy is logged every ``eval_every`` steps
-        and at the end.
-        """
-        cfg = self.config
-        self.check_env(env)
-        if self.global_step == 0:
-            self.policy.seed(cfg.seed)
-        start = len(self.logger.history)
-        done, self._resume_step = self._resume_step or 0, None  # steps of this schedule already taken (resume)
-        for _ in range(cfg.steps - done):
-            t_start = time.perf_counter()
-            ro, timing = self._rollout(env)
-            ref_logp = self._ref_logprobs(ro)
-            ro, ref_logp = self.dp.gather(ro, ref_logp)  # data parallel: the global batch on every rank
-            adv, ret, kstats = self.advantages(ro, ref_logp)
-            t_up = time.perf_counter()
-            metrics = self._update(ro, adv, ret)
-            timing["time/update"] = time.perf_counter() - t_up
-            self.kl_ctl.update(float(kstats["objective/kl"]), ro.num_episodes)
-            self.global_step += 1
-            lengths = ro.lengths.float()
-            metrics.update(kstats, **timing)
-            metrics.update({
-                "objective/score": ro.outcome.mean(),
-                "reward/std": ro.outcome.std() if ro.num_episodes > 1 else 0.0,
-                "reward/accuracy": (ro.outcome >= 1.0 - 1e-6).float().mean(),
-                "values/explained_variance_rollout": F.value_loss(ro.values, ro.values, ret, ro.action_mask)[1]["explained_variance"],
-                "completion/length_mean": lengths.mean(),
-                "completion/length_max": lengths.max(),
-                "completion/truncated_frac": ro.truncated.float().mean(),
-                "perf/tokens_per_s": lengths.sum() / max(time.perf_counter() - t_start, 1e-9),
-                **turn_metrics(ro),
-            })
-            if eval_env is not None and eval_samples and cfg.eval_every and self.global_step % cfg.eval_every == 0:
-                metrics.update(self.evaluate(eval_env, eval_samples))
-            record = self.logger.log(self.global_step, metrics)
-            if callback is not None and callback(record) is False:
-                return self.logger.history[start:]
-        if eval_env is not None and eval_samples and not (cfg.eval_every and self.global_step % cfg.eval_every == 0):
-            self.logger.log(self.global_step, self.evaluate(eval_env, eval_samples))
-        return self.logger.history[start:]
+    def after_update(self, ro: Rollout, stats: dict[str, Any]) -> None:
+        self.kl_ctl.update(float(stats["objective/kl"]), ro.num_episodes)
 
-    def evaluate(self, eval_env, samples: list) -> dict[str, float]:
-        self.policy.eval()
-        return {f"eval/{k}": v for k, v in evaluate(self.policy, eval_env, samples, greedy=True).items()}
-
-    # ------------------------------------------------------------------ exact resume
-    def checkpoint_modules(self) -> dict[str, torch.nn.Module]:
-        """Modules whose weights a checkpoint must hold: ``policy`` (the model), ``critic`` and, when the
-        reference is a separate frozen copy (``kl_coef > 0``, no LoRA adapter to disable), ``ref``."""
-        modules = {"policy": self.policy.model, "critic": self.critic}
-        if isinstance(getattr(self.ref, "model", None), torch.nn.Module):
-            modules["ref"] = self.ref.model
-        return modules
-
-    def state_dict(self) -> dict[str, Any]:
-        """Everything but :meth:`checkpoint_modules` needed to continue bit-exactly (``torch.load(weights_only=True)``-safe)."""
+    def rollout_metrics(self, ro: Rollout, batch: dict[str, torch.Tensor], seconds: float) -> dict[str, Any]:
+        lengths = ro.lengths.float()
+        ret = batch["ret"]
         return {
-            "global_step": self.global_step,
-            "policy_optimizer": self.policy_opt.state_dict(),
-            "critic_optimizer": self.critic_opt.state_dict(),
-            "kl_controller": self.kl_ctl.state_dict(),
-            "shuffle_rng": self._shuffle.get_state(),
-            "policy_rng": self.policy.generator.get_state(),
+            "objective/score": ro.outcome.mean(),
+            "reward/std": ro.outcome.std() if ro.num_episodes > 1 else 0.0,
+            "reward/accuracy": (ro.outcome >= 1.0 - 1e-6).float().mean(),
+            "values/explained_variance_rollout": F.value_loss(ro.values, ro.values, ret, ro.action_mask)[1]["explained_variance"],
+            "completion/length_mean": lengths.mean(),
+            "completion/length_max": lengths.max(),
+            "completion/truncated_frac": ro.truncated.float().mean(),
+            "perf/tokens_per_s": lengths.sum() / max(seconds, 1e-9),
+            **turn_metrics(ro),
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict` (and load :meth:`checkpoint_modules` weights); the next :meth:`learn`
-        call runs the rest of the interrupted schedule."""
-        missing = sorted(set(_STATE_KEYS) - set(state))
-        if missing:
-            raise ValueError(f"PPOAgent state is missing {missing}; pass what PPOAgent.state_dict() returned")
-        self.global_step = int(state["global_step"])
-        self.policy_opt.load_state_dict(state["policy_optimizer"])
-        self.critic_opt.load_state_dict(state["critic_optimizer"])
-        self.kl_ctl.load_state_dict(state["kl_controller"])
-        self._shuffle.set_state(state["shuffle_rng"])
-        self.policy.generator.set_state(state["policy_rng"])
-        self._resume_step = self.global_step
+
+def global_stats(dp, stats: dict[str, Any], pshare: float, tshare: float, values: torch.Tensor,
+                 returns: torch.Tensor, am: torch.Tensor) -> dict[str, float]:
+    """A PPO minibatch's statistics over all ranks from this rank's share: token means weighted by the share's
+    tokens, the policy loss by its share of the loss, maxima by max, explained variance from the summed
+    moments of the returns and residuals (one all-reduce, plus one for the maxima)."""
+    weight = {"policy_loss": pshare, "grad_norm": 1.0 / dp.world_size, "critic_grad_norm": 1.0 / dp.world_size}
+    valid = am.bool()
+    r, e = returns.double()[valid], (returns.double() - values.double())[valid]
+    moments = {"n": float(valid.sum()), "r": float(r.sum()), "r2": float((r * r).sum()),
+               "e": float(e.sum()), "e2": float((e * e).sum())}
+    local = {k: (float(v) if k.endswith("_max") else float(v) * weight.get(k, tshare)) for k, v in stats.items()
+             if k != "explained_variance"}
+    out = dp.weighted({**local, **{f"moment/{k}": v for k, v in moments.items()}}, 1.0)
+    s = {k: out.pop(f"moment/{k}") for k in moments}
+    n = s["n"]
+    var = {k: (s[f"{k}2"] - s[k] ** 2 / n) / (n - 1) if n >= 2 else 0.0 for k in "re"}
+    eps = torch.finfo(torch.float32).eps  # value_loss's rule: Var(R) negligible next to Var(R - V) -> 0
+    out["explained_variance"] = 1.0 - var["e"] / var["r"] if var["r"] > eps * var["e"] else 0.0
+    return out

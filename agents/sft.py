@@ -45,6 +45,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 import torch
 
+from tokengym.agents.optim import LR_SCHEDULES, lr_factor as schedule_factor
 from tokengym.agents.rollout import evaluate, heldout_samples
 from tokengym.envs.chat import encode_prompts
 
@@ -107,8 +108,8 @@ class SFTConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 bad(name, "must be an int >= 0")
-        if self.schedule not in SCHEDULES:
-            bad("schedule", f"must be one of {sorted(SCHEDULES)}")
+        if self.schedule not in LR_SCHEDULES:
+            bad("schedule", f"must be one of {sorted(LR_SCHEDULES)}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             bad("min_lr_ratio", "must be in [0, 1]")
         if self.weight_decay < 0:
@@ -221,16 +222,9 @@ def sft_loss(policy: Any, batch: SFTBatch) -> tuple[torch.Tensor, dict[str, torc
 
 def lr_factor(step: int, cfg: SFTConfig) -> float:
     """Learning-rate multiplier at optimizer step ``step`` (0-based): warmup, then ``cfg.schedule``."""
-    if step < cfg.warmup:
-        return (step + 1) / cfg.warmup
-    return SCHEDULES[cfg.schedule](min((step - cfg.warmup) / cfg.decay_steps, 1.0), cfg.min_lr_ratio)
+    return schedule_factor(step, cfg.warmup + cfg.decay_steps, cfg.schedule, cfg.warmup, cfg.min_lr_ratio)
 
 
-SCHEDULES: dict[str, Callable[[float, float], float]] = {
-    "cosine": lambda t, lo: lo + (1 - lo) * 0.5 * (1 + math.cos(math.pi * t)),
-    "linear": lambda t, lo: lo + (1 - lo) * (1 - t),
-    "constant": lambda t, lo: 1.0,
-}
 
 
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -379,7 +373,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=d.batch_size)
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--warmup", type=int, default=d.warmup)
-    p.add_argument("--schedule", default=d.schedule, choices=sorted(SCHEDULES))
+    p.add_argument("--schedule", default=d.schedule, choices=sorted(LR_SCHEDULES))
     p.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio)
     p.add_argument("--weight-decay", type=float, default=d.weight_decay)
     p.add_argument("--grad-clip", type=float, default=d.grad_clip, help="global gradient-norm clip (0: off)")

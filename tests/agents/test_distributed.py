@@ -156,20 +156,19 @@ def test_ppo_critic_and_kl_controller_match_one_process(runs):
 
 
 def test_ppo_global_explained_variance_is_the_one_value_loss_reports():
-    from types import SimpleNamespace
 
     from tokengym.agents import functional as F
-    from tokengym.agents.ppo import PPOAgent
+    from tokengym.agents.ppo import global_stats
 
     g = torch.Generator().manual_seed(0)
     ret, values = torch.randn(4, 5, generator=g), torch.randn(4, 5, generator=g)
     am = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0]])
     _, stats = F.value_loss(values, values, ret, am)
-    agent = SimpleNamespace(dp=D.DataParallel(0, 1, True))  # a 1-process run: no communication
-    out = PPOAgent._global_stats(agent, dict(stats, ratio_max=2.0), 1.0, 1.0, values, ret, am)
+    dp = D.DataParallel(0, 1, True)  # a 1-process run: no communication
+    out = global_stats(dp, dict(stats, ratio_max=2.0), 1.0, 1.0, values, ret, am)
     assert out["explained_variance"] == pytest.approx(float(stats["explained_variance"]), rel=1e-5)
     assert out["ratio_max"] == 2.0 and out["value_mean"] == pytest.approx(float(stats["value_mean"]))
-    same = PPOAgent._global_stats(agent, stats, 1.0, 1.0, torch.zeros(4, 5), torch.ones(4, 5), am)
+    same = global_stats(dp, stats, 1.0, 1.0, torch.zeros(4, 5), torch.ones(4, 5), am)
     assert same["explained_variance"] == 0.0  # constant returns: undefined, reported as 0 like value_loss
 
 

@@ -139,13 +139,13 @@ def test_passes_skip_columns_past_every_rows_end_without_changing_the_update(mon
     float32 rounding. The full-width run steps on the trimmed run's gradients (``numerics.Lockstep``), so both
     compute each update at the same weights; their weights after AdamW steps are not compared, as AdamW
     turns a rounding-level difference in a near-zero gradient entry into an O(lr) weight difference."""
-    import tokengym.agents.grpo as grpo_mod
+    import tokengym.agents.onpolicy as skeleton
 
     def run(full_width: bool, lockstep):
         if full_width:
-            monkeypatch.setattr(grpo_mod, "used_slice", lambda ro, rows: (
+            monkeypatch.setattr(skeleton, "used_slice", lambda ro, rows: (
                 ro.tokens[rows], ro.attention_mask[rows], ro.prompt_len, ro.action_mask.shape[1]))
-            monkeypatch.setattr(grpo_mod, "trimmed_logprobs", lambda fn, ro: fn(ro.tokens, ro.attention_mask, ro.prompt_len))
+            monkeypatch.setattr(skeleton, "trimmed_logprobs", lambda fn, ro: fn(ro.tokens, ro.attention_mask, ro.prompt_len))
         env = gym.make_vec("tokengym/Arithmetic-v0", num_envs=16, vectorization_mode="vector_entry_point", group_size=8,
                            n_operands=(2, 3), digits=2)
         policy = Policy.from_pretrained("tiny-arithmetic")

@@ -1,0 +1,330 @@
+"""The on-policy update skeleton that GRPO, RLOO, REINFORCE++ and PPO share.
+
+One sampling step: rollout -> optional recomputed pi_old and reference log-probs -> the data-parallel
+gather -> the algorithm's :meth:`~OnPolicyAgent.prepare` (advantages, returns) -> ``mu`` epochs over
+shuffled minibatches: forward, the algorithm's :meth:`~OnPolicyAgent.loss` terms, backward, gradient
+sync, clipping, optimiser steps -> metrics, evaluation, logging. Checkpoint state (exact resume), the
+learning-rate schedule and the reference reset of outer iterations live here too.
+
+An algorithm is a config dataclass, ``prepare`` and ``loss``; ``agents/rloo.py`` is a complete one.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from tokengym.agents.distributed import LOCAL, aggregation_weights
+from tokengym.agents.logger import RunLogger
+from tokengym.agents.models import enable_checkpointing
+from tokengym.agents.optim import LR_SCHEDULES, adamw
+from tokengym.agents.policy import make_reference
+from tokengym.agents.resources import check_fits
+from tokengym.agents.rollout import Rollout, collect, evaluate, trimmed_logprobs, used_slice
+
+__all__ = ["OnPolicyAgent", "Minibatch"]
+
+
+@dataclass
+class Minibatch:
+    """What :meth:`OnPolicyAgent.loss` sees: one minibatch, trimmed to its used columns."""
+
+    rows: torch.Tensor
+    """Indices of the minibatch's rows in the rollout."""
+    m: int
+    """Generated columns kept (columns that are padding in every row are dropped)."""
+    action_mask: torch.Tensor
+    """``[B, m]`` 1 on the agent's tokens."""
+    logp: torch.Tensor
+    """``[B, m]`` log-probs of the sampled tokens under the current policy (with autograd)."""
+    entropy: torch.Tensor
+    """``[B, m]`` the policy's entropy at each position."""
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Outputs of :meth:`OnPolicyAgent.forward_extra` (PPO's values)."""
+
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        """The minibatch's part of a rollout-wide ``[N, M]`` or ``[N]`` tensor."""
+        return x[self.rows, : self.m] if x.dim() == 2 else x[self.rows]
+
+
+class OnPolicyAgent:
+    """Rollout, update, log and resume; subclasses supply ``prepare`` and ``loss`` (see the module docstring).
+
+    Class attributes a subclass sets: ``config_cls`` (its config dataclass) and, when it keeps more than the
+    policy's optimiser, ``optimizer_names`` (checkpoint keys, in step order). Config fields read here: ``lr``,
+    ``steps``, ``mu``, ``minibatches``, ``max_grad_norm``, ``bf16``, ``gradient_checkpointing``, ``eval_every``,
+    ``seed``, and where present ``weight_decay``, ``iterations``, ``reset_ref``, ``lr_schedule``,
+    ``recompute_old_logprobs``.
+    """
+
+    config_cls: type
+    optimizer_names: tuple[str, ...] = ("optimizer",)
+    grad_norm_names: tuple[str, ...] = ("grad_norm",)
+
+    def __init__(self, policy, config=None, run_dir: str | None = None):
+        self.policy = policy
+        self.config = cfg = config if config is not None else self.config_cls()
+        self.logger = RunLogger(run_dir)
+        self.optimizers = self.make_optimizers()
+        if cfg.gradient_checkpointing:
+            enable_checkpointing(*self.checkpointed_modules())
+        self.ref = make_reference(policy) if self.uses_reference() else None  # no KL: no reference at all
+        self.global_step = 0
+        self._resume_step: int | None = None  # set by load_state_dict: learn() continues its schedule from here
+        self._shuffle = torch.Generator().manual_seed(cfg.seed)
+        self.dp = LOCAL  # data parallel: set by distributed.prepare under torchrun
+
+    # ------------------------------------------------------------------ what an algorithm supplies
+    def uses_reference(self) -> bool:
+        """Whether a frozen reference policy is needed (a KL term)."""
+        return False
+
+    def make_optimizers(self) -> list[torch.optim.Optimizer]:
+        """One optimiser per name in ``optimizer_names``; the first one's learning rate follows the schedule."""
+        cfg = self.config
+        return [adamw(self.policy.parameters(), lr=cfg.lr, weight_decay=getattr(cfg, "weight_decay", 0.0))]
+
+    def checkpointed_modules(self) -> tuple[torch.nn.Module, ...]:
+        """Modules that recompute activations in backward under ``gradient_checkpointing``."""
+        return (self.policy.model,)
+
+    def prepare(self, ro: Rollout, old_logp: torch.Tensor, ref_logp: torch.Tensor | None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """``(batch, stats)``: the frozen per-row/per-token tensors the loss needs (``adv``, ...) and their statistics."""
+        raise NotImplementedError
+
+    def loss(self, mb: Minibatch, batch: dict[str, torch.Tensor]) -> tuple[list[tuple[torch.Tensor, str]], dict[str, Any]]:
+        """``(terms, stats)``: loss terms as ``(value, aggregation)`` pairs, added in order (the aggregation
+        weights each term's share under data parallelism), and the minibatch's statistics."""
+        raise NotImplementedError
+
+    def inert_rows(self, batch: dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor | None:
+        """Bool ``[B]``: rows that add exactly nothing to the loss or its gradient (skipped in backward); None = none."""
+        return None
+
+    def forward_extra(self, tokens: torch.Tensor, mask: torch.Tensor, prompt_len: int, m: int) -> dict[str, torch.Tensor]:
+        """Further forward passes of a minibatch (PPO's critic)."""
+        return {}
+
+    def rollout_metrics(self, ro: Rollout, batch: dict[str, torch.Tensor], seconds: float) -> dict[str, Any]:
+        """Metrics of the step's rollout."""
+        return {}
+
+    def after_update(self, ro: Rollout, stats: dict[str, Any]) -> None:
+        """Called once per step after the update (PPO's adaptive KL)."""
+
+    def reduce_stats(self, stats: dict[str, Any], shares: dict[str, float], mb: Minibatch, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """A minibatch's statistics over every rank (weighted by the first loss term's share)."""
+        return self.dp.weighted(stats, next(iter(shares.values()), 1.0))
+
+    def collect(self, env) -> Rollout:
+        """One rollout batch of the current policy."""
+        return collect(env, self.policy, seed=self.config.seed if self.global_step == 0 else None)
+
+    def check_env(self, env) -> None:
+        """Raise ``ValueError`` if ``env`` cannot feed this agent."""
+        check_fits(self.policy, env)
+
+    # ------------------------------------------------------------------ checkpoint state
+    def checkpoint_modules(self) -> dict[str, torch.nn.Module]:
+        """Modules whose weights a checkpoint holds: the policy, and a frozen reference copy when there is one."""
+        mods = {"policy": self.policy.model}
+        if isinstance(getattr(self.ref, "model", None), torch.nn.Module):  # a LoRA reference has no weights of its own
+            mods["ref"] = self.ref.model
+        return mods
+
+    def extra_state(self) -> dict[str, Any]:
+        return {}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything but module weights needed to continue exactly (``torch.load(weights_only=True)``-safe)."""
+        opts = {name: opt.state_dict() for name, opt in zip(self.optimizer_names, self.optimizers)}
+        return {"global_step": self.global_step, **opts, **self.extra_state(),
+                "shuffle_rng": self._shuffle.get_state(), "policy_rng": self.policy.generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; the next :meth:`learn` call runs the rest of the interrupted schedule."""
+        missing = sorted(set(self.state_dict()) - set(state))
+        if missing:
+            raise ValueError(f"{type(self).__name__} state is missing {missing}; pass what {type(self).__name__}.state_dict() returned")
+        self.global_step = int(state["global_step"])
+        for name, opt in zip(self.optimizer_names, self.optimizers):
+            opt.load_state_dict(state[name])
+        self.load_extra_state(state)
+        self._shuffle.set_state(state["shuffle_rng"])
+        self.policy.generator.set_state(state["policy_rng"])
+        self._resume_step = self.global_step
+
+    # ------------------------------------------------------------------ the step's parts
+    def _autocast(self, device: torch.device | str):
+        """bf16 autocast on ``device`` when ``config.bf16`` (a no-op context otherwise)."""
+        return torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=self.config.bf16)
+
+    def train_mode(self, on: bool) -> None:
+        self.policy.train(on)
+
+    def _rollout(self, env) -> tuple[Rollout, dict[str, float]]:
+        t0, r0 = time.perf_counter(), env.reward_seconds
+        self.train_mode(False)
+        with self._autocast(env.device):
+            ro = self.collect(env)
+        reward_t = env.reward_seconds - r0
+        return ro, {"time/rollout": time.perf_counter() - t0 - reward_t, "time/reward": reward_t}
+
+    @torch.no_grad()
+    def _logprobs(self, fn, ro: Rollout) -> torch.Tensor:
+        with self._autocast(ro.tokens.device):
+            return trimmed_logprobs(fn, ro)
+
+    def _schedule_lr(self) -> float:
+        """Set the coming step's learning rate from ``global_step`` (so a resumed run continues the schedule)."""
+        cfg = self.config
+        progress = min(self.global_step / max(self.total_steps, 1), 1.0)
+        lr = cfg.lr * LR_SCHEDULES[getattr(cfg, "lr_schedule", "constant")](progress)
+        for group in self.optimizers[0].param_groups:
+            group["lr"] = lr
+        return lr
+
+    @property
+    def total_steps(self) -> int:
+        return getattr(self.config, "iterations", 1) * self.config.steps
+
+    def _forward(self, ro: Rollout, rows: torch.Tensor, n_live: int) -> Minibatch:
+        """Log-probs and entropies of ``rows``; only the first ``n_live`` are recorded for backward."""
+        tokens, mask, p, m = used_slice(ro, rows)  # columns that are padding in every row are skipped
+        with self._autocast(ro.tokens.device):
+            if n_live == len(rows):
+                logp, ent = self.policy(tokens, mask, p, return_entropy=True)
+            else:
+                with torch.no_grad():
+                    logp, ent = self.policy(tokens[n_live:], mask[n_live:], p, return_entropy=True)
+                if n_live:
+                    live = self.policy(tokens[:n_live], mask[:n_live], p, return_entropy=True)
+                    logp, ent = torch.cat([live[0], logp]), torch.cat([live[1], ent])
+            extra = self.forward_extra(tokens, mask, p, m)
+        return Minibatch(rows, m, ro.action_mask[rows, :m], logp, ent, extra)
+
+    def _params(self) -> list[list[torch.nn.Parameter]]:
+        return [opt.param_groups[0]["params"] for opt in self.optimizers]
+
+    def _update(self, ro: Rollout, batch: dict[str, torch.Tensor], kinds: list[str]) -> dict[str, float]:
+        cfg, dp = self.config, self.dp
+        self.train_mode(True)
+        params = self._params()
+        flat = [p for group in params for p in group]
+        # Data parallel: each loss term is weighted by this rank's share of its aggregation's denominator (1 alone).
+        weights = {kind: aggregation_weights(ro.action_mask, kind) for kind in kinds}
+        sums: dict[str, float] = {}
+        count = 0
+        for _ in range(cfg.mu):
+            order = torch.randperm(ro.num_episodes, generator=self._shuffle).to(ro.tokens.device)
+            for rows in order.chunk(cfg.minibatches):
+                shares = {}
+                for kind, w in weights.items():
+                    shard, shares[kind] = dp.shard(rows, w)
+                rows = shard
+                inert = self.inert_rows(batch, rows)
+                n_live = len(rows) if inert is None else int((~inert).sum())
+                if inert is not None:  # the order of rows does not change the loss
+                    rows = torch.cat([rows[~inert], rows[inert]])
+                mb = self._forward(ro, rows, n_live)
+                terms, stats = self.loss(mb, batch)
+                loss = terms[0][0] * shares[terms[0][1]]
+                for term, kind in terms[1:]:
+                    loss = loss + term * shares[kind]
+                for opt in self.optimizers:
+                    opt.zero_grad(set_to_none=True)
+                if n_live:
+                    loss.backward()
+                else:  # every row is inert: the gradient is exactly 0, and AdamW still takes its (momentum) step
+                    for p in flat:
+                        p.grad = torch.zeros_like(p)
+                dp.sync_gradients(flat)  # one flat all-reduce: every rank clips and steps alike
+                max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf
+                for name, group in zip(self.grad_norm_names, params):
+                    stats[name] = torch.nn.utils.clip_grad_norm_(group, max_norm)
+                for opt in self.optimizers:
+                    opt.step()
+                total = terms[0][0].detach()
+                for term, _ in terms[1:]:
+                    total = total + term.detach()
+                stats["loss"] = total
+                for k, v in self.reduce_stats(stats, shares, mb, batch).items():
+                    sums[k] = sums.get(k, 0.0) + float(v)
+                count += 1
+        return {f"train/{k}": v / count for k, v in sums.items()}
+
+    # ------------------------------------------------------------------ loop
+    def step(self, env, iteration: int = 0) -> dict[str, Any]:
+        """One sampling step: rollout, advantages, ``mu`` epochs of minibatch updates; returns its metrics."""
+        cfg = self.config
+        t_start = time.perf_counter()
+        ro, timing = self._rollout(env)
+        old_logp = self._logprobs(self.policy, ro) if getattr(cfg, "recompute_old_logprobs", False) else None
+        ref_logp = self._logprobs(self.ref, ro) if self.ref is not None else None
+        ro, old_logp, ref_logp = self.dp.gather(ro, old_logp, ref_logp)  # data parallel: the global batch
+        old_logp = ro.logprobs if old_logp is None else old_logp
+        batch, stats = self.prepare(ro, old_logp, ref_logp)
+        batch.setdefault("old_logp", old_logp)
+        t_up = time.perf_counter()
+        lr = self._schedule_lr()
+        metrics = self._update(ro, batch, self.loss_kinds())
+        metrics["train/lr"] = lr
+        timing["time/update"] = time.perf_counter() - t_up
+        self.after_update(ro, stats)
+        self.global_step += 1
+        metrics.update(stats, **timing)
+        metrics.update(self.rollout_metrics(ro, batch, time.perf_counter() - t_start))
+        if hasattr(cfg, "iterations"):
+            metrics["iteration"] = iteration
+        return metrics
+
+    def loss_kinds(self) -> list[str]:
+        """The aggregations of the loss terms (data-parallel weights are computed for each)."""
+        return [self.config.aggregation]
+
+    def learn(self, env, eval_env=None, eval_samples: list | None = None,
+              callback: Callable[[dict[str, float]], Any] | None = None) -> list[dict[str, float]]:
+        """Train on ``env``; return the records logged.
+
+        ``callback(record)`` is called once per step; returning ``False`` stops after that step. The first call
+        after :meth:`load_state_dict` runs only the rest of the interrupted schedule. With ``eval_env``
+        (group_size 1) and ``eval_samples`` (e.g. :func:`heldout_samples`), greedy held-out accuracy is logged
+        every ``eval_every`` steps and after the last step.
+        """
+        cfg = self.config
+        self.check_env(env)
+        if self.global_step == 0:
+            self.policy.seed(cfg.seed)
+        start = len(self.logger.history)
+        done, self._resume_step = self._resume_step or 0, None  # steps of this schedule already taken (resume)
+        evaluating = eval_env is not None and bool(eval_samples)
+        for it in range(getattr(cfg, "iterations", 1)):
+            if done >= (it + 1) * cfg.steps:
+                continue
+            if self.ref is not None and getattr(cfg, "reset_ref", False) and done <= it * cfg.steps:
+                self.ref = make_reference(self.policy)
+            for _ in range(cfg.steps - max(0, done - it * cfg.steps)):
+                metrics = self.step(env, it)
+                if evaluating and cfg.eval_every and self.global_step % cfg.eval_every == 0:
+                    metrics.update(self.evaluate(eval_env, eval_samples))
+                record = self.logger.log(self.global_step, metrics)
+                if callback is not None and callback(record) is False:
+                    return self.logger.history[start:]
+        if evaluating and not (cfg.eval_every and self.global_step % cfg.eval_every == 0):
+            self.logger.log(self.global_step, self.evaluate(eval_env, eval_samples))
+        return self.logger.history[start:]
+
+    def evaluate(self, eval_env, samples: list) -> dict[str, float]:
+        """Greedy held-out metrics of ``samples`` (``eval/accuracy``, ...)."""
+        self.train_mode(False)
+        return {f"eval/{k}": v for k, v in evaluate(self.policy, eval_env, samples, greedy=True).items()}
+
+    def config_dict(self) -> dict[str, Any]:
+        return asdict(self.config)
