@@ -156,7 +156,6 @@ def test_ppo_critic_and_kl_controller_match_one_process(runs):
 
 
 def test_ppo_global_explained_variance_is_the_one_value_loss_reports():
-
     from tokengym.agents import functional as F
     from tokengym.agents.ppo import global_stats
 
