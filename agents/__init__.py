@@ -5,9 +5,10 @@ The pure advantage/loss math lives in :mod:`tokengym.agents.functional`.
 
 from . import functional
 from .critic import Critic
-from .dpo import DPOConfig, DPOLearner, iterative_dpo
+from .dpo import DPOConfig, DPOLearner
 from .grpo import GRPOAgent, GRPOConfig
 from .models import PRESETS, build_preset, load_classifier, load_model
+from .online_dpo import iterative_dpo
 from .pairs import PairData, arithmetic_pairs, load_pairs, mine_pairs, split_pairs
 from .policy import Policy
 from .ppo import PPOAgent, PPOConfig
