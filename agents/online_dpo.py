@@ -132,7 +132,7 @@ class SPINConfig(DPOConfig):
 
 
 def _draw_prompts(task: Any, n: int, seed: int | Sequence[int], exclude: set[str]) -> list[dict[str, Any]]:
-    """``n`` samples of ``task`` from ``default_rng(seed)``, skipping prompts in ``exclude``; each must carry a reference solution."""
+    """``n`` samples of ``task`` from ``default_rng(seed)``, skipping prompts in ``exclude``; all with a reference solution."""
     rng = np.random.default_rng(seed)
     out: list[dict[str, Any]] = []
     for _ in range(1000):
@@ -220,8 +220,10 @@ def spin(
     round; returning ``False`` stops there. Resume is per round, as in :func:`iterative_dpo`.
     """
     cfg = learner.config
-    rounds = getattr(cfg, "rounds", SPINConfig.rounds) if rounds is None else rounds
-    prompts_per_round = getattr(cfg, "prompts_per_round", SPINConfig.prompts_per_round) if prompts_per_round is None else prompts_per_round
+    if rounds is None:
+        rounds = getattr(cfg, "rounds", SPINConfig.rounds)
+    if prompts_per_round is None:
+        prompts_per_round = getattr(cfg, "prompts_per_round", SPINConfig.prompts_per_round)
     if rounds < 1 or prompts_per_round < 1:
         raise ValueError(f"rounds and prompts_per_round must be >= 1, got {rounds}, {prompts_per_round}")
     _check_spin_env(env)

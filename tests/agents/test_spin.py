@@ -140,6 +140,6 @@ def test_spin_lifts_heldout_greedy_accuracy_of_the_warm_start(warm):
     records = spin(DPOLearner(policy, SPINConfig(seed=0)), env, eval_env=env, eval_samples=held)  # 3 rounds x 512 prompts
     after = records[-1]["eval/accuracy"]
     assert [r["round"] for r in records] == [0, 1, 2] and all(r["pairs/count"] > 100 for r in records)
-    # 0.645 before; after rounds 1/2/3 with lr 1e-5: seed 0 0.691/0.727/0.742, seed 1 0.676/0.727/0.723
-    # (lr 1e-4 collapses to 0.02-0.11, lr 3e-6 gains only 0.035 in 3 rounds)
+    # 0.645 before; after rounds 1/2/3 (bench/spin_rounds.py, lr 1e-5): seed 0 0.691/0.727/0.742, seed 1
+    # 0.676/0.727/0.723 (seeds 2, 3 end at 0.730, 0.711); lr 1e-4 collapses to 0.02-0.11, lr 3e-6 gains 0.035
     assert after >= before + 0.05, (before, after)
