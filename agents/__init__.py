@@ -1,13 +1,14 @@
-"""Agents that consume token environments: PPO (critic + GAE), GRPO, DPO, SFT, and the machinery they share.
+"""Agents that consume token environments: PPO (critic + GAE), GRPO, DPO (offline, iterative, SPIN), SFT, and the machinery they share.
 
 The pure advantage/loss math lives in :mod:`tokengym.agents.functional`.
 """
 
 from . import functional
 from .critic import Critic
-from .dpo import DPOConfig, DPOLearner, iterative_dpo
+from .dpo import DPOConfig, DPOLearner
 from .grpo import GRPOAgent, GRPOConfig
 from .models import PRESETS, build_preset, load_classifier, load_model
+from .online_dpo import SPINConfig, iterative_dpo, spin, spin_pairs
 from .pairs import PairData, arithmetic_pairs, load_pairs, mine_pairs, split_pairs
 from .policy import Policy
 from .ppo import PPOAgent, PPOConfig
@@ -27,6 +28,7 @@ __all__ = [
     "Policy",
     "Rollout",
     "SFTConfig",
+    "SPINConfig",
     "arithmetic_pairs",
     "build_preset",
     "collect",
@@ -39,6 +41,8 @@ __all__ = [
     "load_model",
     "load_pairs",
     "mine_pairs",
+    "spin",
+    "spin_pairs",
     "split_pairs",
     "train_sft",
 ]

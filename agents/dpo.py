@@ -2,9 +2,8 @@
 
 Reads top to bottom: config -> learner (reference model, optimiser) -> sequence log-probs (one
 concatenated forward of chosen + rejected per batch) -> reference log-probs (live frozen model, or
-precomputed once over the dataset) -> ``fit`` (epochs of shuffled minibatches, log, evaluate) ->
-``iterative_dpo``: pairs mined from a ``group_size=G`` env's own samples, round after round (online /
-iterative DPO, "RLHF Workflow", Dong et al. 2024).
+precomputed once over the dataset) -> ``fit`` (epochs of shuffled minibatches, log, evaluate). Online
+pairs, made from the policy's own samples round after round, live in :mod:`tokengym.agents.online_dpo`.
 
 The loss math is :func:`tokengym.agents.functional.dpo_loss`; this file only feeds it:
 
@@ -24,8 +23,8 @@ The loss math is :func:`tokengym.agents.functional.dpo_loss`; this file only fee
   no reference model is kept in memory.
 * **Exact resume**: :meth:`DPOLearner.checkpoint_modules` / ``state_dict`` / ``load_state_dict``; a
   ``fit`` stopped by its callback and restored continues at the saved data position (same batches,
-  learning rates and logged metrics as one uninterrupted ``fit``); ``iterative_dpo`` resumes at round
-  boundaries.
+  learning rates and logged metrics as one uninterrupted ``fit``); the round loops of
+  :mod:`~tokengym.agents.online_dpo` resume at round boundaries.
 * **Near-identical pairs.** When chosen and rejected differ in a token or two (arithmetic: one digit),
   plain DPO tends to lower the chosen completion's likelihood too and move probability onto other
   tokens ("likelihood displacement"). ``dpop_lambda`` (DPO-Positive, Pal et al. 2024) penalises a
@@ -66,10 +65,10 @@ from tokengym.agents.distributed import LOCAL
 from tokengym.agents.models import frozen_copy
 from tokengym.agents.optim import LR_SCHEDULES, adamw, lr_factor
 from tokengym.agents.policy import AdapterDisabledReference, make_reference
-from tokengym.agents.pairs import PairBatch, PairData, SharedPrefixBatch, mine_pairs
-from tokengym.agents.rollout import collect, evaluate
+from tokengym.agents.pairs import PairBatch, PairData, SharedPrefixBatch
+from tokengym.agents.rollout import evaluate
 
-__all__ = ["DPOConfig", "DPOLearner", "iterative_dpo"]
+__all__ = ["DPOConfig", "DPOLearner"]
 
 
 @dataclass
@@ -123,7 +122,7 @@ class DPOConfig:
     log_every: int = 1
     """Write a training record every this many steps (metrics averaged over them)."""
     seed: int = 0
-    """Seeds minibatch shuffling (and, in iterative_dpo, the env's prompt stream and the policy's sampler)."""
+    """Seeds minibatch shuffling (and, in the online_dpo round loops, the prompt stream and the policy's sampler)."""
 
     def __post_init__(self) -> None:
         checks = {
@@ -224,7 +223,7 @@ class DPOLearner:
         self._share_prefix = cfg.share_prefix  # None until resolved (see share_prefix)
         self._fit: dict[str, Any] | None = None  # the latest fit's position (what state_dict saves)
         self._resume_fit: dict[str, Any] | None = None  # set by load_state_dict: the next fit continues it
-        self._round = 0  # rounds done by the latest iterative_dpo call
+        self._round = 0  # rounds done by the latest online_dpo round loop
         self._resume_round: int | None = None
 
     # ------------------------------------------------------------------ checkpoint state
@@ -243,7 +242,7 @@ class DPOLearner:
 
         Step and epoch counters, the optimiser, the shuffle and policy generators, the latest ``fit``'s
         position (its steps, the current epoch's permutation and batch, the log window, precomputed
-        reference log-probs) and ``iterative_dpo``'s round.
+        reference log-probs) and the round of an :mod:`~tokengym.agents.online_dpo` loop.
         """
         fit = None
         if self._fit is not None:
@@ -254,7 +253,7 @@ class DPOLearner:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`: the next ``fit`` on the same pairs runs the rest of the interrupted one
-        (nothing if it had finished), and the next ``iterative_dpo`` the remaining rounds."""
+        (nothing if it had finished), and the next online_dpo round loop the remaining rounds."""
         self.global_step, self.epoch = int(state["global_step"]), int(state["epoch"])
         self.optimizer.load_state_dict(state["optimizer"])
         self._shuffle.set_state(state["shuffle_rng"])
@@ -572,80 +571,3 @@ def shared_prefix_logps(policy: Any, b: SharedPrefixBatch) -> torch.Tensor:
     first = F.token_logprobs(head, b.first_rejected[:, None])[:, 0]
     return torch.cat([chosen, rejected + torch.where(b.has_rejected_suffix, first, zero)])
 
-
-# ====================================================================== online / iterative DPO
-def iterative_dpo(
-    learner: DPOLearner,
-    env: Any,
-    rounds: int = 2,
-    batches_per_round: int = 1,
-    reset_ref: bool = True,
-    min_gap: float = 0.0,
-    score: str = "return",
-    eval_env: Any = None,
-    eval_samples: list | None = None,
-    callback: Callable[[dict[str, float]], Any] | None = None,
-) -> list[dict[str, float]]:
-    """Online (iterative) DPO: sample, rank, pair, train; ``rounds`` times.
-
-    Each round: ``batches_per_round`` rollouts of a ``group_size=G`` env with the current policy (G
-    sampled completions per prompt, scored by the env's reward) -> the (best, worst) completion of every
-    group with a reward gap (:func:`~tokengym.agents.pairs.mine_pairs`; groups without a gap are
-    skipped) -> ``learner.fit`` on those pairs. With ``reset_ref`` the reference of each round is the
-    policy at the round's start (a trust region per round); otherwise it stays the initial policy.
-
-    Mined pairs are often near-identical (a correct and a wrong sample that differ in one digit): plain
-    DPO then tends to lower the chosen likelihood too; ``DPOConfig(dpop_lambda=5.0)`` (DPO-Positive)
-    is what made the env's reward rise on the tiny arithmetic warm start (see ``DPOConfig``).
-
-    Returns one record per round (also logged to the learner's run): ``round``, ``reward/mean`` and
-    ``reward/accuracy`` of the round's samples (the policy *before* the round's update), ``pairs/count``,
-    ``pairs/skipped_groups_frac``, and greedy ``eval/*`` after the round when ``eval_env`` and
-    ``eval_samples`` are given. ``callback(record)`` is called after every round; returning ``False``
-    stops there. Resume is per round: after ``learner.load_state_dict`` of a state saved in the callback
-    (and the env's own ``load_state_dict``), a call with the same arguments runs the remaining rounds.
-    """
-    if rounds < 1 or batches_per_round < 1:
-        raise ValueError(f"rounds and batches_per_round must be >= 1, got {rounds}, {batches_per_round}")
-    if env.group_size < 2:
-        raise ValueError(f"iterative DPO needs groups: create the env with group_size >= 2 (got {env.group_size})")
-    if not reset_ref and learner.ref is None and rounds > 1:
-        raise ValueError("reset_ref=False keeps the initial policy as reference, but this learner has no reference model "
-                         "(precompute_ref=True computes reference log-probs from the policy at each fit); pass ref= to "
-                         "DPOLearner or use reset_ref=True")
-    policy, cfg = learner.policy, learner.config
-    records = []
-    start, learner._resume_round = learner._resume_round or 0, None  # rounds already done (resume)
-    if start:
-        learner._resume_fit = None  # the unit of resume is the round: the saved fit had finished
-    elif learner.global_step == 0:
-        policy.seed(cfg.seed)
-    learner._round = start
-    first = start == 0
-    for r in range(start, rounds):
-        if reset_ref and r > 0:
-            learner.reset_reference()
-        policy.eval()
-        parts, rewards, n_groups = [], [], 0
-        for _ in range(batches_per_round):
-            ro = collect(env, policy, seed=cfg.seed if first else None)
-            first = False
-            parts.append(mine_pairs(ro, min_gap=min_gap, score=score))
-            rewards.append(ro.rewards.sum(1) if score == "return" else ro.outcome)
-            n_groups += ro.num_episodes // ro.group_size
-        data = PairData.concat([p for p in parts if len(p)]) if any(len(p) for p in parts) else None
-        rw = torch.cat(rewards).float()
-        rec = {"round": r, "reward/mean": rw.mean(), "reward/accuracy": (rw >= 1.0 - 1e-6).float().mean(),
-               "pairs/count": 0 if data is None else len(data),
-               "pairs/skipped_groups_frac": 1.0 - (0 if data is None else len(data)) / n_groups}
-        if data is not None:
-            learner.fit(data)
-        if eval_env is not None and eval_samples:
-            policy.eval()
-            rec.update({f"eval/{k}": v for k, v in evaluate(policy, eval_env, eval_samples, greedy=True).items()})
-        learner._round = r + 1
-        record = learner.logger.log(learner.global_step, rec)
-        records.append(record)
-        if callback is not None and callback(record) is False:
-            break
-    return records

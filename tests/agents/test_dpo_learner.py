@@ -11,8 +11,9 @@ import pathlib
 import pytest
 import torch
 
-from tokengym.agents.dpo import DPOConfig, DPOLearner, iterative_dpo
+from tokengym.agents.dpo import DPOConfig, DPOLearner
 from tokengym.agents.models import build_preset
+from tokengym.agents.online_dpo import iterative_dpo
 from tokengym.agents.pairs import PairData, arithmetic_pairs
 from tokengym.agents.policy import Policy
 from tokengym.agents.rollout import collect, evaluate, heldout_samples

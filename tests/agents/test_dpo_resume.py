@@ -7,8 +7,9 @@ import io
 import pytest
 import torch
 
-from tokengym.agents.dpo import DPOConfig, DPOLearner, iterative_dpo
+from tokengym.agents.dpo import DPOConfig, DPOLearner
 from tokengym.agents.models import build_preset
+from tokengym.agents.online_dpo import iterative_dpo
 from tokengym.agents.pairs import arithmetic_pairs
 from tokengym.agents.policy import Policy
 from tokengym.envs import TokenVectorEnv
