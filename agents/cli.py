@@ -217,14 +217,18 @@ def _add_fields(parser: argparse.ArgumentParser, cls: type, title: str, seen: se
 def _train_parser(sub: Any) -> None:
     from tokengym.agents.train import RunConfig, algorithms, run_fields
 
-    p = sub.add_parser("train", help="train a model (grpo, ppo, dpo, sft, rm, prm); writes runs/<name>/")
+    specs = algorithms()
+    p = sub.add_parser("train", help=f"train a model ({', '.join(specs)}); writes runs/<name>/")
     tsub = p.add_subparsers(dest="algo", required=True, metavar="ALGO")
-    for name, spec in algorithms().items():
+    for name, spec in specs.items():
         ap = tsub.add_parser(name, help=spec.help, description=f"{spec.help}. Every setting below can also come from "
                              "--config FILE.toml (keys as below, with underscores); flags win over the file.",
                              allow_abbrev=False)
         ap.add_argument("--config", help="TOML or JSON file with settings")
         ap.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
+        if spec.presets:
+            ap.add_argument("--preset", choices=sorted(spec.presets), help="a published recipe: its settings over the "
+                            "defaults (--config and flags still win); the resolved config is printed")
         seen: set[str] = set()
         _add_fields(ap, RunConfig, "run settings", seen, run_fields(name))
         _add_fields(ap, spec.config_cls, f"{name} settings ({spec.config_cls.__name__})", seen)
@@ -238,19 +242,20 @@ def _cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     if extra:
         flag = next((e for e in extra if e.startswith("-")), extra[0])
         raise R.UsageError(_unknown_flag(flag, args))
-    flags = {k: v for k, v in vars(args).items() if k not in ("fn", "command", "algo", "config", "resume")}
+    flags = {k: v for k, v in vars(args).items() if k not in ("fn", "command", "algo", "config", "resume", "preset")}
     file_values = R.read_config_file(args.config) if args.config else {}
-    return train(args.algo, file_values, flags, args.resume)
+    return train(args.algo, file_values, flags, args.resume, preset=getattr(args, "preset", None))
 
 
 def _unknown_flag(flag: str, args: argparse.Namespace) -> str:
     import difflib
 
-    from tokengym.agents.train import RUN_FIELDS_FOR, algorithms, run_fields
+    from tokengym.agents.train import algorithms, run_fields, run_fields_for
 
     key = flag.lstrip("-").split("=")[0].replace("-", "_")
-    if key in RUN_FIELDS_FOR:
-        return f"--{key.replace('_', '-')} does not apply to `tokengym train {args.algo}` (it is for {', '.join(sorted(RUN_FIELDS_FOR[key]))})"
+    users = run_fields_for()
+    if key in users:
+        return f"--{key.replace('_', '-')} does not apply to `tokengym train {args.algo}` (it is for {', '.join(sorted(users[key]))})"
     names = sorted(run_fields(args.algo)) + [f.name for f in dataclasses.fields(algorithms()[args.algo].config_cls)]
     close = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
     hint = f"; did you mean --{close[0].replace('_', '-')}?" if close else f"; see tokengym train {args.algo} --help"

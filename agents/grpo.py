@@ -17,6 +17,7 @@ from tokengym.agents import functional as F
 from tokengym.agents.config import check_config
 from tokengym.agents.onpolicy import Minibatch, OnPolicyAgent
 from tokengym.agents.optim import LR_SCHEDULES
+from tokengym.agents.registry import register
 from tokengym.agents.rollout import Rollout, turn_metrics
 
 __all__ = ["GRPOConfig", "GRPOAgent", "grpo_advantages", "LR_SCHEDULES"]
@@ -130,6 +131,10 @@ class GRPOAgent(OnPolicyAgent):
 
     config_cls = GRPOConfig
 
+    @staticmethod
+    def needs_process_reward(config) -> bool:
+        return config.advantage == "process"
+
     def uses_reference(self) -> bool:
         return self.config.beta > 0
 
@@ -191,3 +196,7 @@ class GRPOAgent(OnPolicyAgent):
             "perf/tokens_per_s": lengths.sum() / max(seconds, 1e-9),
             **turn_metrics(ro),
         }
+
+
+register("grpo", GRPOConfig, "GRPO: group-relative advantages, outcome or process supervision", agent=GRPOAgent,
+         min_group=2, data_parallel=True)

@@ -62,6 +62,8 @@ class OnPolicyAgent:
     """
 
     config_cls: type
+    update_passes: int = 1
+    """Model passes of an update per row (PPO's policy and critic: 2), for the memory check of a run."""
     optimizer_names: tuple[str, ...] = ("optimizer",)
     grad_norm_names: tuple[str, ...] = ("grad_norm",)
 
@@ -79,6 +81,11 @@ class OnPolicyAgent:
         self.dp = LOCAL  # data parallel: set by distributed.prepare under torchrun
 
     # ------------------------------------------------------------------ what an algorithm supplies
+    @staticmethod
+    def needs_process_reward(config) -> bool:
+        """Whether ``config`` asks for per-step (PRM) rewards, so a run's env must compute them."""
+        return False
+
     def uses_reference(self) -> bool:
         """Whether a frozen reference policy is needed (a KL term)."""
         return False

@@ -31,6 +31,7 @@ from tokengym.agents.critic import Critic
 from tokengym.agents.config import check_config
 from tokengym.agents.onpolicy import Minibatch, OnPolicyAgent
 from tokengym.agents.optim import adamw
+from tokengym.agents.registry import register
 from tokengym.agents.rollout import Rollout, collect, turn_metrics
 
 __all__ = ["PPOConfig", "PPOAgent", "AdaptiveKLController", "ppo_rewards"]
@@ -162,6 +163,7 @@ class PPOAgent(OnPolicyAgent):
     """
 
     config_cls = PPOConfig
+    update_passes = 2  # policy and critic
     optimizer_names = ("policy_optimizer", "critic_optimizer")
     grad_norm_names = ("grad_norm", "critic_grad_norm")
 
@@ -300,3 +302,9 @@ def global_stats(dp, stats: dict[str, Any], pshare: float, tshare: float, values
     eps = torch.finfo(torch.float32).eps  # value_loss's rule: Var(R) negligible next to Var(R - V) -> 0
     out["explained_variance"] = 1.0 - var["e"] / var["r"] if var["r"] > eps * var["e"] else 0.0
     return out
+
+
+register("ppo", PPOConfig, "PPO with a critic and GAE (optionally against a learned reward model)", agent=PPOAgent,
+         rollout=(64, 1), data_parallel=True)
+"""64 episodes per step, as GRPO's 8 x 8: PPO with 8 rollouts per update against the learned RM fell from 64.5% to
+60.9% held-out greedy; with 64 it rose to 71.1%."""

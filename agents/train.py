@@ -1,8 +1,10 @@
 """``tokengym train <algo>``: build env, model and agent from a config, train with progress and checkpoints, resume.
 
-One builder per algorithm turns a :class:`RunConfig` (the run: env, model, batch, checkpoints) and the
-algorithm's own config dataclass (``GRPOConfig``, ``PPOConfig``, ``DPOConfig``, ``SFTConfig``, ...) into a
-job. Both configs are filled from defaults, then ``--config FILE.toml``, then ``--key value`` flags.
+The algorithm comes from the registry (:mod:`tokengym.agents.registry`): its config dataclass, the
+:class:`RunConfig` fields it takes, its presets and its builder. A builder turns a :class:`RunConfig` (the
+run: env, model, batch, checkpoints) and the algorithm's config into a job; every on-policy agent shares
+:func:`build_on_policy`, and the offline ones (DPO, SFT, RM, PRM, SPIN) are in ``offline_jobs.py``. Both
+configs are filled from defaults, then ``--preset``, then ``--config FILE.toml``, then ``--key value`` flags.
 
 Nothing is written until everything is built: the builder loads the model, env, data and agent and checks
 that they fit together (device, position limit, memory); only then is ``runs/<name>/`` created, locked and
@@ -26,10 +28,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import numpy as np
 import torch
 
 from tokengym.agents import runs as R
+from tokengym.agents.registry import algorithms
 
 __all__ = ["RunConfig", "algorithms", "train", "make_env", "eval_setup"]
 
@@ -83,23 +85,20 @@ class RunConfig:
     """Show a progress bar (on a terminal; otherwise a line every 10% of the run)."""
 
 
-RUN_FIELDS_FOR: dict[str, set[str]] = {
-    "prompts": {"grpo", "ppo"}, "group_size": {"grpo", "ppo"}, "temperature": {"grpo", "ppo", "dpo", "rm"},
-    "pairs": {"dpo", "rm"}, "num_pairs": {"dpo", "rm", "prm"}, "rm_kind": {"rm"}, "step_labels": {"prm"},
-    "reward_model": {"grpo", "ppo"}, "prm_model": {"grpo", "ppo"},
-    "save_every": {"grpo", "ppo", "dpo"}, "keep_checkpoints": {"grpo", "ppo", "dpo"},
-}
-"""The algorithms a :class:`RunConfig` field applies to (fields not listed apply to every algorithm); the others are
-neither flags of that algorithm's ``--help`` nor accepted from its config file."""
+def run_fields_for() -> dict[str, set[str]]:
+    """``{field: algorithms}`` of the :class:`RunConfig` fields only some algorithms take (each algorithm's
+    ``run_fields`` in the registry); the other fields apply to every algorithm."""
+    users: dict[str, set[str]] = {}
+    for name, spec in algorithms().items():
+        for f in spec.run_fields:
+            users.setdefault(f, set()).add(name)
+    return users
 
 
 def run_fields(algo: str) -> set[str]:
     """Names of the :class:`RunConfig` fields that ``tokengym train <algo>`` takes."""
-    return {f.name for f in dataclasses.fields(RunConfig) if algo in RUN_FIELDS_FOR.get(f.name, {algo})}
-
-
-# Algorithms that run data-parallel under torchrun with several processes (see agents/distributed.py).
-DATA_PARALLEL = {"grpo", "ppo", "dpo"}
+    optional, own = run_fields_for(), algorithms()[algo].run_fields
+    return {f.name for f in dataclasses.fields(RunConfig) if f.name not in optional or f.name in own}
 
 # Keys that may differ when resuming; everything else must match the saved config.
 RESUMABLE = {"save_every", "keep_checkpoints", "threads", "progress", "device"}
@@ -107,15 +106,6 @@ RESUMABLE = {"save_every", "keep_checkpoints", "threads", "progress", "device"}
 
 Job = Callable[[str, bool], dict[str, Any]]
 """What a builder returns: ``job(run_dir, resume)`` trains in the (created, locked) run folder and returns a summary."""
-
-
-@dataclass
-class Algorithm:
-    config_cls: type
-    build: Callable[[RunConfig, Any], Job]
-    """Loads and checks everything the run needs (raising :class:`UsageError`), writing nothing."""
-    help: str = ""
-    resumable: bool = True
 
 
 # ---------------------------------------------------------------------------------------------- building blocks
@@ -173,19 +163,17 @@ def load_policy(run: RunConfig, seed: int):
         raise R.UsageError(f"cannot load model {run.model!r}: {_first_line(e)}") from None
 
 
-ROLLOUT_DEFAULTS = {"grpo": (8, 8), "ppo": (64, 1)}
 WARM_STARTS = {"tokengym/Calculator-v0": "tiny-calculator"}
 """Envs whose default model is not ``tiny-arithmetic``: the shipped warm start made for their task."""
-"""``(prompts, group_size)`` per step when the run sets neither: 64 episodes per step for both (PPO with 8 rollouts
-per update against the learned RM fell from 64.5% to 60.9% held-out greedy; with 64 it rose to 71.1%)."""
 
 
 def rollout_batch(run: RunConfig, algo: str) -> tuple[int, int]:
     """``(num_envs, group_size)`` of the env this process rolls out: its ``prompts / K`` prompts under torchrun
-    with K processes (whole groups per process) times the group size; the run's settings or ``ROLLOUT_DEFAULTS``."""
+    with K processes (whole groups per process) times the group size; the run's settings or the algorithm's
+    registered ``rollout`` defaults."""
     from tokengym.agents.distributed import DataParallel
 
-    default_prompts, default_group = ROLLOUT_DEFAULTS[algo]
+    default_prompts, default_group = algorithms()[algo].rollout
     k, prompts, g = DataParallel.current().world_size, run.prompts or default_prompts, run.group_size or default_group
     if prompts % k:
         raise R.UsageError(f"prompts={prompts} is not divisible by the {k} processes (each owns prompts / {k} whole groups)")
@@ -378,244 +366,16 @@ def _on_policy_job(run: RunConfig, cfg: Any, agent: Any, env: Any, total: int) -
     return job
 
 
-def build_grpo(run: RunConfig, cfg: Any) -> Job:
-    from tokengym.agents.grpo import GRPOAgent
-
+def build_on_policy(spec: Any, run: RunConfig, cfg: Any) -> Job:
+    """The job of any :class:`~tokengym.agents.onpolicy.OnPolicyAgent`: the run's env (with its learned or
+    process rewards), checked against the policy's positions and the device's memory, and the agent."""
     policy = load_policy(run, cfg.seed)
-    n, g = rollout_batch(run, "grpo")
-    env = checked_env(run, policy, n, g, update_rows=-(-n // cfg.minibatches),
-                      **learned_rewards(run, cfg.advantage == "process"))
-    return _on_policy_job(run, cfg, _agent(GRPOAgent, policy, cfg, env), env, cfg.iterations * cfg.steps)
-
-
-def build_ppo(run: RunConfig, cfg: Any) -> Job:
-    from tokengym.agents.ppo import PPOAgent
-
-    policy = load_policy(run, cfg.seed)
-    n, g = rollout_batch(run, "ppo")
-    env = checked_env(run, policy, n, g, update_rows=2 * -(-n // cfg.minibatches),  # policy and critic
-                      **learned_rewards(run, run.prm_model is not None))
-    return _on_policy_job(run, cfg, _agent(PPOAgent, policy, cfg, env), env, cfg.steps)
-
-
-def preference_pairs(run: RunConfig, task: Any, exclude: list[dict] | None) -> list[dict[str, Any]]:
-    """The run's pairs: the ``pairs`` JSONL, or bundled Arithmetic pairs (held-out prompts excluded)."""
-    from tokengym.agents.pairs import arithmetic_pairs, load_pairs
-    from tokengym.envs.tasks import ArithmeticTask
-
-    if run.pairs == ON_POLICY:
-        return on_policy(run, task, exclude)
-    if run.pairs is not None:
-        if not os.path.isfile(run.pairs):
-            raise R.UsageError(f"pairs file {run.pairs!r} does not exist")
-        try:
-            return load_pairs(run.pairs)
-        except (ValueError, KeyError, OSError) as e:
-            raise R.UsageError(f"cannot read pairs from {run.pairs!r}: {_first_line(e)}") from None
-    if not isinstance(task, ArithmeticTask):
-        raise R.UsageError(f"no bundled pairs for {run.env}; pass --pairs FILE.jsonl with prompt/chosen/rejected")
-    return arithmetic_pairs(task, run.num_pairs, seed=0, exclude_prompts={s["prompt"] for s in exclude or []})
-
-
-ON_POLICY = "on-policy"
-LIKELIHOOD_RM_BETA = 0.5
-"""Scale of the likelihood reward model's log-likelihood (the recipe of ``tests/agents/test_rlhf_pipeline.py``)."""
-
-
-def on_policy(run: RunConfig, task: Any, exclude: list[dict] | None) -> list[dict[str, Any]]:
-    """``--pairs on-policy``: the run's model's own correct vs wrong samples of ``num_pairs`` bundled Arithmetic prompts."""
-    from tokengym.agents.reward_data import on_policy_pairs
-    from tokengym.envs.tasks import ArithmeticTask
-
-    if not isinstance(task, ArithmeticTask):
-        raise R.UsageError(f"--pairs {ON_POLICY} needs a task with a verifier and reference solutions (Arithmetic), not {run.env}")
-    pairs = on_policy_pairs(load_policy(run, 0), task, run.num_pairs, seed=0,
-                            exclude_prompts={s["prompt"] for s in exclude or []})
-    if len(pairs) < 2:
-        raise R.UsageError(f"the model's samples of {run.num_pairs} prompts gave {len(pairs)} pairs; raise --num-pairs")
-    return pairs
-
-
-def build_dpo(run: RunConfig, cfg: Any) -> Job:
-    import math
-
-    from tokengym.agents.dpo import DPOLearner
-
-    policy = load_policy(run, cfg.seed)
-    eval_env, samples = eval_setup(run, policy.tokenizer)
-    task = (eval_env or make_env(run, 1, tokenizer=policy.tokenizer)).task
-    pairs = preference_pairs(run, task, samples)
-    n_eval = len(pairs) // 20  # 5% for held-out preference accuracy; none below 20 pairs
-    learner = _agent(DPOLearner, policy, cfg)
-    try:  # tokenized now: chat messages without a template, empty or identical completions fail here
-        train_data = learner.prepare(pairs[n_eval:])
-        eval_data = learner.prepare(pairs[:n_eval]) if n_eval else None
-    except ValueError as e:
-        raise R.UsageError(f"pairs: {_first_line(e)}") from None
-    total = cfg.steps if cfg.steps is not None else cfg.epochs * math.ceil(len(train_data) / cfg.batch_size)
-
-    def job(run_dir: str, resume: bool) -> dict[str, Any]:
-        trainer = Trainer(run, run_dir, resume, total, learner)
-        _initial_eval(trainer, learner, eval_env, samples)
-        learner.fit(train_data, eval_data, eval_env, samples, callback=trainer.callback)
-        trainer.finish()
-        return _summary(learner.logger.history)
-
-    return job
-
-
-def build_sft(run: RunConfig, cfg: Any) -> Job:
-    from tokengym.agents.sft import train_sft
-
-    policy = load_policy(run, cfg.seed)
-    task = make_env(run, 1, tokenizer=policy.tokenizer).task
-    if not task.batch(np.random.default_rng(0), 1)[0].get("solution"):
-        raise R.UsageError(f"sft needs reference solutions, and {run.env}'s samples have no 'solution' field")
-
-    def job(run_dir: str, resume: bool) -> dict[str, Any]:
-        progress = Progress(cfg.steps, 0, run.progress, os.path.basename(run_dir))
-        hist = train_sft(policy, task, dataclasses.replace(cfg, run_dir=run_dir),
-                         log=lambda step, m: progress.update({"step": step, **m}))
-        progress.close()
-        save_model(policy, run_dir)
-        accs = [e["accuracy"] for e in hist["eval"]]
-        return {"start": accs[0], "final": accs[-1]} if accs else {}
-
-    return job
-
-
-def _fit_classifier(run: RunConfig, total: int, fit: Callable, scorer: Any, key: str, label: str) -> Job:
-    """The job that trains a reward model / PRM with ``fit(callback)``, logging to the run, and saves ``scorer``."""
-
-    def job(run_dir: str, resume: bool) -> dict[str, Any]:
-        from tokengym.agents.logger import RunLogger
-
-        logger = RunLogger(run_dir)
-        progress = Progress(total, 0, run.progress, os.path.basename(run_dir))
-
-        def callback(record: dict[str, Any]) -> bool:
-            progress.update(logger.log(int(record["step"]), {k: v for k, v in record.items() if k != "step"}))
-            return True
-
-        fit(callback)
-        progress.close()
-        logger.close()
-        save_model(scorer, run_dir)
-        values = [r[key] for r in logger.history if r.get(key) is not None]
-        return {"label": label, "final": values[-1]} if values else {}
-
-    return job
-
-
-def _text_pairs(pairs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Pairs a reward model can score: plain strings in each of prompt, chosen and rejected."""
-    for i, p in enumerate(pairs):
-        for c in ("prompt", "chosen", "rejected"):
-            if not isinstance(p[c], str):
-                raise R.UsageError(f"pair {i}: {c!r} holds chat messages; reward models train on plain-text pairs")
-    return pairs
-
-
-def build_rm(run: RunConfig, cfg: Any) -> Job:
-    import math
-
-    from tokengym.agents.rollout import heldout_samples
-    from tokengym.rewards import RewardModel, train_reward_model
-
-    if run.rm_kind not in ("sequence", "likelihood"):
-        raise R.UsageError(f"rm_kind must be 'sequence' or 'likelihood', got {run.rm_kind!r}")
-    if run.rm_kind == "likelihood":
-        from tokengym.agents.models import frozen_copy
-        from tokengym.rewards import LikelihoodRewardModel
-
-        policy = load_policy(run, cfg.seed)
-        model, tok = policy.model, policy.tokenizer
-        target: Any = LikelihoodRewardModel(model, tok, beta=LIKELIHOOD_RM_BETA, reference=frozen_copy(model),
-                                            max_length=cfg.max_length)  # trained as DPO's implicit reward
-        scorer: Any = LikelihoodRewardModel(model, tok, beta=LIKELIHOOD_RM_BETA, max_length=cfg.max_length)  # saved, scores without it
-    else:
-        model, tok = _classifier(run, "sequence", cfg.seed)
-        scorer = RewardModel(model, tok, max_length=cfg.max_length)
-        target = model
-    task = make_env(run, 1, tokenizer=tok).task
-    pairs = _text_pairs(preference_pairs(run, task, heldout_samples(task, run.eval_prompts) if run.eval_prompts else None))
-
-    def fit(callback: Callable) -> list[dict[str, Any]]:
-        history = train_reward_model(target, None if run.rm_kind == "likelihood" else tok, pairs, cfg, callback=callback)
-        normalize_on_samples(run, scorer)
-        return history
-
-    total = cfg.epochs * math.ceil(len(pairs) * (1 - cfg.val_fraction) / cfg.batch_size)
-    return _fit_classifier(run, total, fit, scorer, "eval/accuracy", "held-out pairwise accuracy")
-
-
-def normalize_on_samples(run: RunConfig, rm: Any, n: int = 256) -> None:
-    """Shift and scale ``rm`` so that ``n`` samples of the run's starting model score mean 0, std 1.
-
-    Bradley-Terry fixes only score differences; PPO's critic and KL penalty (and GRPO's ``scale_rewards="none"``)
-    need a known scale, and the policy that will be trained starts from these samples.
-    """
-    from tokengym.agents.rollout import collect
-
-    policy = load_policy(run, 0)
-    ro = collect(make_env(run, n, tokenizer=policy.tokenizer), policy, seed=1)
-    rm.normalize([s["prompt"] for s in ro.samples], ro.completions)
-
-
-def build_prm(run: RunConfig, cfg: Any) -> Job:
-    import math
-
-    from tokengym.agents.reward_data import arithmetic_step_labels
-    from tokengym.agents.rollout import heldout_samples
-    from tokengym.envs.tasks import ArithmeticTask
-    from tokengym.rewards import LearnedPRM, train_prm
-    from tokengym.rewards.learned_prm import check_step_labels
-
-    model, tok = _classifier(run, "token", cfg.seed)
-    task = make_env(run, 1, tokenizer=tok).task
-    if run.step_labels is not None:
-        if not os.path.isfile(run.step_labels):
-            raise R.UsageError(f"step_labels file {run.step_labels!r} does not exist")
-        try:
-            examples: Any = check_step_labels(run.step_labels)
-        except (ValueError, TypeError, OSError) as e:
-            raise R.UsageError(f"cannot read step labels from {run.step_labels!r}: {_first_line(e)}") from None
-    elif isinstance(task, ArithmeticTask):
-        exclude = [s["prompt"] for s in heldout_samples(task, run.eval_prompts)] if run.eval_prompts else []
-        examples = arithmetic_step_labels(task, run.num_pairs, seed=cfg.seed, exclude_prompts=exclude)
-    else:
-        raise R.UsageError(f"no bundled step labels for {run.env}; pass --step-labels FILE.jsonl (prompt, steps, labels)")
-    total = cfg.epochs * math.ceil(len(examples) * (1 - cfg.val_fraction) / cfg.batch_size)
-    return _fit_classifier(run, total, lambda cb: train_prm(model, tok, examples, cfg, callback=cb),
-                           LearnedPRM(model, tok, delimiter=cfg.delimiter), "eval/step_accuracy", "held-out step accuracy")
-
-
-def _classifier(run: RunConfig, head: str, seed: int):
-    from tokengym.agents.models import load_classifier
-
-    try:
-        return load_classifier(run.model, head=head, device=run.device, seed=seed)
-    except (FileNotFoundError, ValueError, OSError, ImportError) as e:
-        raise R.UsageError(f"cannot load model {run.model!r}: {_first_line(e)}") from None
-
-
-def algorithms() -> dict[str, Algorithm]:
-    from tokengym.agents.dpo import DPOConfig
-    from tokengym.agents.grpo import GRPOConfig
-    from tokengym.agents.ppo import PPOConfig
-    from tokengym.agents.sft import SFTConfig
-    from tokengym.rewards import PRMConfig, RewardModelConfig
-
-    return {
-        "grpo": Algorithm(GRPOConfig, build_grpo, "GRPO: group-relative advantages, outcome or process supervision"),
-        "ppo": Algorithm(PPOConfig, build_ppo, "PPO with a critic and GAE (optionally against a learned reward model)"),
-        "dpo": Algorithm(DPOConfig, build_dpo, "DPO and its IPO/hinge/robust variants on preference pairs"),
-        "sft": Algorithm(SFTConfig, build_sft, "supervised fine-tuning on the task's reference solutions", resumable=False),
-        "rm": Algorithm(RewardModelConfig, build_rm, "Bradley-Terry reward model on preference pairs (a sequence-classification "
-                        "head, or a causal LM's likelihood)", resumable=False),
-        "prm": Algorithm(PRMConfig, build_prm, "learned process reward model on step labels (a token-classification head)",
-                         resumable=False),
-    }
+    n, g = rollout_batch(run, spec.name)
+    cls = spec.agent
+    env = checked_env(run, policy, n, g, update_rows=cls.update_passes * -(-n // cfg.minibatches),
+                      **learned_rewards(run, cls.needs_process_reward(cfg)))
+    agent = _agent(cls, policy, cfg, env)
+    return _on_policy_job(run, cfg, agent, env, agent.total_steps)
 
 
 # ---------------------------------------------------------------------------------------------- entry point
@@ -646,14 +406,18 @@ def _saved_config(resume_dir: str, algo: str) -> dict[str, Any]:
     return saved
 
 
-def resolve(algo: str, values_file: dict[str, Any], values_flags: dict[str, Any], resume_dir: str | None):
-    """``(run_config, algo_config, run_dir)`` from defaults, the saved run (resume), the file, then the flags."""
+def resolve(algo: str, values_file: dict[str, Any], values_flags: dict[str, Any], resume_dir: str | None,
+            preset: str | None = None):
+    """``(run_config, algo_config, run_dir)`` from defaults, the saved run (resume) or the preset, the file, then
+    the flags."""
     spec = algorithms()[algo]
+    if preset is not None and preset not in spec.presets:
+        raise R.UsageError(f"unknown preset {preset!r} for {algo}; presets: {', '.join(sorted(spec.presets)) or 'none'}")
     run, cfg = RunConfig(), None
     saved = _saved_config(resume_dir, algo) if resume_dir is not None else None
     if saved and not spec.resumable:
         raise R.UsageError(f"{algo} runs cannot be resumed; start a new run (they take minutes)")
-    agent_values = dict(saved["config"]) if saved else {}
+    agent_values = dict(saved["config"]) if saved else dict(spec.presets.get(preset or "", {}))
     try:
         types = R.field_types(spec.config_cls)
         unknown = sorted(set(agent_values) - set(types))
@@ -667,9 +431,10 @@ def resolve(algo: str, values_file: dict[str, Any], values_flags: dict[str, Any]
     configs = {"run": run, "agent": cfg}
     allowed = run_fields(algo) | {f.name for f in dataclasses.fields(spec.config_cls)}
     for source, values in (("the config file", values_file), ("the command line", values_flags)):
-        other = next((k for k in values if k.replace("-", "_") not in allowed and k.replace("-", "_") in RUN_FIELDS_FOR), None)
+        users_of = run_fields_for()
+        other = next((k for k in values if k.replace("-", "_") not in allowed and k.replace("-", "_") in users_of), None)
         if other is not None:
-            users = ", ".join(sorted(RUN_FIELDS_FOR[other.replace("-", "_")]))
+            users = ", ".join(sorted(users_of[other.replace("-", "_")]))
             raise R.UsageError(f"{other!r} in {source} does not apply to `tokengym train {algo}` (it is for {users})")
         R.apply_overrides(configs, values, source)
     try:  # re-run the dataclass validation on the final values
@@ -686,7 +451,7 @@ def resolve(algo: str, values_file: dict[str, Any], values_flags: dict[str, Any]
             raise R.UsageError(f"cannot resume {resume_dir} with a different config: {k} was {old!r}, now {new!r}")
         return run, cfg, resume_dir
     if run.model is None:  # the shipped warm start of the env's task
-        run.model = "tiny" if algo == "sft" else WARM_STARTS.get(run.env, "tiny-arithmetic")
+        run.model = spec.default_model or WARM_STARTS.get(run.env, "tiny-arithmetic")
     return run, cfg, _new_run_dir(run, algo)
 
 
@@ -698,14 +463,15 @@ def _check_run(run: RunConfig, algo: str) -> None:
         check_field_types(run)
     except ValueError as e:
         raise R.UsageError(str(e)) from None
+    min_group = algorithms()[algo].min_group
     bad = {"prompts": run.prompts is None or run.prompts >= 1,
-           "group_size": run.group_size is None or run.group_size >= (2 if algo == "grpo" else 1),
+           "group_size": run.group_size is None or run.group_size >= min_group,
            "eval_prompts": run.eval_prompts >= 0, "save_every": run.save_every >= 0, "num_pairs": run.num_pairs >= 2,
            "keep_checkpoints": run.keep_checkpoints >= 1, "temperature": run.temperature > 0,
            "threads": run.threads is None or run.threads >= 1}
     for k, ok in bad.items():
         if not ok:
-            why = " (GRPO compares G >= 2 completions of each prompt)" if k == "group_size" and algo == "grpo" else ""
+            why = f" ({algo} compares G >= {min_group} completions of each prompt)" if k == "group_size" and min_group > 1 else ""
             raise R.UsageError(f"invalid {k}={getattr(run, k)!r}{why}")
     try:
         check_device(run.device)
@@ -717,29 +483,33 @@ def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
 
 
-def train(algo: str, values_file: dict[str, Any], values_flags: dict[str, Any], resume_dir: str | None = None) -> int:
+def train(algo: str, values_file: dict[str, Any], values_flags: dict[str, Any], resume_dir: str | None = None,
+          preset: str | None = None) -> int:
     """Run ``tokengym train <algo>``; return the exit code (bad input raises :class:`UsageError`).
 
     Under ``torchrun`` (``WORLD_SIZE`` set) the run is data-parallel: see :mod:`tokengym.agents.distributed`.
     """
     from tokengym.agents import distributed
 
-    run, cfg, run_dir = resolve(algo, values_file, values_flags, resume_dir)
+    run, cfg, run_dir = resolve(algo, values_file, values_flags, resume_dir, preset)
     if run.threads:
         torch.set_num_threads(run.threads)
     dp, device = distributed.init(run.device)
     try:
-        return _train(algo, run, cfg, run_dir, resume_dir is not None, dp, device)
+        return _train(algo, run, cfg, run_dir, resume_dir is not None, dp, device, preset)
     finally:
         distributed.shutdown()
 
 
-def _train(algo: str, run: RunConfig, cfg: Any, run_dir: str, resume: bool, dp: Any, device: str) -> int:
+def _train(algo: str, run: RunConfig, cfg: Any, run_dir: str, resume: bool, dp: Any, device: str,
+           preset: str | None = None) -> int:
     from tokengym.agents import distributed
 
-    if dp.world_size > 1 and algo not in DATA_PARALLEL:
+    specs = algorithms()
+    if dp.world_size > 1 and not specs[algo].data_parallel:
+        parallel = sorted(k for k, v in specs.items() if v.data_parallel)
         raise R.UsageError(f"tokengym train {algo} is not data-parallel yet; run it in one process "
-                           f"(torchrun with several processes supports {', '.join(sorted(DATA_PARALLEL))})")
+                           f"(torchrun with several processes supports {', '.join(parallel)})")
     run_dir = dp.broadcast_object(run_dir)  # rank 0's (timestamped) name
     say = print if dp.is_main else (lambda *a, **k: None)
     if resume and os.path.isdir(os.path.join(run_dir, "model")):
@@ -751,7 +521,8 @@ def _train(algo: str, run: RunConfig, cfg: Any, run_dir: str, resume: bool, dp: 
     with contextlib.ExitStack() as held:
         if resume and dp.is_main:  # another process writing this run: fail before loading anything
             held.enter_context(R.RunLock(run_dir, create=False))
-        job = algorithms()[algo].build(run, cfg)  # everything loaded and checked; nothing written yet
+        spec = specs[algo]  # everything loaded and checked; nothing written yet:
+        job = spec.build(run, cfg) if spec.build is not None else build_on_policy(spec, run, cfg)
         dp.barrier()  # every rank has built its job before rank 0 creates the folder
         if dp.is_main:
             if not resume:
@@ -761,12 +532,15 @@ def _train(algo: str, run: RunConfig, cfg: Any, run_dir: str, resume: bool, dp: 
             R.clean_stale_tmp(run_dir)
             if not resume:
                 R.write_json_atomic(os.path.join(run_dir, "config.json"), {
-                    "algorithm": algo, "run": _jsonable(dataclasses.asdict(run)), "config": _jsonable(dataclasses.asdict(cfg))})
+                    "algorithm": algo, "preset": preset, "run": _jsonable(dataclasses.asdict(run)),
+                    "config": _jsonable(dataclasses.asdict(cfg))})
         if dp.distributed:
             say(f"data parallel: {dp.world_size} processes, {run.device} (rank 0 writes the run)", flush=True)
         dp.barrier()
         say(f"tokengym train {algo}: {run.env} from {run.model} -> {run_dir}", flush=True)
         say(f"  TensorBoard: tensorboard --logdir {run.runs_dir}", flush=True)
+        resolved = ", ".join(f"{k}={v}" for k, v in _jsonable(dataclasses.asdict(cfg)).items())
+        say(f"  {type(cfg).__name__}{f' (preset {preset})' if preset else ''}: {resolved}", flush=True)
         with R.storage_errors(run_dir, "the run's logs and checkpoints"):  # a full or read-only disk: one line
             result = job(run_dir, resume)
     if not dp.is_main:

@@ -1,0 +1,271 @@
+"""Builders of the offline ``tokengym train`` algorithms (DPO, SPIN, SFT, reward models, PRMs), and their
+registrations. Each loads and checks everything its run needs, raising :class:`~tokengym.agents.runs.UsageError`,
+and writes nothing; the job it returns trains in the created run folder (see :mod:`tokengym.agents.train`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable
+
+import numpy as np
+
+from tokengym.agents import runs as R
+from tokengym.agents.registry import register
+from tokengym.agents.train import (Job, Progress, RunConfig, Trainer, _agent, _first_line, _initial_eval, _summary,
+                                   eval_setup, load_policy, make_env, save_model)
+
+def preference_pairs(run: RunConfig, task: Any, exclude: list[dict] | None) -> list[dict[str, Any]]:
+    """The run's pairs: the ``pairs`` JSONL, or bundled Arithmetic pairs (held-out prompts excluded)."""
+    from tokengym.agents.pairs import arithmetic_pairs, load_pairs
+    from tokengym.envs.tasks import ArithmeticTask
+
+    if run.pairs == ON_POLICY:
+        return on_policy(run, task, exclude)
+    if run.pairs is not None:
+        if not os.path.isfile(run.pairs):
+            raise R.UsageError(f"pairs file {run.pairs!r} does not exist")
+        try:
+            return load_pairs(run.pairs)
+        except (ValueError, KeyError, OSError) as e:
+            raise R.UsageError(f"cannot read pairs from {run.pairs!r}: {_first_line(e)}") from None
+    if not isinstance(task, ArithmeticTask):
+        raise R.UsageError(f"no bundled pairs for {run.env}; pass --pairs FILE.jsonl with prompt/chosen/rejected")
+    return arithmetic_pairs(task, run.num_pairs, seed=0, exclude_prompts={s["prompt"] for s in exclude or []})
+
+
+ON_POLICY = "on-policy"
+LIKELIHOOD_RM_BETA = 0.5
+"""Scale of the likelihood reward model's log-likelihood (the recipe of ``tests/agents/test_rlhf_pipeline.py``)."""
+
+
+def on_policy(run: RunConfig, task: Any, exclude: list[dict] | None) -> list[dict[str, Any]]:
+    """``--pairs on-policy``: the run's model's own correct vs wrong samples of ``num_pairs`` bundled Arithmetic prompts."""
+    from tokengym.agents.reward_data import on_policy_pairs
+    from tokengym.envs.tasks import ArithmeticTask
+
+    if not isinstance(task, ArithmeticTask):
+        raise R.UsageError(f"--pairs {ON_POLICY} needs a task with a verifier and reference solutions (Arithmetic), not {run.env}")
+    pairs = on_policy_pairs(load_policy(run, 0), task, run.num_pairs, seed=0,
+                            exclude_prompts={s["prompt"] for s in exclude or []})
+    if len(pairs) < 2:
+        raise R.UsageError(f"the model's samples of {run.num_pairs} prompts gave {len(pairs)} pairs; raise --num-pairs")
+    return pairs
+
+
+def build_dpo(run: RunConfig, cfg: Any) -> Job:
+    import math
+
+    from tokengym.agents.dpo import DPOLearner
+
+    policy = load_policy(run, cfg.seed)
+    eval_env, samples = eval_setup(run, policy.tokenizer)
+    task = (eval_env or make_env(run, 1, tokenizer=policy.tokenizer)).task
+    pairs = preference_pairs(run, task, samples)
+    n_eval = len(pairs) // 20  # 5% for held-out preference accuracy; none below 20 pairs
+    learner = _agent(DPOLearner, policy, cfg)
+    try:  # tokenized now: chat messages without a template, empty or identical completions fail here
+        train_data = learner.prepare(pairs[n_eval:])
+        eval_data = learner.prepare(pairs[:n_eval]) if n_eval else None
+    except ValueError as e:
+        raise R.UsageError(f"pairs: {_first_line(e)}") from None
+    total = cfg.steps if cfg.steps is not None else cfg.epochs * math.ceil(len(train_data) / cfg.batch_size)
+
+    def job(run_dir: str, resume: bool) -> dict[str, Any]:
+        trainer = Trainer(run, run_dir, resume, total, learner)
+        _initial_eval(trainer, learner, eval_env, samples)
+        learner.fit(train_data, eval_data, eval_env, samples, callback=trainer.callback)
+        trainer.finish()
+        return _summary(learner.logger.history)
+
+    return job
+
+
+def build_sft(run: RunConfig, cfg: Any) -> Job:
+    from tokengym.agents.sft import train_sft
+
+    policy = load_policy(run, cfg.seed)
+    task = make_env(run, 1, tokenizer=policy.tokenizer).task
+    if not task.batch(np.random.default_rng(0), 1)[0].get("solution"):
+        raise R.UsageError(f"sft needs reference solutions, and {run.env}'s samples have no 'solution' field")
+
+    def job(run_dir: str, resume: bool) -> dict[str, Any]:
+        progress = Progress(cfg.steps, 0, run.progress, os.path.basename(run_dir))
+        hist = train_sft(policy, task, dataclasses.replace(cfg, run_dir=run_dir),
+                         log=lambda step, m: progress.update({"step": step, **m}))
+        progress.close()
+        save_model(policy, run_dir)
+        accs = [e["accuracy"] for e in hist["eval"]]
+        return {"start": accs[0], "final": accs[-1]} if accs else {}
+
+    return job
+
+
+def _fit_classifier(run: RunConfig, total: int, fit: Callable, scorer: Any, key: str, label: str) -> Job:
+    """The job that trains a reward model / PRM with ``fit(callback)``, logging to the run, and saves ``scorer``."""
+
+    def job(run_dir: str, resume: bool) -> dict[str, Any]:
+        from tokengym.agents.logger import RunLogger
+
+        logger = RunLogger(run_dir)
+        progress = Progress(total, 0, run.progress, os.path.basename(run_dir))
+
+        def callback(record: dict[str, Any]) -> bool:
+            progress.update(logger.log(int(record["step"]), {k: v for k, v in record.items() if k != "step"}))
+            return True
+
+        fit(callback)
+        progress.close()
+        logger.close()
+        save_model(scorer, run_dir)
+        values = [r[key] for r in logger.history if r.get(key) is not None]
+        return {"label": label, "final": values[-1]} if values else {}
+
+    return job
+
+
+def _text_pairs(pairs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Pairs a reward model can score: plain strings in each of prompt, chosen and rejected."""
+    for i, p in enumerate(pairs):
+        for c in ("prompt", "chosen", "rejected"):
+            if not isinstance(p[c], str):
+                raise R.UsageError(f"pair {i}: {c!r} holds chat messages; reward models train on plain-text pairs")
+    return pairs
+
+
+def build_rm(run: RunConfig, cfg: Any) -> Job:
+    import math
+
+    from tokengym.agents.rollout import heldout_samples
+    from tokengym.rewards import RewardModel, train_reward_model
+
+    if run.rm_kind not in ("sequence", "likelihood"):
+        raise R.UsageError(f"rm_kind must be 'sequence' or 'likelihood', got {run.rm_kind!r}")
+    if run.rm_kind == "likelihood":
+        from tokengym.agents.models import frozen_copy
+        from tokengym.rewards import LikelihoodRewardModel
+
+        policy = load_policy(run, cfg.seed)
+        model, tok = policy.model, policy.tokenizer
+        target: Any = LikelihoodRewardModel(model, tok, beta=LIKELIHOOD_RM_BETA, reference=frozen_copy(model),
+                                            max_length=cfg.max_length)  # trained as DPO's implicit reward
+        scorer: Any = LikelihoodRewardModel(model, tok, beta=LIKELIHOOD_RM_BETA, max_length=cfg.max_length)  # saved, scores without it
+    else:
+        model, tok = _classifier(run, "sequence", cfg.seed)
+        scorer = RewardModel(model, tok, max_length=cfg.max_length)
+        target = model
+    task = make_env(run, 1, tokenizer=tok).task
+    pairs = _text_pairs(preference_pairs(run, task, heldout_samples(task, run.eval_prompts) if run.eval_prompts else None))
+
+    def fit(callback: Callable) -> list[dict[str, Any]]:
+        history = train_reward_model(target, None if run.rm_kind == "likelihood" else tok, pairs, cfg, callback=callback)
+        normalize_on_samples(run, scorer)
+        return history
+
+    total = cfg.epochs * math.ceil(len(pairs) * (1 - cfg.val_fraction) / cfg.batch_size)
+    return _fit_classifier(run, total, fit, scorer, "eval/accuracy", "held-out pairwise accuracy")
+
+
+def normalize_on_samples(run: RunConfig, rm: Any, n: int = 256) -> None:
+    """Shift and scale ``rm`` so that ``n`` samples of the run's starting model score mean 0, std 1.
+
+    Bradley-Terry fixes only score differences; PPO's critic and KL penalty (and GRPO's ``scale_rewards="none"``)
+    need a known scale, and the policy that will be trained starts from these samples.
+    """
+    from tokengym.agents.rollout import collect
+
+    policy = load_policy(run, 0)
+    ro = collect(make_env(run, n, tokenizer=policy.tokenizer), policy, seed=1)
+    rm.normalize([s["prompt"] for s in ro.samples], ro.completions)
+
+
+def build_prm(run: RunConfig, cfg: Any) -> Job:
+    import math
+
+    from tokengym.agents.reward_data import arithmetic_step_labels
+    from tokengym.agents.rollout import heldout_samples
+    from tokengym.envs.tasks import ArithmeticTask
+    from tokengym.rewards import LearnedPRM, train_prm
+    from tokengym.rewards.learned_prm import check_step_labels
+
+    model, tok = _classifier(run, "token", cfg.seed)
+    task = make_env(run, 1, tokenizer=tok).task
+    if run.step_labels is not None:
+        if not os.path.isfile(run.step_labels):
+            raise R.UsageError(f"step_labels file {run.step_labels!r} does not exist")
+        try:
+            examples: Any = check_step_labels(run.step_labels)
+        except (ValueError, TypeError, OSError) as e:
+            raise R.UsageError(f"cannot read step labels from {run.step_labels!r}: {_first_line(e)}") from None
+    elif isinstance(task, ArithmeticTask):
+        exclude = [s["prompt"] for s in heldout_samples(task, run.eval_prompts)] if run.eval_prompts else []
+        examples = arithmetic_step_labels(task, run.num_pairs, seed=cfg.seed, exclude_prompts=exclude)
+    else:
+        raise R.UsageError(f"no bundled step labels for {run.env}; pass --step-labels FILE.jsonl (prompt, steps, labels)")
+    total = cfg.epochs * math.ceil(len(examples) * (1 - cfg.val_fraction) / cfg.batch_size)
+    return _fit_classifier(run, total, lambda cb: train_prm(model, tok, examples, cfg, callback=cb),
+                           LearnedPRM(model, tok, delimiter=cfg.delimiter), "eval/step_accuracy", "held-out step accuracy")
+
+
+def _classifier(run: RunConfig, head: str, seed: int):
+    from tokengym.agents.models import load_classifier
+
+    try:
+        return load_classifier(run.model, head=head, device=run.device, seed=seed)
+    except (FileNotFoundError, ValueError, OSError, ImportError) as e:
+        raise R.UsageError(f"cannot load model {run.model!r}: {_first_line(e)}") from None
+
+
+def build_spin(run: RunConfig, cfg: Any) -> Job:
+    """SPIN: ``cfg.rounds`` rounds of DPO on (reference solution, the policy's own sample) pairs."""
+    from tokengym.agents.dpo import DPOLearner
+    from tokengym.agents.logger import RunLogger
+    from tokengym.agents.online_dpo import spin
+    from tokengym.agents.rollout import evaluate
+
+    policy = load_policy(run, cfg.seed)
+    eval_env, samples = eval_setup(run, policy.tokenizer)
+    env = make_env(run, min(cfg.prompts_per_round, 256), tokenizer=policy.tokenizer)
+    if not env.task.batch(np.random.default_rng(0), 1)[0].get("solution"):
+        raise R.UsageError(f"spin needs reference solutions, and {run.env}'s samples have no 'solution' field")
+    learner = _agent(DPOLearner, policy, cfg)
+
+    def job(run_dir: str, resume: bool) -> dict[str, Any]:
+        learner.logger.close()
+        learner.logger = RunLogger(run_dir)
+        progress = Progress(cfg.rounds, 0, run.progress, os.path.basename(run_dir))
+        if eval_env is not None:
+            policy.eval()
+            learner.logger.log(0, {f"eval/{k}": v for k, v in evaluate(policy, eval_env, samples, greedy=True).items()})
+        spin(learner, env, eval_env=eval_env, eval_samples=samples,
+             callback=lambda rec: progress.update({**rec, "step": rec["round"] + 1}))
+        progress.close()
+        learner.logger.close()
+        save_model(policy, run_dir)
+        return _summary(learner.logger.history)
+
+    return job
+
+
+def _register() -> None:
+    from tokengym.agents.dpo import DPOConfig
+    from tokengym.agents.online_dpo import SPINConfig
+    from tokengym.agents.sft import SFTConfig
+    from tokengym.rewards import PRMConfig, RewardModelConfig
+
+    checkpoints = {"save_every", "keep_checkpoints"}
+    register("dpo", DPOConfig, "DPO and its IPO/hinge/robust variants on preference pairs", build=build_dpo,
+             run_fields=frozenset({"temperature", "pairs", "num_pairs", *checkpoints}), data_parallel=True)
+    register("spin", SPINConfig, "SPIN: self-play DPO rounds, the task's reference solution against the model's own sample",
+             build=build_spin, run_fields=frozenset({"temperature"}), resumable=False)
+    register("sft", SFTConfig, "supervised fine-tuning on the task's reference solutions", build=build_sft,
+             run_fields=frozenset(), resumable=False, default_model="tiny")
+    register("rm", RewardModelConfig, "Bradley-Terry reward model on preference pairs (a sequence-classification "
+             "head, or a causal LM's likelihood)", build=build_rm, run_fields=frozenset({"temperature", "pairs", "num_pairs", "rm_kind"}),
+             resumable=False)
+    register("prm", PRMConfig, "learned process reward model on step labels (a token-classification head)", build=build_prm,
+             run_fields=frozenset({"num_pairs", "step_labels"}), resumable=False)
+
+
+_register()
