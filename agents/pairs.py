@@ -1,8 +1,10 @@
-"""Preference pairs for DPO: load them, tokenize them, build them for arithmetic, mine them from env groups.
+"""Preference pairs for DPO: load them, tokenize them, mine them from env groups.
 
 Reads top to bottom: text pairs (loading, validation split) -> :class:`PairData` (tokenized pairs in the
-env's token layout, batched as one ``[2B, L]`` stack) -> bundled arithmetic pairs (reference solution vs
-a corrupted one) -> pairs mined from a ``group_size=G`` rollout.
+env's token layout, batched as one ``[2B, L]`` stack) -> pairs mined from a ``group_size=G`` rollout. The
+bundled arithmetic pairs (reference solution vs a corrupted one) are the task's own
+(:meth:`~tokengym.envs.tasks.ArithmeticTask.preference_pairs`); :func:`arithmetic_pairs`, :data:`CORRUPTIONS` and
+:func:`corrupt_solution` here are the same objects from :mod:`tokengym.envs.tasks.arithmetic_data`.
 
 **Text pairs** are dicts with ``"prompt"``, ``"chosen"`` and ``"rejected"`` (other keys are kept as
 metadata). Values are strings, or lists of chat messages (``{"role": ..., "content": ...}``) when the
@@ -32,11 +34,12 @@ import math
 import os
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
 
+from tokengym.envs.tasks import arithmetic_data as _arithmetic_data
 from tokengym.envs.tasks.dataset import read_jsonl
 from tokengym.rewards.common import TokengymWarning
 
@@ -548,154 +551,10 @@ def _encode_chat(rows: list[dict[str, Any]], tokenizer: Any) -> tuple[list[list[
 
 
 # ============================================================================== bundled arithmetic pairs
-def _change_digit(value: int, rng: np.random.Generator) -> int:
-    """``value`` with one decimal digit replaced by a different one, drawn uniformly (no new leading zero)."""
-    s = str(abs(value))
-    pos = int(rng.integers(len(s)))
-    choices = [d for d in "0123456789" if d != s[pos] and not (pos == 0 and d == "0" and len(s) > 1)]
-    s = s[:pos] + choices[int(rng.integers(len(choices)))] + s[pos + 1:]
-    return -int(s) if value < 0 else int(s)
-
-
-def _replay(expression: str, step: int, fault: str, rng: np.random.Generator) -> tuple[list[str], int]:
-    """Solve ``expression`` in canonical order with one fault at ``step``, carrying it to the answer.
-
-    ``fault="result"``: the step's result gets one wrong digit; ``"operand"``: one of its operands is
-    miscopied (one wrong digit) and the result is computed from the miscopied value.
-    """
-    from tokengym.rewards.arithmetic_prm import next_reduction, parse_expression
-
-    apply = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
-    values, ops = parse_expression(expression)
-    lines = []
-    k = 0
-    while ops:
-        i = next_reduction(ops)
-        a, op, b = values[i], ops[i], values[i + 1]
-        if k == step and fault == "operand":
-            if rng.integers(2):
-                a = _change_digit(a, rng)
-            else:
-                b = _change_digit(b, rng)
-        c = apply[op](a, b)
-        if k == step and fault == "result":
-            c = _change_digit(c, rng)
-        lines.append(f"{a}{op}{b}={c}")
-        values[i: i + 2] = [c]
-        del ops[i]
-        k += 1
-    return lines, values[0]
-
-
-def _corrupt_answer(expression: str, rng: np.random.Generator, complete: bool) -> str:
-    from tokengym.rewards.arithmetic_prm import solve_expression
-
-    steps, answer = solve_expression(expression)
-    return "\n".join([*steps, f"A: {_change_digit(answer, rng)}"])
-
-
-def _corrupt_step(fault: str):
-    def corrupt(expression: str, rng: np.random.Generator, complete: bool) -> str:
-        from tokengym.rewards.arithmetic_prm import parse_expression
-
-        n_steps = len(parse_expression(expression)[1])
-        step = int(rng.integers(n_steps))
-        lines, answer = _replay(expression, step, fault, rng)
-        if not complete:
-            return "\n".join(lines[: step + 1])  # stop at the end of the first wrong line
-        return "\n".join([*lines, f"A: {answer}"])
-
-    return corrupt
-
-
-CORRUPTIONS = {
-    "answer_digit": _corrupt_answer,
-    "step_digit": _corrupt_step("result"),
-    "step_operand": _corrupt_step("operand"),
-}
-"""How :func:`arithmetic_pairs` builds a rejected solution (the chosen one is the reference solution):
-
-* ``"answer_digit"``: every step right, one digit of the final answer ``A: ...`` wrong.
-* ``"step_digit"``: one digit of one step's result wrong (a slip in a sum).
-* ``"step_operand"``: a wrong step: one operand of one step miscopied (one wrong digit), the step's
-  result computed from the miscopied value.
-
-A wrong digit is drawn uniformly from the nine others (never a new leading zero). Off-by-one digits
-(``d +- 1``, the carry slips a small model makes) were tried and were worse: such near-identical pairs
-make DPO displace probability onto the neighbouring digits ("likelihood displacement", Razin et al.
-2024); on the tiny warm start greedy accuracy fell further (0.41 -> 0.28 vs 0.31-0.36 here).
-
-For the two step kinds, ``complete=False`` (the default) ends the rejected solution with its first
-wrong line, so chosen and rejected share everything up to the wrong digit and differ only in that
-line (the pair of Step-DPO, Lai et al. 2024). ``complete=True`` carries the error on through the
-later steps to a wrong final answer. Sequence-level DPO pushes down *every* rejected token after the
-divergence, and in a carried solution those are correct arithmetic on the wrong value ("114+2=116",
-"A: 116"), so it also learns to stop computing and copying consistently; on the tiny warm start that
-cost greedy accuracy, the truncated pairs did not. Every rejected solution fails the verifier (a
-truncated one has no answer line).
-"""
-
-
-def corrupt_solution(prompt: str, kind: str, rng: np.random.Generator, complete: bool = False, max_tries: int = 20) -> str:
-    """A wrong solution of an arithmetic ``prompt`` (see :data:`CORRUPTIONS`).
-
-    Example:
-        >>> rng = np.random.default_rng(0)
-        >>> corrupt_solution("12+7+30\\n", "answer_digit", rng).splitlines()[:2]
-        ['12+7=19', '19+30=49']
-        >>> len(corrupt_solution("12+7+30\\n", "step_digit", rng).splitlines()) <= 2
-        True
-    """
-    from tokengym.rewards.arithmetic_prm import solve_expression
-
-    if kind not in CORRUPTIONS:
-        raise ValueError(f"unknown corruption kind {kind!r}; choose from {sorted(CORRUPTIONS)}")
-    expression = prompt.strip()
-    steps, answer = solve_expression(expression)
-    right = "\n".join([*steps, f"A: {answer}"])
-    for _ in range(max_tries):
-        text = CORRUPTIONS[kind](expression, rng, complete)
-        # a complete solution must reach a wrong answer (a fault multiplied by 0 can vanish); try again
-        if not right.startswith(text) and not text.endswith(f"A: {answer}"):
-            return text
-    return CORRUPTIONS["answer_digit"](expression, rng, complete)
-
-
-def arithmetic_pairs(task: Any, n: int, seed: int = 0, kinds: Sequence[str] = tuple(CORRUPTIONS),
-                     exclude_prompts: Iterable[str] = (), complete: bool = False) -> list[dict[str, Any]]:
-    """``n`` seeded pairs from an :class:`~tokengym.envs.tasks.ArithmeticTask`: reference solution (chosen) vs corrupted (rejected).
-
-    Each pair draws its corruption kind uniformly from ``kinds`` (see :data:`CORRUPTIONS`, which also
-    explains ``complete``); prompts in ``exclude_prompts`` (e.g. held-out evaluation prompts) are
-    skipped. Records also carry ``"answer"`` and ``"kind"``.
-
-    Example:
-        >>> from tokengym.envs.tasks import ArithmeticTask
-        >>> p = arithmetic_pairs(ArithmeticTask(n_operands=2, digits=1, operators="+"), 1, seed=3)[0]
-        >>> sorted(p), p["chosen"] != p["rejected"]
-        (['answer', 'chosen', 'kind', 'prompt', 'rejected'], True)
-    """
-    kinds = list(kinds)
-    bad = [k for k in kinds if k not in CORRUPTIONS]
-    if bad or not kinds:
-        raise ValueError(f"kinds must be a non-empty subset of {sorted(CORRUPTIONS)}, got {kinds!r}")
-    if n < 1:
-        raise ValueError(f"n must be >= 1, got {n}")
-    rng = np.random.default_rng(seed)
-    excluded = set(exclude_prompts)
-    out: list[dict[str, Any]] = []
-    tries = 0
-    while len(out) < n:
-        for s in task.batch(rng, n - len(out)):
-            if s["prompt"] in excluded:
-                continue
-            kind = kinds[int(rng.integers(len(kinds)))]
-            out.append({"prompt": s["prompt"], "chosen": s["solution"], "rejected": corrupt_solution(s["prompt"], kind, rng, complete),
-                        "answer": s["answer"], "kind": kind})
-        tries += 1
-        if tries > 1000:
-            raise RuntimeError("could not draw enough prompts outside exclude_prompts: the task's prompt space is too small")
-    return out
+# The Arithmetic task owns its pairs (``ArithmeticTask.preference_pairs``); these names stay for existing callers.
+arithmetic_pairs = _arithmetic_data.arithmetic_pairs
+CORRUPTIONS = _arithmetic_data.CORRUPTIONS
+corrupt_solution = _arithmetic_data.corrupt_solution
 
 
 # ============================================================================== mined pairs

@@ -7,10 +7,10 @@
   sample (or the reference when none is) vs a verifier-wrong one": the ranking PPO asks of a reward model.
 * :func:`arithmetic_step_labels`: step-labelled solutions for a learned PRM, with the labels of the
   rule-based checker (:class:`~tokengym.rewards.ArithmeticStepReward`) on reference, corrupted and
-  (optionally) sampled solutions.
+  (optionally) a policy's sampled solutions.
 
-The bundled pairs of :func:`tokengym.agents.pairs.arithmetic_pairs` (reference vs corrupted) need
-neither and live with the other pair code.
+Data that needs neither (reference vs corrupted pairs and step labels) is the task's own
+(:meth:`~tokengym.envs.tasks.Task.preference_pairs`, :meth:`~tokengym.envs.tasks.Task.step_labels`).
 """
 
 from __future__ import annotations
@@ -18,23 +18,13 @@ from __future__ import annotations
 from typing import Any, Iterable, Sequence
 
 import numpy as np
-import torch
 
-from tokengym.agents.pairs import CORRUPTIONS, corrupt_solution
 from tokengym.agents.rollout import collect
+from tokengym.envs.tasks import arithmetic_data
+from tokengym.envs.tasks.base import fresh_samples
 from tokengym.envs.vector_env import TokenVectorEnv
-from tokengym.rewards.arithmetic_prm import arithmetic_step_reward
 
 __all__ = ["sample_solutions", "sampled_pairs", "on_policy_pairs", "arithmetic_step_labels"]
-
-
-def _prompts(task: Any, n: int, rng: np.random.Generator, exclude: set[str]) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
-    for _ in range(1000):
-        out += [s for s in task.batch(rng, n - len(out)) if s["prompt"] not in exclude]
-        if len(out) >= n:
-            return out
-    raise RuntimeError("could not draw enough prompts outside exclude_prompts: the task's prompt space is too small")
 
 
 def sample_solutions(policy: Any, task: Any, n: int, seed: int = 0, exclude_prompts: Iterable[str] = (),
@@ -56,7 +46,7 @@ def sample_solutions(policy: Any, task: Any, n: int, seed: int = 0, exclude_prom
     if n < 1 or num_envs < 1:
         raise ValueError(f"n and num_envs must be >= 1, got {n}, {num_envs}")
     rng = np.random.default_rng(seed)
-    prompts = _prompts(task, n, rng, set(exclude_prompts))
+    prompts = fresh_samples(task, n, rng, set(exclude_prompts))
     env = TokenVectorEnv(min(num_envs, n), task, tokenizer=policy.tokenizer, max_new_tokens=max_new_tokens)
     state = policy.generator.get_state()
     policy.seed(seed)
@@ -126,7 +116,7 @@ def on_policy_pairs(policy: Any, task: Any, n_prompts: int, group_size: int = 8,
         raise ValueError(f"need n_prompts >= 1, group_size >= 2, pairs_per_prompt >= 1 and num_envs >= group_size, "
                          f"got {n_prompts}, {group_size}, {pairs_per_prompt}, {num_envs}")
     rng = np.random.default_rng(seed)
-    prompts = _prompts(task, n_prompts, rng, set(exclude_prompts))
+    prompts = fresh_samples(task, n_prompts, rng, set(exclude_prompts))
     env = TokenVectorEnv(min(num_envs // group_size, n_prompts) * group_size, task, tokenizer=policy.tokenizer, group_size=group_size)
     per_batch = env.n_groups
     state = policy.generator.get_state()
@@ -154,22 +144,15 @@ def on_policy_pairs(policy: Any, task: Any, n_prompts: int, group_size: int = 8,
     return pairs
 
 
-def _steps(text: str, delimiter: str) -> list[str]:
-    """The steps of a completion the way the environment cuts them (non-blank pieces)."""
-    return [p for p in text.split(delimiter) if p.strip()]
-
-
 def arithmetic_step_labels(task: Any, n: int, seed: int = 0, policy: Any = None, sampled_fraction: float = 0.5,
                            reference_fraction: float = 0.2, kinds: Sequence[str] = ("step_digit", "step_operand", "answer_digit"),
                            exclude_prompts: Iterable[str] = ()) -> list[dict[str, Any]]:
-    """``n`` step-labelled arithmetic solutions for :func:`tokengym.rewards.train_prm`.
+    """``n`` step-labelled arithmetic solutions for :func:`tokengym.rewards.train_prm`, some of them a policy's.
 
-    Solutions come from three sources: the reference solution (``reference_fraction`` of them, every
-    step good), a policy's samples (``sampled_fraction``, only when ``policy`` is given; the mistakes a
-    policy really makes) and complete corrupted solutions (the rest; ``kinds`` from
-    :data:`~tokengym.agents.pairs.CORRUPTIONS`, the error carried on to the answer). Every solution is
-    labelled by the rule-based checker :data:`~tokengym.rewards.arithmetic_step_reward`, so a later step
-    that correctly uses an earlier wrong value is good, and only the answer line compares with the truth.
+    With ``policy``, ``sampled_fraction`` of them are its samples (the mistakes a policy really makes, labelled by
+    the rule-based checker); the rest are :func:`tokengym.envs.tasks.arithmetic_data.arithmetic_step_labels`
+    (``reference_fraction`` reference solutions, corrupted ones of ``kinds``). Without ``policy`` this is
+    ``task.step_labels(n, seed, exclude_prompts)`` (with the default fractions and kinds).
 
     Returns:
         dicts with ``prompt``, ``steps`` (list of str), ``labels`` (0/1 per step), ``answer`` and
@@ -180,35 +163,17 @@ def arithmetic_step_labels(task: Any, n: int, seed: int = 0, policy: Any = None,
         >>> ex = arithmetic_step_labels(ArithmeticTask(n_operands=3, operators="+"), 10, seed=1)
         >>> sorted(ex[0]), all(len(e["steps"]) == len(e["labels"]) for e in ex)
         (['answer', 'labels', 'prompt', 'source', 'steps'], True)
-        >>> any(0.0 in e["labels"] for e in ex)
-        True
     """
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     if not (0 <= sampled_fraction <= 1 and 0 <= reference_fraction <= 1 and sampled_fraction + reference_fraction <= 1):
         raise ValueError(f"sampled_fraction and reference_fraction must be in [0, 1] and sum to at most 1, "
                          f"got {sampled_fraction}, {reference_fraction}")
-    bad = [k for k in kinds if k not in CORRUPTIONS]
+    bad = [k for k in kinds if k not in arithmetic_data.CORRUPTIONS]
     if bad or not kinds:
-        raise ValueError(f"kinds must be a non-empty subset of {sorted(CORRUPTIONS)}, got {list(kinds)!r}")
-    delim = task.step_delimiter or "\n"
-    rng = np.random.default_rng(seed)
+        raise ValueError(f"kinds must be a non-empty subset of {sorted(arithmetic_data.CORRUPTIONS)}, got {list(kinds)!r}")
     exclude = set(exclude_prompts)
     n_sampled = round(sampled_fraction * n) if policy is not None else 0
-    n_ref = round(reference_fraction * n)
-    rows: list[tuple[dict[str, Any], str, str]] = []  # (sample, completion, source)
-    if n_sampled:
-        for r in sample_solutions(policy, task, n_sampled, seed=seed + 1, exclude_prompts=exclude):
-            rows.append((r, r["completion"], "sampled"))
-            exclude.add(r["prompt"])
-    for i, s in enumerate(_prompts(task, n - n_sampled, rng, exclude)):
-        if i < n_ref:
-            rows.append((s, s["solution"], "reference"))
-        else:
-            kind = kinds[int(rng.integers(len(kinds)))]
-            rows.append((s, corrupt_solution(s["prompt"], kind, rng, complete=True), kind))
-    rows = [(s, c, src) for s, c, src in rows if _steps(c, delim)]
-    labels = arithmetic_step_reward([s["prompt"] for s, _, _ in rows], [_steps(c, delim) for _, c, _ in rows])
-    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
-    return [{"prompt": rows[i][0]["prompt"], "steps": _steps(rows[i][1], delim), "labels": labels[i],
-             "answer": rows[i][0].get("answer"), "source": rows[i][2]} for i in order]
+    sampled = sample_solutions(policy, task, n_sampled, seed=seed + 1, exclude_prompts=exclude) if n_sampled else []
+    return arithmetic_data.arithmetic_step_labels(task, n, seed=seed, exclude_prompts=exclude, reference_fraction=reference_fraction,
+                                                  kinds=kinds, sampled=sampled)

@@ -4,6 +4,8 @@ Procedural tasks (:data:`TASKS`): :class:`ArithmeticTask`, :class:`ReverseTask`.
 :class:`DatasetTask` (JSONL, list of dicts, ``datasets.Dataset``) and :class:`ReasoningGymTask`
 (optional extra ``reasoning``). :class:`TargetTask` (``toy``) is the smallest smoke-test task. Multi-turn tasks, in
 which the env answers: :class:`CalculatorTask` (a tool) and :class:`GuessNumberTask` (a game).
+A task may bundle training data for learned rewards (:meth:`Task.preference_pairs`, :meth:`Task.step_labels`; ask
+:meth:`Task.has_bundled_data`): Arithmetic does (:mod:`~tokengym.envs.tasks.arithmetic_data`).
 """
 
 from .arithmetic import ArithmeticTask

@@ -13,7 +13,7 @@ numbers are written ``-5``: ``"3-8+2\\n"`` -> ``"3-8=-5\\n-5+2=-3\\nA: -3"``.
 from __future__ import annotations
 
 import numbers
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -21,6 +21,7 @@ from tokengym.rewards import arithmetic_correct, arithmetic_step_reward, number_
 
 from ..chat import user_prompt
 
+from .arithmetic_data import arithmetic_pairs, arithmetic_step_labels
 from .base import Task
 
 __all__ = ["ArithmeticTask"]
@@ -90,6 +91,7 @@ class ArithmeticTask(Task):
     name = "arithmetic"
     stop_strings: tuple[str, ...] = ()
     step_delimiter = "\n"
+    bundled_data: tuple[str, ...] = ("preference_pairs", "step_labels")
 
     QUESTION = "What is {expression}? Answer with just the number."
     """The chat form's user message (``chat=True``)."""
@@ -121,6 +123,7 @@ class ArithmeticTask(Task):
         self.default_max_new_tokens = self.max_solution_chars + 4
         if chat:  # a free-form reply, then the model's end-of-turn token
             self.step_delimiter = None
+            self.bundled_data = ()  # corruptions rewrite reduction lines, which the chat form has none of
             self.max_prompt_chars += len(self.QUESTION.format(expression="")) - 1 + len(system_prompt or "")  # no "\n"
             self.default_max_new_tokens = 64
 
@@ -174,6 +177,20 @@ class ArithmeticTask(Task):
     def process_reward(self) -> Callable | None:
         """:data:`tokengym.rewards.arithmetic_step_reward` (rule-based 0/1 score per line); none for the chat form."""
         return None if self.chat else arithmetic_step_reward
+
+    def preference_pairs(self, n: int, seed: int = 0, exclude_prompts: Iterable[str] = ()) -> list[dict[str, Any]]:
+        """Reference solution (chosen) vs one with a wrong digit (rejected), ``kind`` and ``answer`` as metadata:
+        :func:`~tokengym.envs.tasks.arithmetic_data.arithmetic_pairs`."""
+        if not self.has_bundled_data("preference_pairs"):
+            raise self._no_bundled_data("preference_pairs")
+        return arithmetic_pairs(self, n, seed=seed, exclude_prompts=exclude_prompts)
+
+    def step_labels(self, n: int, seed: int = 0, exclude_prompts: Iterable[str] = ()) -> list[dict[str, Any]]:
+        """Reference and corrupted solutions labelled by the rule-based step checker, ``source`` and ``answer`` as
+        metadata: :func:`~tokengym.envs.tasks.arithmetic_data.arithmetic_step_labels`."""
+        if not self.has_bundled_data("step_labels"):
+            raise self._no_bundled_data("step_labels")
+        return arithmetic_step_labels(self, n, seed=seed, exclude_prompts=exclude_prompts)
 
     def __repr__(self) -> str:
         chat = f", chat=True, system_prompt={self.system_prompt!r}" if self.chat else ""

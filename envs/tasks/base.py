@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
-__all__ = ["Task"]
+__all__ = ["Task", "BUNDLED_DATA", "fresh_samples"]
+
+BUNDLED_DATA = {"preference_pairs": ("preference pairs", "--pairs FILE.jsonl with prompt/chosen/rejected"),
+                "step_labels": ("step labels", "--step-labels FILE.jsonl with prompt/steps/labels")}
+"""The kinds of training data a task may bundle (its method names), with what the error says to pass instead."""
 
 
 class Task:
@@ -33,6 +37,8 @@ class Task:
         reply_grace: ``None`` (a step waits for every reply of its agent turns) or seconds after which a step returns
             with the rows whose reply is still out waiting, so that a slow tool does not hold up the other rows.
         reply_role: the chat role of the env's replies in chat tasks.
+        bundled_data: the names of the data methods (:data:`BUNDLED_DATA`) that give data instead of raising;
+            ask with :meth:`has_bundled_data`.
 
     Multi-turn tasks override :meth:`respond` (see :mod:`tokengym.envs.multiturn`); every stop of an agent turn
     (EOS, end-of-turn token, stop string or turn stop string) then asks it whether and how the env answers.
@@ -49,6 +55,7 @@ class Task:
     reply_timeout: float | None = 10.0
     reply_grace: float | None = None
     reply_role: str = "user"
+    bundled_data: tuple[str, ...] = ()
 
     def sample(self, rng: np.random.Generator) -> dict[str, Any]:
         raise NotImplementedError
@@ -85,6 +92,37 @@ class Task:
     def load_state_dict(self, state: dict[str, Any], rng: np.random.Generator) -> None:
         """Restore what :meth:`state_dict` returned, for the walk of ``rng``."""
 
+    def has_bundled_data(self, kind: str) -> bool:
+        """Whether :meth:`preference_pairs` (``kind="preference_pairs"``) or :meth:`step_labels` give data here."""
+        if kind not in BUNDLED_DATA:
+            raise ValueError(f"kind must be one of {sorted(BUNDLED_DATA)}, got {kind!r}")
+        return kind in self.bundled_data
+
+    def _no_bundled_data(self, kind: str) -> NotImplementedError:
+        what, instead = BUNDLED_DATA[kind]
+        name = type(self).__name__ + ("(chat=True)" if self.chat else "")
+        return NotImplementedError(f"no bundled {what} for {name}; pass {instead}")
+
+    def preference_pairs(self, n: int, seed: int = 0, exclude_prompts: Iterable[str] = ()) -> list[dict[str, Any]]:
+        """``n`` seeded preference pairs (``prompt``/``chosen``/``rejected``, plus metadata) the task can make
+        without a model, none with a prompt in ``exclude_prompts``; raises ``NotImplementedError`` when it has none."""
+        raise self._no_bundled_data("preference_pairs")
+
+    def step_labels(self, n: int, seed: int = 0, exclude_prompts: Iterable[str] = ()) -> list[dict[str, Any]]:
+        """``n`` seeded step-labelled solutions (``prompt``/``steps``/``labels``, plus metadata) for a learned PRM,
+        none with a prompt in ``exclude_prompts``; raises ``NotImplementedError`` when the task has none."""
+        raise self._no_bundled_data("step_labels")
+
     def batch(self, rng: np.random.Generator, n: int) -> list[dict[str, Any]]:
         """``n`` samples drawn in order from ``rng``."""
         return [self.sample(rng) for _ in range(n)]
+
+
+def fresh_samples(task: Task, n: int, rng: np.random.Generator, exclude: set[str]) -> list[dict[str, Any]]:
+    """``n`` samples of ``task`` drawn from ``rng`` whose prompts are not in ``exclude`` (e.g. held-out prompts)."""
+    out: list[dict[str, Any]] = []
+    for _ in range(1000):
+        out += [s for s in task.batch(rng, n - len(out)) if s["prompt"] not in exclude]
+        if len(out) >= n:
+            return out
+    raise RuntimeError("could not draw enough prompts outside exclude_prompts: the task's prompt space is too small")

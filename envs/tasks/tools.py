@@ -69,6 +69,7 @@ class CalculatorTask(ArithmeticTask):
     name = "calculator"
     turn_stop_strings = ("</calc>",)
     reply_timeout = 5.0
+    bundled_data: tuple[str, ...] = ()  # Arithmetic's pairs and step labels are plain solutions, not tool episodes
 
     def __init__(self, tool_rate: float = 1.0, call_cost: float = 0.0, max_turns: int = 6, **arithmetic: Any):
         super().__init__(**arithmetic)
