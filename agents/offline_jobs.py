@@ -18,8 +18,7 @@ from tokengym.agents.train import (Job, Progress, RunConfig, Trainer, _agent, _f
 
 def preference_pairs(run: RunConfig, task: Any, exclude: list[dict] | None) -> list[dict[str, Any]]:
     """The run's pairs: the ``pairs`` JSONL, or bundled Arithmetic pairs (held-out prompts excluded)."""
-    from tokengym.agents.pairs import arithmetic_pairs, load_pairs
-    from tokengym.envs.tasks import ArithmeticTask
+    from tokengym.agents.pairs import load_pairs
 
     if run.pairs == ON_POLICY:
         return on_policy(run, task, exclude)
@@ -30,9 +29,10 @@ def preference_pairs(run: RunConfig, task: Any, exclude: list[dict] | None) -> l
             return load_pairs(run.pairs)
         except (ValueError, KeyError, OSError) as e:
             raise R.UsageError(f"cannot read pairs from {run.pairs!r}: {_first_line(e)}") from None
-    if not isinstance(task, ArithmeticTask):
-        raise R.UsageError(f"no bundled pairs for {run.env}; pass --pairs FILE.jsonl with prompt/chosen/rejected")
-    return arithmetic_pairs(task, run.num_pairs, seed=0, exclude_prompts={s["prompt"] for s in exclude or []})
+    try:  # the task's bundled pairs (Arithmetic's corrupted solutions)
+        return task.preference_pairs(run.num_pairs, seed=0, exclude_prompts={s["prompt"] for s in exclude or []})
+    except NotImplementedError as e:
+        raise R.UsageError(str(e)) from None
 
 
 ON_POLICY = "on-policy"
@@ -43,9 +43,8 @@ LIKELIHOOD_RM_BETA = 0.5
 def on_policy(run: RunConfig, task: Any, exclude: list[dict] | None) -> list[dict[str, Any]]:
     """``--pairs on-policy``: the run's model's own correct vs wrong samples of ``num_pairs`` bundled Arithmetic prompts."""
     from tokengym.agents.reward_data import on_policy_pairs
-    from tokengym.envs.tasks import ArithmeticTask
 
-    if not isinstance(task, ArithmeticTask):
+    if not task.has_bundled_data("preference_pairs"):
         raise R.UsageError(f"--pairs {ON_POLICY} needs a task with a verifier and reference solutions (Arithmetic), not {run.env}")
     pairs = on_policy_pairs(load_policy(run, 0), task, run.num_pairs, seed=0,
                             exclude_prompts={s["prompt"] for s in exclude or []})
@@ -183,9 +182,7 @@ def normalize_on_samples(run: RunConfig, rm: Any, n: int = 256) -> None:
 def build_prm(run: RunConfig, cfg: Any) -> Job:
     import math
 
-    from tokengym.agents.reward_data import arithmetic_step_labels
     from tokengym.agents.rollout import heldout_samples
-    from tokengym.envs.tasks import ArithmeticTask
     from tokengym.rewards import LearnedPRM, train_prm
     from tokengym.rewards.learned_prm import check_step_labels
 
@@ -198,11 +195,12 @@ def build_prm(run: RunConfig, cfg: Any) -> Job:
             examples: Any = check_step_labels(run.step_labels)
         except (ValueError, TypeError, OSError) as e:
             raise R.UsageError(f"cannot read step labels from {run.step_labels!r}: {_first_line(e)}") from None
-    elif isinstance(task, ArithmeticTask):
+    else:  # the task's bundled step labels (Arithmetic's corrupted solutions)
         exclude = [s["prompt"] for s in heldout_samples(task, run.eval_prompts)] if run.eval_prompts else []
-        examples = arithmetic_step_labels(task, run.num_pairs, seed=cfg.seed, exclude_prompts=exclude)
-    else:
-        raise R.UsageError(f"no bundled step labels for {run.env}; pass --step-labels FILE.jsonl (prompt, steps, labels)")
+        try:
+            examples = task.step_labels(run.num_pairs, seed=cfg.seed, exclude_prompts=exclude)
+        except NotImplementedError as e:
+            raise R.UsageError(str(e)) from None
     total = cfg.epochs * math.ceil(len(examples) * (1 - cfg.val_fraction) / cfg.batch_size)
     return _fit_classifier(run, total, lambda cb: train_prm(model, tok, examples, cfg, callback=cb),
                            LearnedPRM(model, tok, delimiter=cfg.delimiter), "eval/step_accuracy", "held-out step accuracy")
