@@ -551,6 +551,7 @@ def policy_loss(
     clip_eps: float = 0.2,
     clip_eps_high: Optional[float] = None,
     aggregation: str = "token-mean",
+    weights: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Dict[str, Tensor]]:
     """PPO / GRPO clipped surrogate loss with optional asymmetric ("clip-higher") bounds.
 
@@ -568,6 +569,8 @@ def policy_loss(
         clip_eps: Lower clip range: ratio is clipped below at ``1 - clip_eps``.
         clip_eps_high: Upper clip range (``1 + clip_eps_high``); defaults to ``clip_eps``.
         aggregation: See :func:`masked_aggregate`.
+        weights: Optional ``[B, T]`` per-token multipliers of the clipped loss before aggregation,
+            detached; e.g. TIS/MIS rollout corrections (``variants.importance_weights``).
 
     Returns:
         ``(loss, stats)``: a 0-dim loss and a dict of detached 0-dim tensors (no host sync):
@@ -606,6 +609,8 @@ def policy_loss(
         raise ValueError(f"clip_eps must be in [0, 1], got {clip_eps}")
     if eps_high < 0.0:
         raise ValueError(f"clip_eps_high must be >= 0, got {clip_eps_high}")
+    if weights is not None:
+        _check_same_shape("weights", weights, "logp", logp)
 
     valid = _as_bool(mask)
     adv = advantages.detach().to(logp.dtype).expand_as(logp)
@@ -614,6 +619,9 @@ def policy_loss(
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
     per_token = torch.maximum(unclipped, clipped)
+    if weights is not None:
+        w = weights.detach().to(logp.dtype)
+        per_token = per_token * torch.where(valid, w, torch.ones_like(w))
     loss = agg(torch.where(valid, per_token, torch.zeros_like(per_token)), valid)
 
     with torch.no_grad():
