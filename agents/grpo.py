@@ -14,17 +14,19 @@ from typing import Any
 import torch
 
 from tokengym.agents import functional as F
+from tokengym.agents import variants as V
 from tokengym.agents.config import check_config
 from tokengym.agents.onpolicy import Minibatch, OnPolicyAgent
 from tokengym.agents.optim import LR_SCHEDULES
 from tokengym.agents.registry import register
-from tokengym.agents.rollout import Rollout, turn_metrics
+from tokengym.agents.rollout import Rollout, concat_rollouts, turn_metrics
 
 __all__ = ["GRPOConfig", "GRPOAgent", "grpo_advantages", "LR_SCHEDULES"]
 
 @dataclass
-class GRPOConfig:
-    """Hyper-parameters of :class:`GRPOAgent` (defaults: a quick, stable run on the tiny preset)."""
+class CriticFreeConfig:
+    """Settings every critic-free agent shares (GRPO, RLOO, REINFORCE++): the update, the loss and the 2025-26
+    switches (GSPO, KL-Cov/Clip-Cov, DAPO's dynamic sampling and overlong shaping, rollout/trainer correction)."""
 
     lr: float = 1e-4
     """AdamW learning rate (peak value of lr_schedule)."""
@@ -50,10 +52,6 @@ class GRPOConfig:
     """KL estimator for the loss term: k1, k2 or k3."""
     reset_ref: bool = False
     """Reset the reference model to the current policy at the start of every outer iteration."""
-    advantage: str = "outcome"
-    """outcome (group-normalised final reward on every token) or process (PRM step rewards)."""
-    scale_rewards: str = "group"
-    """Advantage scaling for outcome supervision: group, batch or none."""
     aggregation: str = "seq-mean-token-mean"
     """Loss aggregation: token-mean, seq-mean-token-mean (the paper's) or seq-mean-token-sum."""
     entropy_coef: float = 0.0
@@ -66,6 +64,38 @@ class GRPOConfig:
     they add nothing to the loss or its gradient; the logged statistics still cover every row."""
     recompute_old_logprobs: bool = False
     """Recompute pi_old log-probs with a forward pass instead of reusing the rollout's (needed only when sampling used top-k/top-p)."""
+    loss: str = "clip"
+    """Policy loss: clip (the clipped token-level surrogate of PPO/GRPO), gspo (a sequence-level ratio, clipped per
+    sequence; use clip ranges near 3e-4/4e-4), kl-cov or clip-cov (unclipped, with the highest-covariance tokens
+    held by a KL term or detached, keeping entropy up)."""
+    cov_select_ratio: float = 2e-3
+    """kl-cov / clip-cov: fraction of the batch's tokens selected by covariance."""
+    cov_kl_coef: float = 1.0
+    """kl-cov: weight of |log pi - log pi_old| on the selected tokens."""
+    cov_low: float = 1.0
+    """clip-cov: lower bound of the covariance window tokens are drawn from."""
+    cov_high: float = 5.0
+    """clip-cov: upper bound of the covariance window."""
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards are all equal and sample more until the batch has as many groups as one
+    rollout (at most max_extra_rollouts more rollouts per step; the kept fraction is logged)."""
+    max_extra_rollouts: int = 4
+    """Dynamic sampling: the cap on extra rollout batches per step (the step trains on what it has then)."""
+    overlong_buffer: float = 0.0
+    """DAPO soft overlong punishment: the last fraction of the token budget over which a linear penalty grows to
+    overlong_penalty (0 = off)."""
+    overlong_penalty: float = 1.0
+    """The penalty at the token budget (soft overlong punishment)."""
+    mask_truncated: bool = False
+    """DAPO overlong filtering: episodes cut at the token budget take no part in the loss."""
+    correction: str = "none"
+    """Rollout/trainer mismatch correction: none, tis (truncated importance sampling) or mis (masked); pi_old is then
+    recomputed by the trainer and each token's loss is weighted by min(pi_old/pi_sampler, cap) (tis) or dropped
+    above the cap (mis)."""
+    correction_level: str = "token"
+    """Importance ratio of the correction per token or per sequence (the product over its tokens)."""
+    correction_cap: float = 2.0
+    """Cap of the correction's importance ratio."""
     bf16: bool = False
     """bf16 autocast in the rollout (the fast decoder multiplies bf16 weights) and the update's forward/backward; faster on CPU for the small preset, ratios are 1 only up to bf16 rounding."""
     gradient_checkpointing: bool = False
@@ -82,21 +112,58 @@ class GRPOConfig:
             "minibatches": self.minibatches >= 1, "clip_eps": self.clip_eps > 0, "beta": self.beta >= 0,
             "entropy_coef": self.entropy_coef >= 0, "max_grad_norm": self.max_grad_norm >= 0,
             "clip_eps_high": self.clip_eps_high is None or self.clip_eps_high > 0,
-            "eval_every": self.eval_every >= 0,
+            "eval_every": self.eval_every >= 0, "cov_select_ratio": 0 < self.cov_select_ratio <= 1,
+            "cov_high": self.cov_high >= self.cov_low, "max_extra_rollouts": self.max_extra_rollouts >= 0,
+            "overlong_buffer": 0 <= self.overlong_buffer < 1, "overlong_penalty": self.overlong_penalty >= 0,
+            "correction_cap": self.correction_cap >= 1,
         }
-        check_config(self, checks, {"advantage": ("outcome", "process"), "scale_rewards": F.GROUP_SCALES,
-                                    "aggregation": F.AGGREGATIONS, "kl_estimator": F.KL_ESTIMATORS,
-                                    "lr_schedule": LR_SCHEDULES})
+        check_config(self, checks, {**self.choices(), "aggregation": F.AGGREGATIONS, "kl_estimator": F.KL_ESTIMATORS,
+                                    "lr_schedule": LR_SCHEDULES, "loss": LOSSES, "correction": ("none", *V.CORRECTION_MODES),
+                                    "correction_level": V.CORRECTION_LEVELS})
+        name = type(self).__name__
+        if self.loss == "gspo" and self.aggregation != "seq-mean-token-mean":
+            raise ValueError(f"{name}: loss='gspo' averages a sequence-level ratio over sequences; aggregation="
+                             f"{self.aggregation!r} does not apply to it (use aggregation='seq-mean-token-mean')")
+        if self.correction != "none" and self.loss != "clip":
+            raise ValueError(f"{name}: correction={self.correction!r} weights the token-level clip loss; it does not "
+                             f"combine with loss={self.loss!r}")
         z = torch.zeros(1, 1)
         try:  # the loss's own argument checks (clip ranges) now, not after the first rollout
             F.policy_loss(z, z, z, z, self.clip_eps, self.clip_eps_high, self.aggregation)
         except ValueError as e:
             raise ValueError(f"GRPOConfig: {e}") from None
 
+    def choices(self) -> dict[str, Any]:
+        """Choice-valued fields of a subclass, checked with the shared ones."""
+        return {}
+
     @property
     def reuse_rollout_logprobs(self) -> bool:
-        """pi_old log-probs come from the rollout (no extra forward) unless recompute is asked for."""
-        return not self.recompute_old_logprobs
+        """pi_old log-probs come from the rollout (no extra forward) unless recompute or a correction asks for them."""
+        return not (self.recompute_old_logprobs or self.correction != "none")
+
+
+@dataclass
+class GRPOConfig(CriticFreeConfig):
+    """Hyper-parameters of :class:`GRPOAgent` (defaults: a quick, stable run on the tiny preset)."""
+
+    advantage: str = "outcome"
+    """outcome (group-normalised final reward on every token) or process (PRM step rewards)."""
+    scale_rewards: str = "group"
+    """Advantage scaling for outcome supervision: group, batch or none."""
+
+    def choices(self) -> dict[str, Any]:
+        return {"advantage": ("outcome", "process"), "scale_rewards": F.GROUP_SCALES}
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.advantage == "process" and (self.overlong_buffer > 0 or self.loss == "gspo"):
+            bad = "overlong_buffer" if self.overlong_buffer > 0 else "loss='gspo'"
+            raise ValueError(f"GRPOConfig: {bad} needs one outcome per episode; it does not combine with advantage='process'")
+
+
+LOSSES = ("clip", "gspo", "kl-cov", "clip-cov")
+"""Policy losses of the critic-free agents (:attr:`CriticFreeConfig.loss`)."""
 
 
 def grpo_advantages(ro: Rollout, advantage: str, scale_rewards: str) -> torch.Tensor:
@@ -142,28 +209,61 @@ class GRPOAgent(OnPolicyAgent):
     def optimizer(self) -> torch.optim.Optimizer:
         return self.optimizers[0]
 
-    def advantages(self, ro: Rollout) -> torch.Tensor:
+    def shaped_returns(self, ro: Rollout) -> torch.Tensor:
+        """Each episode's return ``[N]``, with DAPO's soft overlong penalty when ``overlong_buffer`` is set."""
+        cfg = self.config
+        if cfg.overlong_buffer <= 0:
+            return ro.returns
+        budget = ro.attention_mask.shape[1] - ro.prompt_len
+        buffer = max(1, round(cfg.overlong_buffer * budget))
+        return ro.returns + V.overlong_penalty(ro.episode_lengths, budget, buffer, cfg.overlong_penalty).to(ro.returns.dtype)
+
+    def advantages(self, ro: Rollout, ref_logp: torch.Tensor | None = None) -> torch.Tensor:
         """Per-token advantages ``[N, M]`` of a rollout (0 off the action mask)."""
-        return grpo_advantages(ro, self.config.advantage, self.config.scale_rewards)
+        cfg = self.config
+        if cfg.advantage == "process":
+            return grpo_advantages(ro, "process", cfg.scale_rewards)
+        adv = F.group_advantages(self.shaped_returns(ro), ro.group_size, scale=cfg.scale_rewards)
+        return adv[:, None].expand(-1, ro.action_mask.shape[1]) * ro.action_mask
 
     def prepare(self, ro: Rollout, old_logp: torch.Tensor, ref_logp: torch.Tensor | None):
-        batch = {"adv": self.advantages(ro)}
+        cfg = self.config
+        batch = {"adv": self.advantages(ro, ref_logp), "mask": ro.action_mask}
+        if cfg.mask_truncated:  # DAPO's overlong filtering: cut episodes take no part in the loss
+            keep = (~ro.truncated.bool())[:, None].to(ro.action_mask.dtype)
+            batch["mask"], batch["adv"] = ro.action_mask * keep, batch["adv"] * keep
         if ref_logp is not None:
             batch["ref_logp"] = ref_logp
-        return batch, {}
+        if cfg.correction != "none":  # old_logp is the trainer's own (recomputed); the sampler's are the rollout's
+            batch["weights"] = V.importance_weights(old_logp, ro.logprobs, ro.action_mask, cfg.correction,
+                                                    cfg.correction_level, cfg.correction_cap)
+        return batch, dict(self._sampling_stats)
 
     def inert_rows(self, batch: dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor | None:
-        """With ``skip_zero_advantage``, ``beta = 0`` and no entropy bonus, a row whose advantage is 0 on every
-        token (a group whose rewards are all equal) adds exactly nothing to the loss or its gradient."""
+        """With ``skip_zero_advantage``, ``beta = 0``, no entropy bonus and a loss whose gradient is proportional to
+        the advantage (clip, gspo), a row whose advantage is 0 on every token (a group whose rewards are all
+        equal) adds exactly nothing to the loss or its gradient."""
         cfg = self.config
-        if not (cfg.skip_zero_advantage and cfg.beta == 0 and cfg.entropy_coef == 0):
+        if not (cfg.skip_zero_advantage and cfg.beta == 0 and cfg.entropy_coef == 0 and cfg.loss in ("clip", "gspo")):
             return None
         return ~(batch["adv"][rows] != 0).any(1)
 
+    def policy_terms(self, mb: Minibatch, batch: dict[str, torch.Tensor], am: torch.Tensor):
+        """The policy loss of the configured kind and its statistics."""
+        cfg, old, adv = self.config, mb.take(batch["old_logp"]), mb.take(batch["adv"])
+        if cfg.loss == "gspo":
+            seq_adv = adv.sum(1) / am.sum(1).clamp(min=1)  # outcome advantages are the same on every token of a row
+            return V.gspo_loss(mb.logp, old, seq_adv, am, cfg.clip_eps, cfg.clip_eps_high)
+        if cfg.loss in ("kl-cov", "clip-cov"):
+            return V.cov_policy_loss(mb.logp, old, adv, am, cfg.loss, cfg.cov_select_ratio, cfg.cov_kl_coef,
+                                     (cfg.cov_low, cfg.cov_high), cfg.aggregation, self._shuffle)
+        weights = mb.take(batch["weights"]) if "weights" in batch else None
+        return F.policy_loss(mb.logp, old, adv, am, cfg.clip_eps, cfg.clip_eps_high, cfg.aggregation, weights)
+
     def loss(self, mb: Minibatch, batch: dict[str, torch.Tensor]):
-        cfg, am, agg = self.config, mb.action_mask, self.config.aggregation
-        pg, stats = F.policy_loss(mb.logp, mb.take(batch["old_logp"]), mb.take(batch["adv"]), am,
-                                  cfg.clip_eps, cfg.clip_eps_high, agg)
+        cfg, agg = self.config, self.config.aggregation
+        am = mb.take(batch["mask"])
+        pg, stats = self.policy_terms(mb, batch, am)
         stats = dict(stats, pg_loss=pg.detach(), entropy=F.masked_aggregate(mb.entropy.detach(), am, "token-mean"))
         terms = [(pg, agg)]
         if "ref_logp" in batch:
@@ -174,8 +274,35 @@ class GRPOAgent(OnPolicyAgent):
             terms.append((-(cfg.entropy_coef * F.masked_aggregate(mb.entropy, am, agg)), agg))
         return terms, stats
 
+    # ------------------------------------------------------------------ dynamic sampling
+    _sampling_stats: dict[str, float] = {}
+
+    def collect(self, env) -> Rollout:
+        """One rollout; with ``dynamic_sampling``, only groups whose rewards differ, refilled by further rollouts
+        (at most ``max_extra_rollouts``) until the batch has as many groups as one rollout."""
+        ro = super().collect(env)
+        if not self.config.dynamic_sampling:
+            return ro
+        g, want = ro.group_size, ro.num_episodes // ro.group_size
+        parts, sampled, kept, extra = [], 0, 0, 0
+        while True:
+            signal = V.group_has_signal(self.shaped_returns(ro), g)
+            rows = torch.arange(ro.num_episodes, device=ro.tokens.device).view(-1, g)[signal.to(ro.tokens.device)]
+            take = rows[: want - kept].reshape(-1)
+            if len(take):
+                parts.append(ro.select(take))
+            sampled, kept = sampled + len(signal), kept + len(take) // g
+            if kept >= want or extra >= self.config.max_extra_rollouts:
+                break
+            ro, extra = super().collect(env), extra + 1
+        self._sampling_stats = {"dynamic/kept_groups_frac": int(kept) / sampled if sampled else 0.0,
+                                "dynamic/extra_rollouts": extra, "dynamic/batch_groups": kept}
+        return concat_rollouts(parts) if parts else ro  # no group had a signal: an update of zero advantages
+
     def check_env(self, env) -> None:
         """Raise ``ValueError`` if ``env`` cannot feed this agent (no groups; process advantages without a PRM)."""
+        if self.config.dynamic_sampling and env.group_size < 2:
+            raise ValueError(f"dynamic_sampling drops groups whose rewards are all equal: it needs group_size >= 2 (got {env.group_size})")
         if env.group_size < 2:
             raise ValueError(f"GRPO needs groups: create the env with group_size >= 2 (got {env.group_size})")
         if self.config.advantage == "process" and env.process_reward_fn is None:

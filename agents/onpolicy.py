@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import torch
 
+from tokengym.agents import variants as V
 from tokengym.agents.distributed import LOCAL, aggregation_weights
 from tokengym.agents.logger import RunLogger
 from tokengym.agents.models import enable_checkpointing
@@ -220,7 +221,9 @@ class OnPolicyAgent:
     def _params(self) -> list[list[torch.nn.Parameter]]:
         return [opt.param_groups[0]["params"] for opt in self.optimizers]
 
-    def _update(self, ro: Rollout, batch: dict[str, torch.Tensor], kinds: list[str]) -> dict[str, float]:
+    def _update(self, ro: Rollout, batch: dict[str, torch.Tensor], kinds: list[str], measure_mismatch: bool) -> dict[str, float]:
+        """``mu`` epochs of minibatch steps. ``measure_mismatch``: log the rollout's log-probs against the trainer's
+        from the first minibatch's forward, which runs at pi_old's weights."""
         cfg, dp = self.config, self.dp
         self.train_mode(True)
         params = self._params()
@@ -241,6 +244,8 @@ class OnPolicyAgent:
                 if inert is not None:  # the order of rows does not change the loss
                     rows = torch.cat([rows[~inert], rows[inert]])
                 mb = self._forward(ro, rows, n_live)
+                if count == 0 and measure_mismatch:
+                    mismatch = V.logprob_mismatch(mb.take(batch["old_logp"]), mb.logp.detach(), mb.action_mask)
                 terms, stats = self.loss(mb, batch)
                 loss = terms[0][0] * shares[terms[0][1]]
                 for term, kind in terms[1:]:
@@ -265,7 +270,10 @@ class OnPolicyAgent:
                 for k, v in self.reduce_stats(stats, shares, mb, batch).items():
                     sums[k] = sums.get(k, 0.0) + float(v)
                 count += 1
-        return {f"train/{k}": v / count for k, v in sums.items()}
+        out = {f"train/{k}": v / count for k, v in sums.items()}
+        if measure_mismatch:
+            out.update({f"mismatch/{k}": float(v) for k, v in mismatch.items()})
+        return out
 
     # ------------------------------------------------------------------ loop
     def step(self, env, iteration: int = 0) -> dict[str, Any]:
@@ -273,15 +281,18 @@ class OnPolicyAgent:
         cfg = self.config
         t_start = time.perf_counter()
         ro, timing = self._rollout(env)
-        old_logp = self._logprobs(self.policy, ro) if getattr(cfg, "recompute_old_logprobs", False) else None
+        recompute = not getattr(cfg, "reuse_rollout_logprobs", True)
+        old_logp = self._logprobs(self.policy, ro) if recompute else None
         ref_logp = self._logprobs(self.ref, ro) if self.ref is not None else None
         ro, old_logp, ref_logp = self.dp.gather(ro, old_logp, ref_logp)  # data parallel: the global batch
         old_logp = ro.logprobs if old_logp is None else old_logp
         batch, stats = self.prepare(ro, old_logp, ref_logp)
         batch.setdefault("old_logp", old_logp)
+        if recompute:  # the sampler's log-probs against the trainer's pi_old, over the whole batch
+            stats.update({f"mismatch/{k}": v for k, v in V.logprob_mismatch(ro.logprobs, old_logp, ro.action_mask).items()})
         t_up = time.perf_counter()
         lr = self._schedule_lr()
-        metrics = self._update(ro, batch, self.loss_kinds())
+        metrics = self._update(ro, batch, self.loss_kinds(), measure_mismatch=not recompute)
         metrics["train/lr"] = lr
         timing["time/update"] = time.perf_counter() - t_up
         self.after_update(ro, stats)

@@ -105,6 +105,22 @@ class Rollout:
         return Rollout(**out)
 
 
+def concat_rollouts(parts: Sequence[Rollout]) -> Rollout:
+    """One rollout of the episodes of ``parts`` (rollouts of the same env), in order."""
+    out = {}
+    for f in dataclasses.fields(parts[0]):
+        vs = [getattr(p, f.name) for p in parts]
+        if isinstance(vs[0], torch.Tensor):
+            out[f.name] = torch.cat(vs)
+        elif isinstance(vs[0], list):
+            out[f.name] = [x for v in vs for x in v]
+        elif isinstance(vs[0], dict):
+            out[f.name] = {k: torch.cat([v[k] for v in vs]) for k in vs[0]}
+        else:
+            out[f.name] = vs[0]
+    return Rollout(**out)
+
+
 def turn_metrics(ro: Rollout) -> dict[str, float]:
     """Multi-turn counters of a rollout for the logs (``env/replies_per_episode`` is a tool env's call rate)."""
     if not ro.turn_counts:
