@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import tokengym.envs  # noqa: F401
+from tokengym.agents.functional import AGGREGATIONS
 from tokengym.agents.grpo import GRPOAgent, GRPOConfig, grpo_advantages
 from tokengym.agents.policy import Policy
 from tokengym.agents.rollout import collect
@@ -170,13 +171,15 @@ def test_passes_skip_columns_past_every_rows_end_without_changing_the_update(mon
     assert len(trimmed.steps) == 2 and all(any(g.any() for g in step) for step in trimmed.steps)
 
 
-def test_rows_with_zero_advantage_stay_out_of_the_backward_without_changing_the_update(monkeypatch):
+@pytest.mark.parametrize("aggregation", list(AGGREGATIONS))
+def test_rows_with_zero_advantage_stay_out_of_the_backward_without_changing_the_update(monkeypatch, aggregation):
     """With beta=0, a group whose rewards are all equal has advantage 0 and adds nothing to the gradient:
     its rows run through the update's forward without autograd, and every update's gradient and logged
     statistics equal those of an update over every row up to float32 rounding, including the exactly-zero
     gradient on a batch where nothing is left to learn, on which AdamW still takes its momentum step. The
     all-rows run steps on the skipping run's gradients (``numerics.Lockstep``), so both compute each update at
-    the same weights (comparing weights after AdamW steps would amplify rounding without bound)."""
+    the same weights (comparing weights after AdamW steps would amplify rounding without bound). Under every
+    aggregation: the skipped rows still count in its normalisers (tokens for token-mean, rows for the others)."""
 
     def run(skip: bool, lockstep):
         policy = Policy.from_pretrained("tiny-arithmetic")
@@ -184,7 +187,7 @@ def test_rows_with_zero_advantage_stay_out_of_the_backward_without_changing_the_
         forward = policy.forward
         monkeypatch.setattr(policy, "forward", lambda tokens, *a, **kw: (
             torch.is_grad_enabled() and graded.append(tokens.shape[0])) or forward(tokens, *a, **kw))
-        agent = GRPOAgent(policy, GRPOConfig(steps=3, lr=1e-4, seed=0, skip_zero_advantage=skip))
+        agent = GRPOAgent(policy, GRPOConfig(steps=3, lr=1e-4, seed=0, skip_zero_advantage=skip, aggregation=aggregation))
         # with subtraction, which the warm start rarely gets right, some groups score 0 throughout
         mixed = gym.make_vec("tokengym/Arithmetic-v0", num_envs=32, vectorization_mode="vector_entry_point", group_size=8,
                              n_operands=(2, 3), digits=2, operators="+-")

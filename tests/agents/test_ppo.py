@@ -54,6 +54,28 @@ def test_default_config_raises_heldout_greedy_accuracy_from_the_sft_warm_start()
     assert max(r["train/explained_variance"] for r in history) > 0.2
 
 
+def test_ppo_raises_heldout_greedy_accuracy_from_the_sft_warm_start():
+    """The default suite's held-out claim for PPO (the slow test above runs the defaults for 40 updates): 25
+    updates of 64 rollouts with mu=2 and lr 5e-5 from the shipped warm start raise greedy accuracy on 200
+    held-out prompts (verifier reward) by far more than seed-to-seed noise. Measured here at one torch thread:
+    0.655 -> 0.730 / 0.755 / 0.740 for seeds 0 / 1 / 2 (+7.5, +10.0, +8.5 points), about 37 s; the assertion
+    asks for +4. (20 updates at lr 6e-5: +3.5 / +4.0; at lr 1e-4 the policy stalls: -0.5 / 0.0.)"""
+    from tokengym.agents import evaluate, heldout_samples
+    from tokengym.envs import TokenVectorEnv
+    from tokengym.envs.tasks import ArithmeticTask
+
+    def task():
+        return ArithmeticTask(n_operands=(2, 3), digits=2, operators="+")
+
+    policy = Policy.from_pretrained("tiny-arithmetic")
+    eval_env, samples = TokenVectorEnv(200, task()), heldout_samples(task(), 200)
+    before = evaluate(policy, eval_env, samples)["accuracy"]
+    PPOAgent(policy, PPOConfig(steps=25, lr=5e-5, mu=2, seed=0)).learn(TokenVectorEnv(64, task()))
+    after = evaluate(policy, eval_env, samples)["accuracy"]
+    assert before == pytest.approx(0.655), before  # greedy decoding of the warm start is deterministic
+    assert after >= before + 0.04, (before, after)
+
+
 def test_rewards_subtract_beta_kl_on_action_tokens_only():
     env = target_env(8)
     policy = Policy.from_pretrained("tiny")

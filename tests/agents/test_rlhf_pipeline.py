@@ -4,7 +4,7 @@ Asserted here:
 
 * a Bradley-Terry reward model warm-started from the shipped SFT checkpoint ranks held-out bundled pairs;
 * the trained RM is the env's outcome reward: PPO's logged score is the RM's score, and the verifier
-  still measures greedy held-out accuracy on the side;
+  still measures greedy held-out accuracy on the side (wiring only: two updates do not raise this RM's score);
 * (slow) the issue's must-learn claim: from on-policy pairs (the warm start's own correct vs wrong
   samples of a prompt), a likelihood RM trained as DPO's implicit reward, PPO against it raises the
   *verifier's* greedy accuracy by 5 points or more on average over PPO seeds 0 and 1; numbers, and what did not work
@@ -49,7 +49,11 @@ def test_reward_model_from_the_sft_warm_start_ranks_heldout_bundled_pairs(traine
     assert hist[-1]["eval/margin"] > 0
 
 
-def test_ppo_optimises_the_learned_rm_as_the_envs_outcome_reward(trained_rm):
+def test_learned_rm_is_ppos_outcome_reward_and_the_verifier_scores_heldout_accuracy(trained_rm):
+    """Wiring, not learning: every episode PPO trains on is scored once by the learned RM and the logged score is
+    the RM's, while ``eval/accuracy`` is the verifier's greedy accuracy (recomputed here without the RM). Two
+    updates do not reliably raise this RM's score (measured on 128 held-out prompts: 0.157 -> 0.146 and -> 0.140
+    for seeds 0 and 1 at these settings, -> 0.119 / 0.104 at lr 2e-4): the slow test below is the learning claim."""
     rm, _ = trained_rm
     policy = Policy.from_pretrained(WARM)
     ro = collect(TokenVectorEnv(64, task()), policy, seed=1)
@@ -70,7 +74,10 @@ def test_ppo_optimises_the_learned_rm_as_the_envs_outcome_reward(trained_rm):
     for scores, rec in zip(per_rollout, history):
         assert rec["objective/score"] == pytest.approx(scores.mean().item(), abs=1e-5)
     assert abs(history[0]["objective/score"]) < 1.0  # normalised on the initial policy's samples
-    assert 0.0 <= history[-1]["eval/accuracy"] <= 1.0  # greedy accuracy under the verifier, not the RM
+    # the final evaluation is greedy accuracy under the env's verifier, not the RM: the same evaluation repeated
+    # with the default reward gives the same number (greedy decoding of the same batches is deterministic)
+    verifier = evaluate(policy, eval_env, heldout_samples(task(), 100))["accuracy"]
+    assert history[-1]["eval/accuracy"] == verifier
 
 
 def test_learned_prm_on_rule_based_labels_plugs_into_the_env_and_agrees_with_the_rule():
