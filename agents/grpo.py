@@ -305,9 +305,12 @@ class GRPOAgent(OnPolicyAgent):
             raise ValueError(f"dynamic_sampling drops groups whose rewards are all equal: it needs group_size >= 2 (got {env.group_size})")
         if env.group_size < 2:
             raise ValueError(f"GRPO needs groups: create the env with group_size >= 2 (got {env.group_size})")
-        if self.config.advantage == "process" and env.process_reward_fn is None:
+        if self.needs_process_reward(self.config) and env.process_reward_fn is None:
             raise ValueError("advantage='process' needs an env with a process reward (process_reward=True or a PRM)")
-        super().check_env(env)
+        self._check_fits(env)
+
+    def _check_fits(self, env) -> None:
+        OnPolicyAgent.check_env(self, env)
 
     def rollout_metrics(self, ro: Rollout, batch: dict[str, torch.Tensor], seconds: float) -> dict[str, Any]:
         g = ro.returns.view(-1, ro.group_size)
@@ -325,5 +328,18 @@ class GRPOAgent(OnPolicyAgent):
         }
 
 
+PRESETS: dict[str, dict[str, Any]] = {
+    "dr-grpo": {"scale_rewards": "none", "aggregation": "seq-mean-token-sum"},
+    "dapo": {"clip_eps": 0.2, "clip_eps_high": 0.28, "aggregation": "token-mean", "beta": 0.0, "dynamic_sampling": True,
+             "overlong_buffer": 0.2},
+    "gspo": {"loss": "gspo", "clip_eps": 3e-4, "clip_eps_high": 4e-4},
+    "kl-cov": {"loss": "kl-cov", "aggregation": "token-mean"},
+    "clip-cov": {"loss": "clip-cov", "aggregation": "token-mean"},
+}
+"""``tokengym train grpo --preset NAME``: Dr. GRPO (Liu et al. 2025: no std scaling, no length normalisation: the
+sum over a sequence's tokens, averaged over sequences, which is theirs up to the constant budget it divides by),
+DAPO (Yu et al. 2025: clip-higher, token-mean, dynamic sampling, soft overlong punishment over the last 20% of the
+budget), GSPO (Zheng et al. 2025) and KL-Cov / Clip-Cov (Cui et al. 2025)."""
+
 register("grpo", GRPOConfig, "GRPO: group-relative advantages, outcome or process supervision", agent=GRPOAgent,
-         min_group=2, data_parallel=True)
+         min_group=2, data_parallel=True, presets=PRESETS)

@@ -18,7 +18,7 @@ ON_POLICY_RUN_FIELDS = frozenset({"prompts", "group_size", "temperature", "rewar
                                   "keep_checkpoints"})
 """The :class:`~tokengym.agents.train.RunConfig` fields an on-policy algorithm takes beyond the common ones."""
 
-BUILTIN_MODULES = ("grpo", "ppo", "offline_jobs")
+BUILTIN_MODULES = ("grpo", "rloo", "reinforce_pp", "ppo", "offline_jobs")
 """Modules of ``tokengym.agents`` whose import registers the bundled algorithms (in ``tokengym train`` order)."""
 
 

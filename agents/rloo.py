@@ -1,0 +1,61 @@
+"""RLOO (Ahmadian et al. 2024, "Back to Basics"): REINFORCE with a leave-one-out baseline, on the shared skeleton.
+
+Each completion's advantage is its return minus the mean return of the other G - 1 completions of its prompt: an
+unbiased baseline with no critic and no std scaling. The loss and every switch are the critic-free ones
+(:class:`~tokengym.agents.grpo.CriticFreeConfig`); only the advantage differs from GRPO's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokengym.agents import variants as V
+from tokengym.agents.grpo import CriticFreeConfig, GRPOAgent
+from tokengym.agents.registry import register
+from tokengym.agents.rollout import Rollout
+
+__all__ = ["RLOOConfig", "RLOOAgent"]
+
+
+@dataclass
+class RLOOConfig(CriticFreeConfig):
+    """Hyper-parameters of :class:`RLOOAgent`: the critic-free settings (token-level loss by default, as TRL's)."""
+
+    aggregation: str = "token-mean"
+    """Loss aggregation: token-mean, seq-mean-token-mean or seq-mean-token-sum."""
+
+
+class RLOOAgent(GRPOAgent):
+    """RLOO on a ``group_size=G >= 2`` :class:`~tokengym.envs.TokenVectorEnv` (outcome rewards).
+
+    Example:
+        >>> import gymnasium as gym, tokengym.envs
+        >>> from tokengym.agents import Policy
+        >>> from tokengym.agents.rloo import RLOOAgent, RLOOConfig
+        >>> env = gym.make_vec("tokengym/Target-v0", num_envs=16, vectorization_mode="vector_entry_point",
+        ...                    group_size=4, partial_credit=True)
+        >>> len(RLOOAgent(Policy.from_pretrained("tiny"), RLOOConfig(steps=2)).learn(env))
+        2
+    """
+
+    config_cls = RLOOConfig
+
+    @staticmethod
+    def needs_process_reward(config) -> bool:
+        return False
+
+    def advantages(self, ro: Rollout, ref_logp: torch.Tensor | None = None) -> torch.Tensor:
+        """The leave-one-out advantage of each episode's (shaped) return on every one of its action tokens."""
+        adv = V.rloo_advantages(self.shaped_returns(ro), ro.group_size)
+        return adv[:, None].expand(-1, ro.action_mask.shape[1]) * ro.action_mask
+
+    def check_env(self, env) -> None:
+        if env.group_size < 2:
+            raise ValueError(f"RLOO's baseline is the other completions of a prompt: it needs group_size >= 2 (got {env.group_size})")
+        super().check_env(env)
+
+
+register("rloo", RLOOConfig, "RLOO: REINFORCE with a leave-one-out baseline over each prompt's G completions",
+         agent=RLOOAgent, min_group=2, data_parallel=True)
