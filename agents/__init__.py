@@ -1,31 +1,41 @@
-"""Agents that consume token environments: PPO (critic + GAE), GRPO, DPO (offline, iterative, SPIN), SFT, and the machinery they share.
+"""Agents that consume token environments: PPO (critic + GAE), GRPO, RLOO, REINFORCE++, DPO (offline, iterative,
+SPIN), SFT, and the machinery they share (the on-policy skeleton, the algorithm registry).
 
-The pure advantage/loss math lives in :mod:`tokengym.agents.functional`.
+The pure advantage/loss math lives in :mod:`tokengym.agents.functional` and :mod:`tokengym.agents.variants`.
 """
 
-from . import functional
+from . import functional, variants
 from .critic import Critic
 from .dpo import DPOConfig, DPOLearner
-from .grpo import GRPOAgent, GRPOConfig
+from .grpo import CriticFreeConfig, GRPOAgent, GRPOConfig
 from .models import PRESETS, build_preset, load_classifier, load_model
 from .online_dpo import SPINConfig, iterative_dpo, spin, spin_pairs
 from .pairs import PairData, arithmetic_pairs, load_pairs, mine_pairs, split_pairs
+from .onpolicy import OnPolicyAgent
 from .policy import Policy
 from .ppo import PPOAgent, PPOConfig
+from .reinforce_pp import ReinforcePPAgent, ReinforcePPConfig
+from .rloo import RLOOAgent, RLOOConfig
 from .rollout import Rollout, collect, evaluate, heldout_samples
 from .sft import SFTConfig, evaluate_policy, train_sft
 
 __all__ = [
     "Critic",
+    "CriticFreeConfig",
     "DPOConfig",
     "DPOLearner",
     "GRPOAgent",
     "GRPOConfig",
+    "OnPolicyAgent",
     "PPOAgent",
     "PPOConfig",
     "PRESETS",
     "PairData",
     "Policy",
+    "RLOOAgent",
+    "RLOOConfig",
+    "ReinforcePPAgent",
+    "ReinforcePPConfig",
     "Rollout",
     "SFTConfig",
     "SPINConfig",
@@ -45,4 +55,5 @@ __all__ = [
     "spin_pairs",
     "split_pairs",
     "train_sft",
+    "variants",
 ]

@@ -1,12 +1,13 @@
 """Every on-policy algorithm from the same warm start on Arithmetic, with the same wall-clock training budget.
 
-    python bench/algorithms.py --json [--seconds 300] [--seeds 0 1] [--only grpo rloo]
+    python bench/algorithms.py --json [--seconds 300] [--seeds 0 1] [--only grpo rloo] [--eval-seconds 15]
 
 Each algorithm runs with its registered defaults (and its preset, for the GRPO presets) from the shipped
 ``tiny-arithmetic`` checkpoint on ``tokengym/Arithmetic-v0``: 64 episodes per step (8 prompts x 8 for the
-critic-free ones, 64 x 1 for PPO), 1 thread, each in a fresh process (``bench/_isolate.py``), one after another.
-Greedy accuracy on 200 held-out prompts is measured every ``--eval-every`` steps (evaluation time excluded from
-the budget). The JSON line has ``acc_<name>`` (accuracy at the end of the budget, averaged over the seeds),
+critic-free ones, 64 x 1 for PPO), 1 thread, each in a fresh process (``bench/_isolate.py``); the algorithms run
+one after another, and an algorithm's seeds run side by side (one process per core on a 2-core machine), so every
+algorithm meets the same load. Greedy accuracy on 200 held-out prompts is measured after the first step past every
+``--eval-seconds`` of training and at the end (evaluation time is excluded from the budget). The JSON line has ``acc_<name>`` (accuracy at the end of the budget, averaged over the seeds),
 ``t10_<name>`` (training seconds until accuracy first reached the start + 10 points; null if never) and the
 per-seed values.
 """
@@ -27,7 +28,7 @@ ALGOS = {  # name -> (registry algorithm, preset)
 }
 
 
-def one(name: str, seconds: float, seed: int, eval_every: int) -> dict:
+def one(name: str, seconds: float, seed: int, eval_seconds: float) -> dict:
     import torch
 
     torch.set_num_threads(1)
@@ -57,7 +58,7 @@ def one(name: str, seconds: float, seed: int, eval_every: int) -> dict:
 
     def callback(record: dict) -> bool:
         state["train"] += time.perf_counter() - state["t"]
-        if record["step"] % eval_every == 0 or state["train"] >= seconds:
+        if state["train"] >= curve[-1][0] + eval_seconds or state["train"] >= seconds:
             curve.append((round(state["train"], 1), acc()))
         state["t"] = time.perf_counter()
         return state["train"] < seconds
@@ -73,26 +74,29 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=300.0)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--only", nargs="+", choices=sorted(ALGOS))
-    ap.add_argument("--eval-every", type=int, default=5)
+    ap.add_argument("--eval-seconds", type=float, default=15.0)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.one:
-        print(json.dumps(one(a.one, a.seconds, a.seed, a.eval_every)))
+        print(json.dumps(one(a.one, a.seconds, a.seed, a.eval_seconds)))
         return
+    from concurrent.futures import ThreadPoolExecutor
+
     from _isolate import run_child
 
     out: dict = {"seconds": a.seconds, "seeds": a.seeds}
     for name in a.only or ALGOS:
-        runs = [run_child(__file__, ["--one", name, "--seed", str(s), "--seconds", str(a.seconds),
-                                     "--eval-every", str(a.eval_every)]) for s in a.seeds]
+        with ThreadPoolExecutor(len(a.seeds)) as pool:
+            runs = list(pool.map(lambda s: run_child(__file__, ["--one", name, "--seed", str(s), "--seconds", str(a.seconds),
+                                                                "--eval-seconds", str(a.eval_seconds)]), a.seeds))
         out[f"acc_{name}"] = sum(r["final"] for r in runs) / len(runs)
         t10 = [r["t10"] for r in runs]
         out[f"t10_{name}"] = None if None in t10 else sum(t10) / len(t10)
-        out[f"per_seed_{name}"] = [{k: r[k] for k in ("start", "final", "t10", "steps")} for r in runs]
+        out[f"per_seed_{name}"] = [{k: r[k] for k in ("start", "final", "t10", "steps", "curve")} for r in runs]
         if not a.json:
-            print(name, out[f"acc_{name}"], out[f"per_seed_{name}"], flush=True)
+            print(name, out[f"acc_{name}"], out[f"t10_{name}"], [(r["final"], r["t10"], r["steps"]) for r in runs], flush=True)
     print(json.dumps(out))
 
 

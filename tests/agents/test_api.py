@@ -16,7 +16,7 @@ FUNCTIONS = {
     "process_advantages": ["step_rewards", "step_ends", "group_size", "seq_len", "eps"],
     "kl_penalty": ["logp", "ref_logp", "estimator"],
     "masked_aggregate": ["x", "mask", "aggregation"],
-    "policy_loss": ["logp", "old_logp", "advantages", "mask", "clip_eps", "clip_eps_high", "aggregation"],
+    "policy_loss": ["logp", "old_logp", "advantages", "mask", "clip_eps", "clip_eps_high", "aggregation", "weights"],
     "value_loss": ["values", "old_values", "returns", "mask", "clip_eps"],
     "dpo_loss": [
         "policy_chosen_logps",
