@@ -45,6 +45,12 @@ def _files(root):
 CASES = {  # id -> (argv, a piece of the one-line message); {root} is a folder of input files beside the runs folder
     # bad values the configs themselves refuse
     "grpo group of 1": (["train", "grpo", *B, "--group-size", "1"], "group_size=1"),
+    "rloo group of 1": (["train", "rloo", *B, "--group-size", "1"], "group_size=1"),
+    "gspo with token-sum": (["train", "grpo", *B, "--preset", "gspo", "--aggregation", "seq-mean-token-sum"],
+                            "loss='gspo'"),
+    "dynamic sampling without groups": (["train", "reinforce-pp", *B, "--dynamic-sampling", "true", "--group-size", "1"],
+                                        "dynamic_sampling"),
+    "process advantage with rloo's flags": (["train", "rloo", *B, "--advantage", "process"], "--advantage"),
     "clip range": (["train", "grpo", *B, "--clip-eps", "1.5"], "clip_eps must be in [0, 1]"),
     "infinite lr": (["train", "grpo", *B, "--lr", "inf"], "lr must be a finite number"),
     "fractional steps": (["train", "ppo", *B, "--steps", "1.5"], "steps expects int"),

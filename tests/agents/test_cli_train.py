@@ -210,3 +210,15 @@ def test_likelihood_rm_from_on_policy_pairs_plugs_into_ppo(tmp_path, capsys):
     assert "rm_kind must be 'sequence' or 'likelihood'" in capsys.readouterr().err
     assert main(["train", "rm", "--pairs", "on-policy", "--env", "tokengym/Reverse-v0", "--name", "bad2", *base]) == 2
     assert "needs a task with a verifier" in capsys.readouterr().err
+
+
+def test_a_preset_run_prints_its_resolved_config_and_saves_it(tmp_path, capsys):
+    code = main(["train", "grpo", "--preset", "dapo", "--steps", "1", "--prompts", "2", "--group-size", "4",
+                 "--eval-prompts", "0", "--runs-dir", str(tmp_path), "--name", "dapo", "--progress", "false"])
+    out = capsys.readouterr().out
+    assert code == 0
+    line = next(ln for ln in out.splitlines() if "GRPOConfig (preset dapo):" in ln)
+    assert "dynamic_sampling=True" in line and "clip_eps_high=0.28" in line and "aggregation=token-mean" in line
+    with open(tmp_path / "dapo" / "config.json") as f:
+        saved = json.load(f)
+    assert saved["preset"] == "dapo" and saved["config"]["overlong_buffer"] == 0.2
