@@ -543,6 +543,17 @@ def masked_aggregate(x: Tensor, mask: Tensor, aggregation: str = "token-mean") -
     return fn(torch.where(valid, x, torch.zeros_like(x)), valid)
 
 
+def _clip_range(clip_eps: float, clip_eps_high: Optional[float]) -> Tuple[float, float]:
+    """``(low, high)`` clip ranges of a ratio, checked: ``clip_eps_high`` defaults to ``clip_eps``."""
+    eps_low = float(clip_eps)
+    eps_high = eps_low if clip_eps_high is None else float(clip_eps_high)
+    if not (0.0 <= eps_low <= 1.0):
+        raise ValueError(f"clip_eps must be in [0, 1], got {clip_eps}")
+    if eps_high < 0.0:
+        raise ValueError(f"clip_eps_high must be >= 0, got {clip_eps_high}")
+    return eps_low, eps_high
+
+
 def policy_loss(
     logp: Tensor,
     old_logp: Tensor,
@@ -603,12 +614,7 @@ def policy_loss(
         advantages = advantages[:, None]
     else:
         _check_same_shape("advantages", advantages, "logp", logp)
-    eps_low = float(clip_eps)
-    eps_high = eps_low if clip_eps_high is None else float(clip_eps_high)
-    if not (0.0 <= eps_low <= 1.0):
-        raise ValueError(f"clip_eps must be in [0, 1], got {clip_eps}")
-    if eps_high < 0.0:
-        raise ValueError(f"clip_eps_high must be >= 0, got {clip_eps_high}")
+    eps_low, eps_high = _clip_range(clip_eps, clip_eps_high)
     if weights is not None:
         _check_same_shape("weights", weights, "logp", logp)
 

@@ -303,14 +303,16 @@ class GRPOAgent(OnPolicyAgent):
         """Raise ``ValueError`` if ``env`` cannot feed this agent (no groups; process advantages without a PRM)."""
         if self.config.dynamic_sampling and env.group_size < 2:
             raise ValueError(f"dynamic_sampling drops groups whose rewards are all equal: it needs group_size >= 2 (got {env.group_size})")
-        if env.group_size < 2:
-            raise ValueError(f"GRPO needs groups: create the env with group_size >= 2 (got {env.group_size})")
+        why = self.why_groups()
+        if why and env.group_size < 2:
+            raise ValueError(f"{why}: create the env with group_size >= 2 (got {env.group_size})")
         if self.needs_process_reward(self.config) and env.process_reward_fn is None:
             raise ValueError("advantage='process' needs an env with a process reward (process_reward=True or a PRM)")
-        self._check_fits(env)
+        super().check_env(env)
 
-    def _check_fits(self, env) -> None:
-        OnPolicyAgent.check_env(self, env)
+    def why_groups(self) -> str | None:
+        """Why this agent's advantages need ``group_size >= 2`` (None: they do not)."""
+        return "GRPO needs groups"
 
     def rollout_metrics(self, ro: Rollout, batch: dict[str, torch.Tensor], seconds: float) -> dict[str, Any]:
         g = ro.returns.view(-1, ro.group_size)

@@ -33,6 +33,19 @@ from tokengym.agents.sft import make_batch
 __all__ = ["iterative_dpo", "SPINConfig", "spin_pairs", "spin"]
 
 
+def _end_round(learner: DPOLearner, r: int, rec: dict[str, Any], eval_env: Any, eval_samples: list | None,
+               records: list, callback: Callable[[dict[str, float]], Any] | None) -> bool:
+    """Close round ``r`` of a round loop: greedy held-out metrics, the resume marker, the log record, the callback;
+    False when the callback asks to stop."""
+    if eval_env is not None and eval_samples:
+        learner.policy.eval()
+        rec.update({f"eval/{k}": v for k, v in evaluate(learner.policy, eval_env, eval_samples, greedy=True).items()})
+    learner._round = r + 1
+    record = learner.logger.log(learner.global_step, rec)
+    records.append(record)
+    return not (callback is not None and callback(record) is False)
+
+
 def iterative_dpo(
     learner: DPOLearner,
     env: Any,
@@ -99,13 +112,7 @@ def iterative_dpo(
                "pairs/skipped_groups_frac": 1.0 - (0 if data is None else len(data)) / n_groups}
         if data is not None:
             learner.fit(data)
-        if eval_env is not None and eval_samples:
-            policy.eval()
-            rec.update({f"eval/{k}": v for k, v in evaluate(policy, eval_env, eval_samples, greedy=True).items()})
-        learner._round = r + 1
-        record = learner.logger.log(learner.global_step, rec)
-        records.append(record)
-        if callback is not None and callback(record) is False:
+        if not _end_round(learner, r, rec, eval_env, eval_samples, records, callback):
             break
     return records
 
@@ -242,12 +249,6 @@ def spin(
         if len(data):
             learner.fit(data)
         rec = {"round": r, "pairs/count": len(data), "pairs/matched_frac": 1.0 - len(data) / prompts_per_round}
-        if eval_env is not None and eval_samples:
-            policy.eval()
-            rec.update({f"eval/{k}": v for k, v in evaluate(policy, eval_env, eval_samples, greedy=True).items()})
-        learner._round = r + 1
-        record = learner.logger.log(learner.global_step, rec)
-        records.append(record)
-        if callback is not None and callback(record) is False:
+        if not _end_round(learner, r, rec, eval_env, eval_samples, records, callback):
             break
     return records

@@ -81,12 +81,8 @@ class ReinforcePPAgent(GRPOAgent):
             batch.pop("ref_logp", None)
         return batch, stats
 
-    def check_env(self, env) -> None:
-        if self.config.group_baseline and env.group_size < 2:
-            raise ValueError(f"group_baseline subtracts each prompt's mean return: it needs group_size >= 2 (got {env.group_size})")
-        if self.config.dynamic_sampling and env.group_size < 2:
-            raise ValueError(f"dynamic_sampling drops groups whose rewards are all equal: it needs group_size >= 2 (got {env.group_size})")
-        self._check_fits(env)
+    def why_groups(self) -> str | None:
+        return "group_baseline subtracts each prompt's mean return" if self.config.group_baseline else None
 
 
 register("reinforce-pp", ReinforcePPConfig, "REINFORCE++: whitened returns with a token-level KL in the reward "

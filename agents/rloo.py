@@ -51,10 +51,8 @@ class RLOOAgent(GRPOAgent):
         adv = V.rloo_advantages(self.shaped_returns(ro), ro.group_size)
         return adv[:, None].expand(-1, ro.action_mask.shape[1]) * ro.action_mask
 
-    def check_env(self, env) -> None:
-        if env.group_size < 2:
-            raise ValueError(f"RLOO's baseline is the other completions of a prompt: it needs group_size >= 2 (got {env.group_size})")
-        super().check_env(env)
+    def why_groups(self) -> str | None:
+        return "RLOO's baseline is the other completions of a prompt"
 
 
 register("rloo", RLOOConfig, "RLOO: REINFORCE with a leave-one-out baseline over each prompt's G completions",

@@ -30,6 +30,7 @@ from .functional import (
     _centre_groups,
     _check_choice,
     _check_dim,
+    _clip_range,
     _check_same_shape,
     _compute_dtype,
     _float_dtype,
@@ -230,12 +231,7 @@ def gspo_loss(
             f"shape mismatch: advantages has shape {_shape(advantages)} but logp has shape "
             f"{_shape(logp)}; advantages must be [N] (one per sequence)"
         )
-    eps_low = float(clip_eps)
-    eps_high = eps_low if clip_eps_high is None else float(clip_eps_high)
-    if not (0.0 <= eps_low <= 1.0):
-        raise ValueError(f"clip_eps must be in [0, 1], got {clip_eps}")
-    if eps_high < 0.0:
-        raise ValueError(f"clip_eps_high must be >= 0, got {clip_eps_high}")
+    eps_low, eps_high = _clip_range(clip_eps, clip_eps_high)
 
     valid = _as_bool(mask)
     n_tok = valid.sum(-1)
