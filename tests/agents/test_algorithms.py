@@ -21,28 +21,30 @@ def target_env(n=32, g=8, **kw):
 
 
 CASES = {
-    "rloo": (RLOOAgent, RLOOConfig, {}, 0.5),
-    "reinforce-pp": (ReinforcePPAgent, ReinforcePPConfig, {}, 0.9),
-    "reinforce-pp-baseline": (ReinforcePPAgent, ReinforcePPConfig, {"group_baseline": True}, 0.9),
-    "dr-grpo": (GRPOAgent, GRPOConfig, PRESETS["dr-grpo"], 0.5),
-    "dapo": (GRPOAgent, GRPOConfig, PRESETS["dapo"], 0.9),
-    "gspo": (GRPOAgent, GRPOConfig, PRESETS["gspo"], 0.9),
-    "kl-cov": (GRPOAgent, GRPOConfig, {**PRESETS["kl-cov"], "lr": 1e-2}, 0.9),
-    "clip-cov": (GRPOAgent, GRPOConfig, PRESETS["clip-cov"], 0.9),
-    "tis": (GRPOAgent, GRPOConfig, {"correction": "tis"}, 0.9),
-    "mis-sequence": (GRPOAgent, GRPOConfig, {"correction": "mis", "correction_level": "sequence"}, 0.9),
+    "rloo": (RLOOAgent, RLOOConfig, {}),
+    "reinforce-pp": (ReinforcePPAgent, ReinforcePPConfig, {}),
+    "reinforce-pp-baseline": (ReinforcePPAgent, ReinforcePPConfig, {"group_baseline": True}),
+    "dr-grpo": (GRPOAgent, GRPOConfig, PRESETS["dr-grpo"]),
+    # the toy's answer fills its 2-token budget, which DAPO's overlong shaping would punish (tested on its own below)
+    "dapo": (GRPOAgent, GRPOConfig, {**PRESETS["dapo"], "overlong_buffer": 0.0}),
+    "gspo": (GRPOAgent, GRPOConfig, PRESETS["gspo"]),
+    "kl-cov": (GRPOAgent, GRPOConfig, PRESETS["kl-cov"]),
+    "clip-cov": (GRPOAgent, GRPOConfig, PRESETS["clip-cov"]),
+    "tis": (GRPOAgent, GRPOConfig, {"correction": "tis"}),
+    "mis-sequence": (GRPOAgent, GRPOConfig, {"correction": "mis", "correction_level": "sequence"}),
 }
-"""Reward reached in 60 steps from a random tiny model (chance 0.016; seed 0). Without std scaling (RLOO, Dr. GRPO)
-the advantages of the second character's rare successes are small, and both stop at the first character (0.5)."""
+"""Each reaches the target (reward >= 0.9) in 100 steps of 64 episodes from a random tiny model (chance 0.016).
+This toy has a trap: once the second character collapses onto a wrong token, every group scores 0.5 and the
+gradient is 0. With 32 episodes at lr 3e-3, two of three seeds fell into it (GRPO, either sampler); with these
+settings every case reached 1.0 on both seeds 0 and 1."""
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_each_algorithm_learns_the_toy_target_from_chance(name):
-    cls, cfg_cls, kw, reach = CASES[name]
-    kw = {"lr": 3e-3, **kw}
-    history = cls(Policy.from_pretrained("tiny"), cfg_cls(steps=60, seed=0, **kw)).learn(target_env())
+    cls, cfg_cls, kw = CASES[name]
+    history = cls(Policy.from_pretrained("tiny"), cfg_cls(steps=100, seed=0, **{**kw, "lr": 1e-3})).learn(target_env(64))
     first, best = history[0]["reward/mean"], max(r["reward/mean"] for r in history[-10:])
-    assert first < 0.1 and best >= reach, f"{name}: reward {first:.3f} -> {best:.3f}, expected >= {reach}"
+    assert first < 0.1 and best >= 0.9, f"{name}: reward {first:.3f} -> {best:.3f}, expected >= 0.9"
 
 
 def test_every_preset_is_a_valid_config_and_the_cli_lists_the_algorithms():
@@ -99,8 +101,8 @@ def test_dynamic_sampling_keeps_only_groups_with_a_signal_and_refills_the_batch(
 
 
 def test_overlong_penalty_and_truncated_masking_reach_the_advantages():
-    env = gym.make_vec("tokengym/Arithmetic-v0", num_envs=16, vectorization_mode="vector_entry_point", group_size=4,
-                       max_new_tokens=12)
+    env = gym.make_vec("tokengym/Arithmetic-v0", num_envs=64, vectorization_mode="vector_entry_point", group_size=4,
+                       max_new_tokens=12)  # a random model ends ~11% of rows with EOS within 12 tokens: some of 64 do
     policy = Policy.from_pretrained("tiny")
     ro = collect(env, policy, seed=0)
     assert ro.truncated.any() and (~ro.truncated).any()

@@ -25,8 +25,8 @@ def target_env(n=32, g=8):
 
 
 def test_grpo_learns_the_toy_target_from_chance():
-    env = target_env()
-    agent = GRPOAgent(Policy.from_pretrained("tiny"), GRPOConfig(steps=60, lr=3e-3, seed=0))
+    env = target_env(64)  # settings that escape the toy's 0.5 trap on every seed tried (see test_algorithms.CASES)
+    agent = GRPOAgent(Policy.from_pretrained("tiny"), GRPOConfig(steps=100, lr=1e-3, seed=0))
     history = agent.learn(env)
     first, last = history[0]["reward/mean"], max(r["reward/mean"] for r in history[-10:])
     assert first < 0.1, f"a random tiny model should be near chance, got {first}"
@@ -102,8 +102,8 @@ def test_logs_go_to_tensorboard_and_metrics_jsonl(tmp_path):
 
 
 def test_bf16_update_still_learns_the_toy():
-    agent = GRPOAgent(Policy.from_pretrained("tiny"), GRPOConfig(steps=60, lr=3e-3, seed=0, bf16=True))
-    history = agent.learn(target_env())
+    agent = GRPOAgent(Policy.from_pretrained("tiny"), GRPOConfig(steps=100, lr=1e-3, seed=0, bf16=True))
+    history = agent.learn(target_env(64))
     assert max(r["reward/mean"] for r in history[-10:]) > 0.9
     assert all(abs(r["train/ratio_mean"] - 1) < 0.05 for r in history)  # bf16 rounding only
 
