@@ -188,6 +188,7 @@ class StaticDecoder:
         self._rope_key: tuple | None = None
         self._rope: torch.Tensor | None = None
         self._cache: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._store: list[tuple[torch.Tensor, torch.Tensor]] = []  # the allocated cache (_cache may view a prefix)
         self._step = 0
         self._capacity = 0
         self._N = self._P = 0
@@ -266,7 +267,7 @@ class StaticDecoder:
     def release(self) -> None:
         """Free the fused weights and the KV cache (a copy of every linear layer, and more): they are rebuilt at the
         next prefill anyway, and held between rollouts they would add to the update's peak memory."""
-        self._layers, self._cache, self._key = [], [], None
+        self._layers, self._cache, self._store, self._key = [], [], [], None
         self._embed = self._norm_w = self._head_t = None
         self._step = self._capacity = 0
 
@@ -295,18 +296,20 @@ class StaticDecoder:
     def _alloc(self, N: int, W: int, dtype: torch.dtype, device: torch.device) -> None:
         """Per layer ``(keys^T [N*G, hd, W], values [N*G, W, hd])``; reused while the shape stays the same."""
         B, hd = N * self.n_kv, self.head_dim
-        c = self._cache[0][0] if self._cache else None
-        if c is None or len(self._cache) != len(self._layers) or c.shape != (B, hd, W) or c.dtype != dtype or c.device != device:
-            self._cache = [(torch.zeros(B, hd, W, dtype=dtype, device=device), torch.zeros(B, W, hd, dtype=dtype, device=device))
+        c = self._store[0][0] if self._store else None
+        if c is None or len(self._store) != len(self._layers) or c.shape != (B, hd, W) or c.dtype != dtype or c.device != device:
+            self._store = [(torch.zeros(B, hd, W, dtype=dtype, device=device), torch.zeros(B, W, hd, dtype=dtype, device=device))
                            for _ in self._layers]
+        self._cache = list(self._store)  # compact() narrows these to prefixes of the stored tensors
 
-    def prefill(self, tokens: torch.Tensor, mask: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+    def prefill(self, tokens: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, copies: int = 1) -> torch.Tensor:
         """Encode left-padded prompts ``tokens[N, P]`` into cache columns ``[0, P)``; return logits ``[N, V]`` (fp32).
 
         Reserves room for ``max_new_tokens`` decode steps. Must run under ``torch.no_grad`` or
         ``torch.inference_mode`` (``Policy`` does). Under an enabled ``torch.autocast`` for the model's
         device, the weight matrices of this batch (prefill and its decode steps) are kept and multiplied
-        in the autocast dtype.
+        in the autocast dtype. ``copies=G``: the rows are ``N / G`` groups of ``G`` identical prompts (a GRPO
+        batch): each distinct prompt is encoded once and its keys and values are copied to its group's rows.
         """
         if tokens.dim() != 2 or mask.shape != tokens.shape:
             raise ValueError(f"tokens and mask must both be [N, P], got {tuple(tokens.shape)} and {tuple(mask.shape)}")
@@ -318,48 +321,27 @@ class StaticDecoder:
             raise ValueError(f"StaticDecoder cannot run this model: {reason}")
         dev_type = self.model.model.embed_tokens.weight.device.type
         amp = torch.get_autocast_dtype(dev_type) if torch.is_autocast_enabled(dev_type) else None
+        if copies < 1 or tokens.shape[0] % copies:
+            raise ValueError(f"copies={copies} must divide the {tokens.shape[0]} rows")
         self._refresh(amp, rows=tokens.shape[0])
         with torch.autocast(dev_type, enabled=False):  # dtypes are explicit below
-            return self._prefill(tokens, mask, int(max_new_tokens), width)
+            return self._prefill(tokens, mask, int(max_new_tokens), width, int(copies))
 
-    def _prefill(self, tokens: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, width: int) -> torch.Tensor:
-        N, P = tokens.shape
-        G, rep, hd, H = self.n_kv, self.rep, self.head_dim, self.n_heads
-        emb = self._embed
-        dtype, device = emb.dtype, emb.device
-        tokens, mask = tokens.to(device), mask.to(device).bool()
-        self._alloc(N, width, dtype, device)
+    def _prefill(self, tokens: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, width: int, copies: int = 1) -> torch.Tensor:
+        full_mask = mask.to(self._embed.device).bool()
+        N, P = tokens.shape[0] // copies, tokens.shape[1]
+        G, hd = self.n_kv, self.head_dim
+        dtype, device = self._embed.dtype, self._embed.device
+        self._alloc(N * copies, width, dtype, device)
         rope = self._rope_table(width, dtype, device)
 
-        pos = (mask.long().cumsum(1) - 1).clamp(min=0)  # [N, P]
-        cs = rope[pos]  # [N, P, 2, hd]
-        cos, sin = cs[:, :, 0, None, None], cs[:, :, 1, None, None]  # [N, P, 1, 1, hd]
-        # prefill attention: causal, real keys only (a padding query sees itself, so nothing is NaN)
-        causal = torch.ones(P, P, dtype=torch.bool, device=device).tril()
-        allowed = causal & (mask[:, None, :] | torch.eye(P, dtype=torch.bool, device=device))
-        bias = torch.zeros(N, 1, 1, P, P, dtype=dtype, device=device).masked_fill_(~allowed[:, None, None], float("-inf"))
-
-        x = F.embedding(tokens, emb)  # [N, P, D]
-        for li, (w_in, eps_in, w_qkv, b_qkv, w_o, b_o, w_post, eps_post, w_gu, b_gu, I, w_d, b_d) in enumerate(self._layers):
-            h = F.rms_norm(x, (x.shape[-1],), w_in, eps_in)
-            qkv = _lin(h, w_qkv, b_qkv).view(N, P, G, rep + 2, hd)
-            qk = qkv[:, :, :, : rep + 1]
-            qk = qk * cos + _rotate_half(qk) * sin  # HF's apply_rotary_pos_emb
-            q, k, v = qk[:, :, :, :rep], qk[:, :, :, rep], qkv[:, :, :, rep + 1]
+        def write(li: int, k: torch.Tensor, v: torch.Tensor) -> None:  # row r * copies + c holds prompt r
             k_t, v_c = self._cache[li]
-            k_t[:, :, :P] = k.permute(0, 2, 3, 1).reshape(N * G, hd, P)
-            v_c[:, :P] = v.permute(0, 2, 1, 3).reshape(N * G, P, hd)
-            qh = q.permute(0, 2, 3, 1, 4)  # [N, G, rep, P, hd]
-            kh = k.permute(0, 2, 1, 3)[:, :, None]  # [N, G, 1, P, hd]
-            vh = v.permute(0, 2, 1, 3)[:, :, None]
-            att = torch.softmax((qh @ kh.transpose(-1, -2)) * self.scaling + bias, -1, dtype=torch.float32).to(dtype)
-            o = (att @ vh).permute(0, 3, 1, 2, 4).reshape(N, P, H * hd)
-            x = x + _lin(o, w_o, b_o)
-            h = F.rms_norm(x, (x.shape[-1],), w_post, eps_post)
-            gu = _lin(h, w_gu, b_gu)
-            x = x + _lin(self.act(gu[..., :I]) * gu[..., I:], w_d, b_d)
-        h = F.rms_norm(x[:, -1], (x.shape[-1],), self._norm_w, self._norm_eps)
-        logits = _lin(h, self._head_t)
+            k_t.view(N, copies, G, hd, -1)[..., :P] = k.permute(0, 2, 3, 1)[:, None]
+            v_c.view(N, copies, G, -1, hd)[:, :, :, :P] = v.permute(0, 2, 1, 3)[:, None]
+
+        logits = self._encode(tokens[::copies], mask[::copies], rope, write).repeat_interleave(copies, 0)
+        N, mask = N * copies, full_mask
 
         # decode state, prepared once: attention bias over cache columns, per-step positions, signed RoPE table
         col_ok = torch.ones(N, width, dtype=torch.bool, device=device)
@@ -381,6 +363,69 @@ class StaticDecoder:
         self._arange_g = torch.arange(G, device=device)
         self._arange_ng = torch.arange(N * G, device=device)
         return logits.float()
+
+    def _encode(self, tokens: torch.Tensor, mask: torch.Tensor, rope: torch.Tensor, write) -> torch.Tensor:
+        """Run left-padded prompts ``tokens[N, P]`` through the layers, handing each layer's keys and values
+        ``[N, P, G, hd]`` to ``write(layer, k, v)``; return the last column's logits ``[N, V]`` (fp32)."""
+        N, P = tokens.shape
+        G, rep, hd, H = self.n_kv, self.rep, self.head_dim, self.n_heads
+        dtype, device = self._embed.dtype, self._embed.device
+        tokens, mask = tokens.to(device), mask.to(device).bool()
+        pos = (mask.long().cumsum(1) - 1).clamp(min=0)  # [N, P]
+        cs = rope[pos]  # [N, P, 2, hd]
+        cos, sin = cs[:, :, 0, None, None], cs[:, :, 1, None, None]  # [N, P, 1, 1, hd]
+        # prefill attention: causal, real keys only (a padding query sees itself, so nothing is NaN)
+        causal = torch.ones(P, P, dtype=torch.bool, device=device).tril()
+        allowed = causal & (mask[:, None, :] | torch.eye(P, dtype=torch.bool, device=device))
+        bias = torch.zeros(N, 1, 1, P, P, dtype=dtype, device=device).masked_fill_(~allowed[:, None, None], float("-inf"))
+        x = F.embedding(tokens, self._embed)  # [N, P, D]
+        for li, (w_in, eps_in, w_qkv, b_qkv, w_o, b_o, w_post, eps_post, w_gu, b_gu, I, w_d, b_d) in enumerate(self._layers):
+            h = F.rms_norm(x, (x.shape[-1],), w_in, eps_in)
+            qkv = _lin(h, w_qkv, b_qkv).view(N, P, G, rep + 2, hd)
+            qk = qkv[:, :, :, : rep + 1]
+            qk = qk * cos + _rotate_half(qk) * sin  # HF's apply_rotary_pos_emb
+            q, k, v = qk[:, :, :, :rep], qk[:, :, :, rep], qkv[:, :, :, rep + 1]
+            write(li, k, v)
+            qh = q.permute(0, 2, 3, 1, 4)  # [N, G, rep, P, hd]
+            kh = k.permute(0, 2, 1, 3)[:, :, None]  # [N, G, 1, P, hd]
+            vh = v.permute(0, 2, 1, 3)[:, :, None]
+            att = torch.softmax((qh @ kh.transpose(-1, -2)) * self.scaling + bias, -1, dtype=torch.float32).to(dtype)
+            o = (att @ vh).permute(0, 3, 1, 2, 4).reshape(N, P, H * hd)
+            x = x + _lin(o, w_o, b_o)
+            h = F.rms_norm(x, (x.shape[-1],), w_post, eps_post)
+            gu = _lin(h, w_gu, b_gu)
+            x = x + _lin(self.act(gu[..., :I]) * gu[..., I:], w_d, b_d)
+        h = F.rms_norm(x[:, -1], (x.shape[-1],), self._norm_w, self._norm_eps)
+        return _lin(h, self._head_t)
+
+    def refill(self, rows: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Start new episodes in cache rows ``rows[R]``: encode their left-padded prompts ``tokens[R, P]`` (the width
+        of the last prefill) into columns ``[0, P)``, forget everything after, and return their logits ``[R, V]``
+        (continuous batching: a finished slot takes the next prompt while the other rows go on)."""
+        with torch.autocast(self._embed.device.type, enabled=False):
+            G, hd, P = self.n_kv, self.head_dim, self._P
+            if tokens.shape[1] != P or mask.shape != tokens.shape:
+                raise ValueError(f"refill() takes prompts [R, {P}] (the prefill's width), got {tuple(tokens.shape)}")
+            if not self._ragged:
+                self._to_ragged()
+            device = self._embed.device
+            rows, mask = rows.to(device).long(), mask.to(device).bool()
+            rg = (rows[:, None] * G + self._arange_g).reshape(-1)
+
+            def write(li: int, k: torch.Tensor, v: torch.Tensor) -> None:
+                k_t, v_c = self._cache[li]
+                k_t[rg, :, :P] = k.permute(0, 2, 3, 1).reshape(-1, hd, P)
+                v_c[rg, :P] = v.permute(0, 2, 1, 3).reshape(-1, P, hd)
+
+            logits = self._encode(tokens, mask, self._rope_table(self._bias.shape[-1], self._embed.dtype, device), write)
+            W = self._bias.shape[-1]
+            col_ok = torch.zeros(len(rows), W, dtype=torch.bool, device=device)
+            col_ok[:, :P] = mask
+            self._bias[rg, 0] = torch.zeros(len(rows), W, dtype=self._bias.dtype, device=device).masked_fill_(
+                ~col_ok, float("-inf")).repeat_interleave(G, 0)
+            self._n_prompt[rows] = mask.long().sum(1)
+            self._cur[rows] = 0
+            return logits.float()
 
     def decode(self, tokens: torch.Tensor, hold: torch.Tensor | None = None) -> torch.Tensor:
         """Append one token per slot (``tokens[N]``, written at column ``P + step``); return logits ``[N, V]`` (fp32).
@@ -434,6 +479,22 @@ class StaticDecoder:
         self._hi = col
         h = F.rms_norm(x, (D,), self._norm_w, self._norm_eps)
         return _lin(h, self._head_t).float()
+
+    def compact(self, keep: torch.Tensor) -> None:
+        """Keep only rows ``keep`` (ascending indices into the current rows) in the cache and the per-row decode state:
+        later steps take one token per kept row and cost only those rows (finished episodes leave the batch)."""
+        G = self.n_kv
+        keep = keep.to(self._bias.device).long()
+        kg = (keep[:, None] * G + self._arange_g).reshape(-1)
+        n = kg.numel()  # kept rows move to the front of the same storage (kg[i] >= i, so no row is overwritten unread)
+        self._cache = [(k[:n].copy_(k.index_select(0, kg)), v[:n].copy_(v.index_select(0, kg))) for k, v in self._cache]
+        self._bias = self._bias.index_select(0, kg)
+        self._pos = self._pos[:, keep]
+        self._n_prompt = self._n_prompt[keep]
+        if self._cur is not None:
+            self._cur = self._cur[keep]
+        self._N = int(keep.numel())
+        self._arange_ng = torch.arange(self._N * G, device=self._bias.device)
 
     # ------------------------------------------------------------------ multi-turn: rows at different columns
     def _to_ragged(self) -> None:

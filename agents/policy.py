@@ -40,7 +40,32 @@ from tokengym.agents.fast_decode import StaticDecoder, unsupported_reason
 from tokengym.agents.models import load_model, use_tokengym_attention
 from tokengym.rewards.common import quiet_transformers
 
-__all__ = ["Policy", "AdapterDisabledReference", "make_reference", "position_ids", "sample_logits"]
+__all__ = ["Policy", "AdapterDisabledReference", "make_reference", "position_ids", "row_uniforms", "sample_logits"]
+
+_MASK64 = (1 << 64) - 1
+
+
+def _signed(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_GOLDEN, _MIX1, _MIX2 = (_signed(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def _splitmix64(z: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finaliser on int64 tensors (wrapping products; ``>>`` made logical by masking)."""
+    z = z + _GOLDEN
+    z = (z ^ ((z >> 30) & ((1 << 34) - 1))) * _MIX1
+    z = (z ^ ((z >> 27) & ((1 << 37) - 1))) * _MIX2
+    return z ^ ((z >> 31) & ((1 << 33) - 1))
+
+
+def row_uniforms(key: int, ids: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """One uniform in [0, 1) per ``(key, ids[i], steps[i])``: a counter-based stream, so an episode's draw at a step
+    depends only on the rollout's key, the episode's id and the step, never on which other rows share the batch
+    (finished rows can leave it, new episodes can join it) or on the batch size."""
+    z = _splitmix64(_splitmix64(torch.full_like(ids, _signed(key & _MASK64)) ^ ids.long()) ^ steps.long())
+    return ((z >> 40) & ((1 << 24) - 1)).double().mul_(2.0**-24).float()
 
 
 def position_ids(mask: torch.Tensor) -> torch.Tensor:
@@ -145,6 +170,7 @@ class Policy(nn.Module):
         self.fast_decode = bool(fast_decode)
         self._fast: StaticDecoder | None = None
         self._fast_active = False
+        self._stream_key: int | None = None  # this rollout's sampling-stream key (begin_rollout)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -196,14 +222,16 @@ class Policy(nn.Module):
         :meth:`prefill` starts afresh. ``collect`` calls it, so the update's peak memory does not include them."""
         if self._fast is not None:
             self._fast.release()
+        self._stream_key = None
         self._cache = self._mask = self._pos = self._seen = self._ids = None
 
     @torch.inference_mode()
-    def prefill(self, tokens: torch.Tensor, mask: torch.Tensor, max_new_tokens: int | None = None) -> torch.Tensor:
+    def prefill(self, tokens: torch.Tensor, mask: torch.Tensor, max_new_tokens: int | None = None, copies: int = 1) -> torch.Tensor:
         """Encode left-padded prompts ``tokens[N, P]`` (``mask`` 1 on real tokens), start a fresh KV cache.
 
         With ``max_new_tokens`` (the env's budget M) a supported model gets a static cache of ``P + M``
         columns and the fast decode step (at most M ``decode`` calls follow); otherwise the generic path.
+        ``copies=G`` says the rows are groups of ``G`` identical prompts: the fast path encodes each once.
         Returns the next-token logits ``[N, V]`` (float32).
         """
         self._seen = None  # act() re-encodes after a prefill it did not make
@@ -211,7 +239,7 @@ class Policy(nn.Module):
         self._fast_active = fast is not None
         if fast is not None:
             self._cache = self._mask = self._pos = None
-            return fast.prefill(tokens.to(self.device), mask.to(self.device), int(max_new_tokens))
+            return fast.prefill(tokens.to(self.device), mask.to(self.device), int(max_new_tokens), copies)
         mask = mask.long()
         pos = position_ids(mask)
         self._mask, self._pos, self._ids = mask, pos[:, -1], tokens
@@ -262,15 +290,46 @@ class Policy(nn.Module):
         ids, mask = torch.cat([self._ids, add], 1), torch.cat([self._mask.bool(), keep], 1)
         return self.prefill(*right_aligned(ids, mask))[rows]
 
-    def sample(self, logits: torch.Tensor, greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sample with the policy's settings and generator; see :func:`sample_logits`.
+    def begin_rollout(self) -> None:
+        """Start a rollout's sampling stream: one key drawn from the policy's generator (saved in checkpoints), from
+        which :meth:`sample` derives each episode's per-step uniforms (see :func:`row_uniforms`)."""
+        self._stream_key = int(torch.randint(0, 2**62, (1,), generator=self.generator, device=self.generator.device))
 
-        A data-parallel run sets ``policy.noise`` (:class:`~tokengym.agents.distributed.SharedNoise`):
-        then each row's uniform comes from it (inverse-CDF sampling) instead of ``torch.multinomial``.
+    def sample(self, logits: torch.Tensor, greedy: bool = False, ids: torch.Tensor | None = None,
+               steps: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample with the policy's settings; see :func:`sample_logits`.
+
+        Where the rows' episode ``ids[n]`` and token ``steps[n]`` are given (what ``collect`` does, after
+        :meth:`begin_rollout`), each row's uniform comes from :func:`row_uniforms` (inverse-CDF sampling): a row's
+        token does not depend on the rest of the batch, so finished rows can be dropped from it without changing any
+        result. A data-parallel run sets ``policy.noise`` (:class:`~tokengym.agents.distributed.SharedNoise`), which
+        then supplies the uniforms instead; otherwise ``torch.multinomial`` draws from the policy's generator.
         """
         noise = getattr(self, "noise", None)
-        uniform = noise(logits.shape[0]) if noise is not None and not greedy else None
+        uniform = None
+        if greedy:
+            pass
+        elif noise is not None:
+            uniform = noise(logits.shape[0])
+        elif ids is not None and self._stream_key is not None:
+            uniform = row_uniforms(self._stream_key, ids.to(logits.device), steps.to(logits.device))
         return sample_logits(logits, self.temperature, self.top_k, self.top_p, greedy, self.generator, uniform)
+
+    @torch.inference_mode()
+    def refill(self, rows: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Start new episodes in cache rows ``rows`` from prompts ``tokens[R, P]`` (the last prefill's width) while the
+        other rows go on; return their next-token logits ``[R, V]``. Fast path only (continuous batching)."""
+        if not self._fast_active:
+            raise RuntimeError("refill() needs the fast decode path (a prefill with max_new_tokens on a supported model)")
+        return self._fast.refill(torch.as_tensor(rows, device=self.device), tokens.to(self.device), mask.to(self.device))
+
+    def compact(self, keep: torch.Tensor) -> bool:
+        """Keep only the cache rows ``keep`` (ascending indices) for the rest of the rollout, so decode steps cost only
+        the live rows; returns ``False`` (nothing changed) on the generic ``transformers`` path."""
+        if not self._fast_active:
+            return False
+        self._fast.compact(keep.to(self.device))
+        return True
 
     @torch.inference_mode()
     def act(self, obs: dict[str, torch.Tensor], prompt_len: int, greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

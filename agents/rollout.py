@@ -15,7 +15,7 @@ import torch
 
 from tokengym.agents.resources import check_fits
 
-__all__ = ["Rollout", "collect", "evaluate", "heldout_samples", "turn_metrics", "used_columns", "used_slice", "trimmed_logprobs"]
+__all__ = ["Rollout", "collect", "collect_episodes", "evaluate", "heldout_samples", "turn_metrics", "used_columns", "used_slice", "trimmed_logprobs"]
 
 
 @dataclass
@@ -161,7 +161,14 @@ def trimmed_logprobs(fn, ro: "Rollout") -> torch.Tensor:
     return torch.nn.functional.pad(fn(tokens, mask, p), (0, ro.action_mask.shape[1] - m))
 
 
-def collect(env, policy, critic=None, *, greedy: bool = False, seed: int | None = None, samples: list | None = None) -> Rollout:
+COMPACT_EVERY = 8
+"""Decode steps between checks for finished rows to drop from the policy's cache (one host sync per check)."""
+COMPACT_BELOW = 0.75
+"""Drop finished rows once the live ones are at most this fraction of the rows the cache holds."""
+
+
+def collect(env, policy, critic=None, *, greedy: bool = False, seed: int | None = None, samples: list | None = None,
+            compact: bool = True, share_prefix: bool | None = None) -> Rollout:
     """Run one lockstep batch of episodes of ``env`` with ``policy``; return the finished ``Rollout``.
 
     Args:
@@ -171,81 +178,240 @@ def collect(env, policy, critic=None, *, greedy: bool = False, seed: int | None 
         greedy: argmax decoding (evaluation).
         seed: passed to ``env.reset``.
         samples: explicit prompts for ``env.reset(options={"samples": ...})`` (one per group).
+        compact: every :data:`COMPACT_EVERY` steps, drop finished rows from the policy's cache
+            (``Policy.compact``), so a long-tailed batch pays only for its live rows. Each row samples from its own
+            stream (``Policy.sample(ids=, steps=)``), so the tokens do not change; log-probs agree to float rounding
+            (a matrix product's rounding can depend on its row count).
+        share_prefix: encode each group's prompt once for its G rows (``Policy.prefill(copies=G)``). ``None``: when
+            ``group_size > 1`` and every group's rows hold the same prompt (always, for prompts the env draws);
+            ``True`` with rows of a group holding different prompts is an error.
     """
     if env.autoreset_mode.name != "DISABLED":
         raise ValueError("collect() runs lockstep batches: create the env with autoreset_mode='disabled'")
     check_fits(policy, env)
     P, M = env.max_prompt_len, env.max_new_tokens
     with torch.inference_mode():
-        logps = _run_episodes(env, policy, greedy, seed, samples)
-    logps = logps.clone()
-    # Everything below is built outside inference mode, so the batch can be used in autograd.
-    action_mask = env.action_mask[:, P:].clone()
-    ro = Rollout(
-        tokens=env.tokens.clone(),
-        attention_mask=env.attention_mask.clone(),
-        action_mask=action_mask,
-        prompt_len=P,
-        logprobs=logps * action_mask,
-        rewards=env.rewards.clone(),
-        process_rewards=env.process_rewards.clone(),
-        step_end=env.step_end.clone(),
-        outcome=env.outcome.clone(),
-        terminated=env.terminated.clone(),
-        truncated=env.truncated.clone(),
-        group_id=env.group_id.clone(),
-        group_size=env.group_size,
-        completions=list(env.completions),
-        samples=list(env.samples),
-        step_scores=[list(s) for s in env.step_scores],
-        reward_components=_components(env),
-        turn_rewards=env.turn_rewards.clone() if getattr(env, "multi_turn", False) else None,
-        turn_counts={k: v.clone() for k, v in env.turn_counts.items()} if getattr(env, "multi_turn", False) else {},
-    )
+        logps = _run_episodes(env, policy, greedy, seed, samples, compact, share_prefix)
+    ro = _snapshot(env, logps.clone())
     if critic is not None:
         with torch.no_grad():
             v = critic(ro.tokens, ro.attention_mask, P)  # [N, M + 1]: V(s_0) .. V(s_M)
-        ro.values = v[:, :M] * action_mask
+        ro.values = v[:, :M] * ro.action_mask
         after = v.gather(1, ro.episode_lengths[:, None])[:, 0]  # V after the last token (M unless a reply overflowed)
         ro.last_values = torch.where(ro.truncated, after, torch.zeros_like(after))
     return ro
 
 
-def _run_episodes(env, policy, greedy: bool, seed: int | None, samples: list | None) -> torch.Tensor:
-    """Reset ``env`` and step it to the end with ``policy``; return the sampled tokens' log-probs ``[N, M]``."""
+def _snapshot(env, logps: torch.Tensor, slots: list[int] | None = None) -> Rollout:
+    """A :class:`Rollout` of the episodes in ``env``'s ``slots`` (default: all) as they stand, with the sampled
+    log-probs ``logps[N, M]``. Built outside inference mode (copies), so the batch can be used in autograd."""
+    P = env.max_prompt_len
+    idx = slice(None) if slots is None else torch.tensor(slots, dtype=torch.long, device=env.device)
+    pick = range(env.num_envs) if slots is None else slots
+    multi_turn = getattr(env, "multi_turn", False)
+    action_mask = env.action_mask[idx, P:].clone()
+    comps = _components(env)
+    return Rollout(
+        tokens=env.tokens[idx].clone(),
+        attention_mask=env.attention_mask[idx].clone(),
+        action_mask=action_mask,
+        prompt_len=P,
+        logprobs=logps[idx].clone() * action_mask,
+        rewards=env.rewards[idx].clone(),
+        process_rewards=env.process_rewards[idx].clone(),
+        step_end=env.step_end[idx].clone(),
+        outcome=env.outcome[idx].clone(),
+        terminated=env.terminated[idx].clone(),
+        truncated=env.truncated[idx].clone(),
+        group_id=env.group_id[idx].clone(),
+        group_size=env.group_size,
+        completions=[env.completions[i] for i in pick],
+        samples=[env.samples[i] for i in pick],
+        step_scores=[list(env.step_scores[i]) for i in pick],
+        reward_components={k: v[idx].clone() for k, v in comps.items()},
+        turn_rewards=env.turn_rewards[idx].clone() if multi_turn else None,
+        turn_counts={k: v[idx].clone() for k, v in env.turn_counts.items()} if multi_turn else {},
+    )
+
+
+def _prefix_copies(env, tokens: torch.Tensor, mask: torch.Tensor, share_prefix: bool | None) -> int:
+    """G if each group's prompt can be encoded once for its G rows, else 1 (``share_prefix=True`` on groups whose rows
+    hold different prompts is an error)."""
+    G = env.group_size
+    if share_prefix is False or G == 1:
+        return 1
+    t, m = tokens.view(-1, G, tokens.shape[1]), mask.view(-1, G, mask.shape[1])
+    differ = ((t != t[:, :1]) | (m != m[:, :1])).any(2).any(1)
+    if not bool(differ.any()):
+        return G
+    if share_prefix:
+        g = int(differ.nonzero()[0])
+        raise ValueError(f"share_prefix=True, but the {G} rows of group {g} hold different prompts: prefix sharing "
+                         "needs every row of a group to start from the same prompt (pass share_prefix=None or False)")
+    return 1
+
+
+def _run_episodes(env, policy, greedy: bool, seed: int | None, samples: list | None, compact: bool = True,
+                  share_prefix: bool | None = None) -> torch.Tensor:
+    """Reset ``env`` and step it to the end with ``policy``; return the sampled tokens' log-probs ``[N, M]``.
+
+    ``rows`` are the env slots the policy's cache holds, in cache order (all of them until finished rows are
+    compacted away); the policy samples and decodes those rows only, and the env's other slots get a pad action,
+    which it ignores (they have finished)."""
     obs, _ = env.reset(seed=seed, options={"samples": samples} if samples is not None else None)
     P, M, N = env.max_prompt_len, env.max_new_tokens, env.num_envs
     logps = torch.zeros((N, M + 1), dtype=torch.float32, device=env.device)  # column M: finished rows' samples
     lead = P - max(int(obs["mask"][:, :P].sum(1).max()), 1)  # prompt columns that are padding in every row
     multi_turn = getattr(env, "multi_turn", False)
+    streams = hasattr(policy, "begin_rollout")  # per-row sampling streams (Policy); other policies sample as they like
+    compact = compact and streams and hasattr(policy, "compact") and getattr(policy, "noise", None) is None
+    rows = torch.arange(N, device=env.device)
+    actions = torch.full((N,), env.pad_id, dtype=torch.long, device=env.device)
     try:
-        logits = policy.prefill(obs["tokens"][:, lead:P], obs["mask"][:, lead:P], max_new_tokens=M)
-        for _ in range(M + 1000):  # every live row writes a column per step (or waits for a slow reply: bounded by its timeout)
-            actions, lp = policy.sample(logits, greedy=greedy)
-            held = env.waiting.clone() if multi_turn and env._pending else None  # rows whose actions the env ignores
-            idle = env.done if held is None else env.done | held
-            logps.scatter_(1, torch.where(idle, M, env.gen_len)[:, None], lp[:, None])
+        if streams:
+            policy.begin_rollout()
+        tokens, mask = obs["tokens"][:, lead:P], obs["mask"][:, lead:P]
+        copies = _prefix_copies(env, tokens, mask, share_prefix)
+        logits = (policy.prefill(tokens, mask, max_new_tokens=M, copies=copies) if copies > 1
+                  else policy.prefill(tokens, mask, max_new_tokens=M))
+        for step in range(M + 1000):  # every live row writes a column per step (or waits for a slow reply: bounded by its timeout)
+            gen = env.gen_len[rows]
+            a, lp = policy.sample(logits, greedy=greedy, ids=rows, steps=gen) if streams else policy.sample(logits, greedy=greedy)
+            actions[rows] = a
+            held = env.waiting[rows].clone() if multi_turn and env._pending else None  # rows whose actions the env ignores
+            idle = env.done[rows] if held is None else env.done[rows] | held
+            logps[rows, torch.where(idle, M, gen)] = lp
             env.step(actions)
             if env.all_done:
                 break
-            logits = policy.decode(actions) if held is None else policy.decode(actions, hold=held)
+            logits = policy.decode(a) if held is None else policy.decode(a, hold=held)
             if multi_turn and env.replied:  # the env answered some rows: append their replies to those caches
-                logits = _extend_replies(env, policy, logits)
+                logits = _extend_replies(env, policy, logits, rows)
+            if compact and step % COMPACT_EVERY == COMPACT_EVERY - 1:
+                live = ~env.done[rows]
+                n_live = int(live.sum())
+                if n_live <= COMPACT_BELOW * len(rows):
+                    keep = live.nonzero().flatten()
+                    if not policy.compact(keep):
+                        compact = False
+                        continue
+                    rows, logits = rows[keep], logits[keep]
     finally:
         if hasattr(policy, "end_rollout"):
             policy.end_rollout()
     return logps[:, :M]
 
 
-def _extend_replies(env, policy, logits: torch.Tensor) -> torch.Tensor:
-    """Feed the reply tokens the env just appended (rows ``env.replied``) to ``policy``; their logits replace the rows'."""
-    rows = torch.tensor(env.replied, device=env.device)
-    n = env.reply_len[rows]
+def collect_episodes(env, policy, samples: Sequence[Any] | None = None, n: int | None = None, *, greedy: bool = False,
+                     seed: int | None = None) -> Rollout:
+    """Run ``samples`` (or the task's next ``n`` prompts) with continuous batching; return them as one ``Rollout``.
+
+    The env (``autoreset_mode="next_step"``, ``group_size=1``) runs the list through next-step autoresets
+    (``reset(options={"episodes": ...})``): a slot whose episode ends takes the next prompt at once, and the policy
+    encodes it into that row of its cache (``Policy.refill``) while the other rows go on, so no step waits for the
+    batch's longest episode. Rows left idle at the end are dropped from the cache, as in :func:`collect`.
+
+    The episodes are exactly the given prompts and come back **in start order** (row ``i`` is ``samples[i]``), never
+    in finish order: a caller that stopped at the first ``n`` finished episodes would keep the short ones and bias
+    every average towards them. Each episode samples from its own stream (keyed by its index in the list), so the
+    tokens do not depend on which slot ran it or on the batch size.
+    """
+    if env.autoreset_mode.name != "NEXT_STEP":
+        raise ValueError("collect_episodes() refills finished slots through next-step autoresets: create the env with "
+                         "autoreset_mode='next_step' (collect() runs lockstep batches)")
+    if env.group_size != 1:  # the env refuses next_step with groups; this guards envs built otherwise
+        raise ValueError(f"continuous batching needs group_size=1, got {env.group_size}: a GRPO group's episodes must "
+                         "start together, which collect() does")
+    if (samples is None) == (n is None):
+        raise ValueError("give collect_episodes() either samples or n (the task's next n prompts), not both")
+    check_fits(policy, env)
+    episodes = list(samples) if samples is not None else int(n)
+    why = policy.fast_path_reason(env.seq_len) if hasattr(policy, "fast_path_reason") else "not a Policy"
+    if why is not None:
+        raise ValueError(f"continuous batching needs the policy's fast decode path ({why}); use collect() on a "
+                         "'disabled' env instead")
+    parts: list[tuple[list[int], Rollout]] = []
+    with torch.inference_mode():
+        _run_continuous(env, policy, episodes, greedy, seed, parts)
+    order = [e for ids, _ in parts for e in ids]
+    ro = concat_rollouts([p for _, p in parts]).select(sorted(range(len(order)), key=order.__getitem__))
+    return _copied(ro)
+
+
+def _run_continuous(env, policy, episodes: list | int, greedy: bool, seed: int | None, parts: list) -> None:
+    """:func:`collect_episodes`' loop: appends ``(episode ids, Rollout of them)`` to ``parts`` as episodes end."""
+    obs, _ = env.reset(seed=seed, options={"episodes": episodes})
+    n = episodes if isinstance(episodes, int) else len(episodes)
+    P, M, N = env.max_prompt_len, env.max_new_tokens, env.num_envs
+    multi_turn = getattr(env, "multi_turn", False)
+    logps = torch.zeros((N, M + 1), dtype=torch.float32, device=env.device)
+    rows = torch.arange(N, device=env.device)  # env slots the cache holds, in cache order
+    at = rows.clone()  # cache row of each slot (-1: dropped)
+    actions = torch.full((N,), env.pad_id, dtype=torch.long, device=env.device)
+    try:
+        policy.begin_rollout()
+        logits = policy.prefill(obs["tokens"][:, :P], obs["mask"][:, :P], max_new_tokens=M)
+        hold0 = torch.zeros(N, dtype=torch.bool, device=env.device)  # rows move at their own pace from the start
+        for step in range(n * (M + 1000)):
+            gen = env.gen_len[rows]
+            a, lp = policy.sample(logits, greedy=greedy, ids=env.episode_id[rows].clamp(min=0), steps=gen)
+            actions[rows] = a
+            held = env.waiting[rows].clone() if multi_turn and env._pending else None
+            skip = env.done[rows] | env.idle[rows]
+            skip = skip if held is None else skip | held
+            logps[rows, torch.where(skip, M, gen)] = lp
+            env.step(actions)
+            if env.ended:
+                parts.append((env.episode_id[env.ended].tolist(), _snapshot(env, logps[:, :M], env.ended)))
+            if env.all_done:
+                break
+            logits = policy.decode(a, hold=hold0[: len(rows)] if held is None else held)
+            if multi_turn and env.replied:
+                logits = _extend_replies(env, policy, logits, rows)
+            if env.restarted:  # slots that took a new prompt: encode it into their cache rows
+                slots = torch.tensor(env.restarted, device=env.device)
+                logps[slots] = 0.0
+                r = at[slots]
+                logits = logits.clone()
+                logits[r] = policy.refill(r, env.tokens[slots, :P], env.attention_mask[slots, :P])
+            if step % COMPACT_EVERY == COMPACT_EVERY - 1:
+                live = ~env.idle[rows]
+                if int(live.sum()) <= COMPACT_BELOW * len(rows):
+                    keep = live.nonzero().flatten()
+                    policy.compact(keep)
+                    rows, logits = rows[keep], logits[keep]
+                    at.fill_(-1)
+                    at[rows] = torch.arange(len(rows), device=env.device)
+    finally:
+        policy.end_rollout()
+
+
+def _copied(ro: Rollout) -> Rollout:
+    """``ro`` with every tensor copied outside inference mode (usable in autograd)."""
+    out = {}
+    for f in dataclasses.fields(ro):
+        v = getattr(ro, f.name)
+        if isinstance(v, torch.Tensor):
+            v = v.clone()
+        elif isinstance(v, dict):
+            v = {k: t.clone() for k, t in v.items()}
+        out[f.name] = v
+    return Rollout(**out)
+
+
+def _extend_replies(env, policy, logits: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+    """Feed the reply tokens the env just appended (slots ``env.replied``) to ``policy``, whose cache holds the slots
+    ``held`` in that order; their logits replace those rows'."""
+    slots = torch.tensor(env.replied, device=env.device)
+    at = torch.full((env.num_envs,), -1, dtype=torch.long, device=env.device)
+    at[held] = torch.arange(len(held), device=env.device)
+    rows = at[slots]  # answered slots are live, so the cache holds them
+    n = env.reply_len[slots]
     k = int(n.max())
-    start = env.max_prompt_len + env.gen_len[rows] - n
+    start = env.max_prompt_len + env.gen_len[slots] - n
     cols = (start[:, None] + torch.arange(k, device=env.device)).clamp(max=env.seq_len - 1)
     logits = logits.clone()
-    logits[rows] = policy.extend(rows, env.tokens[rows[:, None], cols], n)
+    logits[rows] = policy.extend(rows, env.tokens[slots[:, None], cols], n)
     return logits
 
 
@@ -263,7 +429,9 @@ def heldout_samples(task, n: int, seed: int = 10_007) -> list[dict[str, Any]]:
 
 @torch.inference_mode()
 def evaluate(policy, env, samples: list[dict[str, Any]], greedy: bool = True) -> dict[str, float]:
-    """Score ``policy`` on ``samples`` (group_size 1 env) in batches of ``env.num_envs``.
+    """Score ``policy`` on ``samples`` (group_size 1 env): in lockstep batches of ``env.num_envs``, or with
+    continuous batching (:func:`collect_episodes`) on a ``next_step`` env, which gives the same results faster when
+    there are more prompts than slots.
 
     Returns ``mean_reward`` (the env's outcome reward), ``accuracy`` (fraction with outcome >= 1,
     which for 0/1 verifiers is the fraction solved), ``mean_length`` and ``truncated``; for a multi-turn env also
@@ -272,17 +440,18 @@ def evaluate(policy, env, samples: list[dict[str, Any]], greedy: bool = True) ->
     if env.group_size != 1:
         raise ValueError("evaluate() needs an env with group_size=1")
     n = env.num_envs
-    rewards, lengths, truncs, replies = [], [], [], []
-    for start in range(0, len(samples), n):
-        chunk = list(samples[start : start + n])
-        pad = n - len(chunk)
-        ro = collect(env, policy, greedy=greedy, samples=chunk + chunk[:1] * pad)
-        keep = slice(0, n - pad)
-        rewards.append(ro.outcome[keep])
-        lengths.append(ro.lengths[keep].float())
-        truncs.append(ro.truncated[keep].float())
-        if ro.turn_counts:
-            replies.append(ro.turn_counts["replies"][keep].float())
+    if env.autoreset_mode.name == "NEXT_STEP":  # continuous batching: one pass over every prompt
+        parts = [collect_episodes(env, policy, list(samples), greedy=greedy)]
+    else:  # lockstep batches of n (the last one padded)
+        parts = []
+        for start in range(0, len(samples), n):
+            chunk = list(samples[start : start + n])
+            ro = collect(env, policy, greedy=greedy, samples=chunk + chunk[:1] * (n - len(chunk)))
+            parts.append(ro.select(range(len(chunk))))
+    rewards = [ro.outcome for ro in parts]
+    lengths = [ro.lengths.float() for ro in parts]
+    truncs = [ro.truncated.float() for ro in parts]
+    replies = [ro.turn_counts["replies"].float() for ro in parts if ro.turn_counts]
     r = torch.cat(rewards)
     out = {
         "mean_reward": r.mean().item(),

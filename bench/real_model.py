@@ -75,9 +75,9 @@ class NoStopPolicy(Policy):
 
     stop: torch.Tensor | None = None
 
-    def sample(self, logits: torch.Tensor, greedy: bool = False):
+    def sample(self, logits: torch.Tensor, greedy: bool = False, **rows):
         logits[:, self.stop] = float("-inf")
-        return super().sample(logits, greedy)
+        return super().sample(logits, greedy, **rows)
 
 
 def _stop_ids(env: TokenVectorEnv) -> list[int]:

@@ -50,9 +50,9 @@ from tokengym.envs import TokenVectorEnv
 class NoEOSPolicy(Policy):
     """A ``Policy`` that never samples EOS (so episodes run to the budget, like ``suppress_tokens``)."""
 
-    def sample(self, logits: torch.Tensor, greedy: bool = False):
+    def sample(self, logits: torch.Tensor, greedy: bool = False, **rows):
         logits[:, self.tokenizer.eos_token_id] = float("-inf")
-        return super().sample(logits, greedy)
+        return super().sample(logits, greedy, **rows)
 
 
 def zero_reward(prompts, completions, **_):

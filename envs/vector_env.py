@@ -32,6 +32,11 @@ Autoreset modes (``metadata["autoreset_mode"]``):
 * ``NEXT_STEP`` (what generic Gymnasium loops expect): the step after a slot finishes resets that slot
   with a new prompt, ignoring its action and returning reward 0 and flags ``False``. Needs
   ``group_size=1`` (a GRPO group must start together; use ``DISABLED`` for groups).
+  ``reset(options={"episodes": prompts})`` (or a count ``n``: the task's next ``n`` prompts) runs a finite list
+  instead of the task's endless stream: the first
+  ``N`` start at once, each later one starts in the next slot to finish, and once the list runs out finished slots
+  stay :attr:`idle`; :attr:`episode_id` says which list entry each slot holds (what continuous batching,
+  :func:`tokengym.agents.rollout.collect_episodes`, uses).
 """
 
 from __future__ import annotations
@@ -247,6 +252,13 @@ class TokenVectorEnv(MultiTurnMixin, VectorEnv):
         self.completions: list[str | None] = [None] * N
         self.reward_components: list[dict[str, float]] = [{} for _ in range(N)]
         self._next_group = 0
+        self.episode_id = torch.full((N,), -1, dtype=torch.long, device=dev)
+        """Next-step mode with an ``episodes`` list: the list index of each slot's episode (-1: idle)."""
+        self.idle = torch.zeros(N, dtype=torch.bool, device=dev)
+        """Slots with no episode left to run (``episodes`` list exhausted); their actions are ignored."""
+        self.ended: list[int] = []  # slots whose episode ended in the last step (host list)
+        self.restarted: list[int] = []  # slots that the last step reset with a new episode (host list)
+        self._queue: list[dict[str, Any]] | None = None  # episodes not started yet (next-step mode with a list)
         self._unk_checked = 0  # prompts checked for characters the tokenizer lacks
         self._started = False
         self.reward_seconds = 0.0  # wall time spent decoding and scoring (reward/PRM calls), cumulative
@@ -285,9 +297,15 @@ class TokenVectorEnv(MultiTurnMixin, VectorEnv):
         if seed is not None and hasattr(self.task, "on_seed"):
             self.task.on_seed(seed)
         options = dict(options or {})
-        unknown = set(options) - {"samples", "reset_mask"}
+        unknown = set(options) - {"samples", "reset_mask", "episodes"}
         if unknown:
-            raise ValueError(f"unknown reset options {sorted(unknown)}; valid: ['reset_mask', 'samples']")
+            raise ValueError(f"unknown reset options {sorted(unknown)}; valid: ['episodes', 'reset_mask', 'samples']")
+        self._queue = None
+        self.idle.zero_()
+        self.episode_id.fill_(-1)
+        self.ended, self.restarted = [], []
+        if options.get("episodes") is not None:
+            return self._start_episodes(options)
         groups = list(range(self.n_groups))
         if options.get("reset_mask") is not None:
             m = torch.as_tensor(options["reset_mask"], dtype=torch.bool).reshape(-1).cpu()
@@ -309,6 +327,30 @@ class TokenVectorEnv(MultiTurnMixin, VectorEnv):
         self._fill(slots, [s for s in samples for _ in range(self.group_size)], groups)
         self._started = True
         self.all_done = bool(self.done.all())
+        return self._obs(), self._info()
+
+    def _start_episodes(self, options: dict[str, Any]):
+        """``reset(options={"episodes": prompts})``: start the list's first ``N`` prompts, queue the rest."""
+        if self.autoreset_mode is not AutoresetMode.NEXT_STEP:
+            raise ValueError("options['episodes'] runs a list through next-step autoresets: create the env with "
+                             "autoreset_mode='next_step' (in 'disabled' mode pass options['samples'], one batch at a time)")
+        if set(options) & {"samples", "reset_mask"}:
+            raise ValueError("options['episodes'] starts every slot from the list; it does not combine with 'samples' or 'reset_mask'")
+        episodes = options["episodes"]
+        if isinstance(episodes, (int, np.integer)) and not isinstance(episodes, bool):
+            episodes = self.task.batch(self.np_random, int(episodes))  # the task's next n prompts
+        queue = [s if isinstance(s, dict) else {"prompt": s} for s in episodes]
+        if not queue:
+            raise ValueError("options['episodes'] is empty: give at least one prompt")
+        n = min(len(queue), self.num_envs)
+        self._fill(list(range(n)), queue[:n], list(range(n)))
+        self.episode_id[:n] = torch.arange(n, device=self.device)
+        if n < self.num_envs:  # more slots than episodes: the rest idle from the start
+            self._fill(list(range(n, self.num_envs)), [queue[0]] * (self.num_envs - n), list(range(n, self.num_envs)))
+            self.idle[n:] = True
+        self._queue, self._queued, self._n_idle = queue[n:], n, self.num_envs - n
+        self._started = True
+        self.all_done = False
         return self._obs(), self._info()
 
     def _fill(self, slots: list[int], samples: list[dict[str, Any]], groups: list[int]) -> None:
@@ -392,7 +434,7 @@ class TokenVectorEnv(MultiTurnMixin, VectorEnv):
         a = self._check_actions(actions)
         if self.autoreset_mode is AutoresetMode.NEXT_STEP:
             resetting = self._needs_reset.clone()
-            active = ~resetting & ~self.waiting
+            active = ~resetting & ~self.waiting & ~self.idle
         else:
             resetting = None
             active = ~(self.terminated | self.truncated | self.waiting)
@@ -439,12 +481,26 @@ class TokenVectorEnv(MultiTurnMixin, VectorEnv):
             t0 = time.perf_counter()
             self._score_events(done_now, delim_now, reward, info)
             self.reward_seconds += time.perf_counter() - t0
+        self.ended = done_now.nonzero().flatten().tolist() if flags[2] else []
         if resetting is not None:
             term_out, trunc_out = term_now, trunc_now
+            self.restarted = resetting.nonzero().flatten().tolist() if flags[4] else []
+            if self.restarted:
+                slots = self.restarted
+                if self._queue is None:
+                    self._fill(slots, self.task.batch(self.np_random, len(slots)), slots)
+                else:
+                    self._fill(slots, self._queue[:len(slots)], slots)
+                    self.episode_id[slots] = torch.arange(self._queued, self._queued + len(slots), device=self.device)
+                    self._queue, self._queued = self._queue[len(slots):], self._queued + len(slots)
             self._needs_reset = done_now
-            if flags[4]:
-                slots = resetting.nonzero().flatten().tolist()
-                self._fill(slots, self.task.batch(self.np_random, len(slots)), slots)
+            if self._queue is not None:  # slots the list has no episode left for go idle now
+                rest = self.ended[len(self._queue):]
+                if rest:
+                    self.idle[rest] = True
+                    self._needs_reset[rest] = False
+                    self._n_idle += len(rest)
+                self.all_done = self._n_idle == self.num_envs
         else:
             term_out, trunc_out = self.terminated.clone(), self.truncated.clone()
         info.update(self._info())

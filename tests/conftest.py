@@ -36,6 +36,17 @@ def pytest_collection_modifyitems(session, config, items):
     items.sort(key=lambda item: item.path.name != "test_readme.py")
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module of tiny-model tests (``pytestmark = pytest.mark.usefixtures("one_thread")``):
+    they gain nothing from more, and on a busy 2-core machine threads spinning at barriers make every kernel
+    10-100x slower. The setting is restored afterwards."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(autouse=True)
 def _seed_everything():
     random.seed(0)

@@ -29,14 +29,7 @@ CHECKPOINT = os.path.join(os.path.dirname(__file__), "..", "..", "agents", "chec
 TASK = ArithmeticTask(n_operands=(2, 3), digits=2, operators="+")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # tiny models gain little from a second intra-op thread, and on a shared 2-core machine two threads
-    # that wait on each other are several times slower than one: run these at one thread
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -18,12 +18,7 @@ from tokengym.envs.tasks import ArithmeticTask
 TASK = ArithmeticTask(n_operands=(2, 3), digits=2, operators="+")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -16,14 +16,7 @@ TOL = 1e-4
 ENV_IDS = ["tokengym/Arithmetic-v0", "tokengym/Reverse-v0", "tokengym/Target-v0", "tokengym/Dataset-v0"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a busy 2-core machine threads spinning at
-    barriers make every kernel 10-100x slower; restore the setting afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

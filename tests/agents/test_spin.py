@@ -19,12 +19,7 @@ from tokengym.envs.tasks import ArithmeticTask
 TASK = ArithmeticTask()  # tokengym/Arithmetic-v0's task, the one tiny-arithmetic was trained on
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
