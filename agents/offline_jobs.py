@@ -82,21 +82,20 @@ def build_dpo(run: RunConfig, cfg: Any) -> Job:
 
 
 def build_sft(run: RunConfig, cfg: Any) -> Job:
-    from tokengym.agents.sft import train_sft
+    """SFT through :class:`Trainer`: its checkpoints every ``save_every`` steps and ``--resume`` (exact)."""
+    from tokengym.agents.sft import SFTLearner
 
     policy = load_policy(run, cfg.seed)
     task = make_env(run, 1, tokenizer=policy.tokenizer).task
     if not task.batch(np.random.default_rng(0), 1)[0].get("solution"):
         raise R.UsageError(f"sft needs reference solutions, and {run.env}'s samples have no 'solution' field")
+    learner = SFTLearner(policy, task, dataclasses.replace(cfg, run_dir=None))  # the Trainer gives it the run's logger
 
     def job(run_dir: str, resume: bool) -> dict[str, Any]:
-        progress = Progress(cfg.steps, 0, run.progress, os.path.basename(run_dir))
-        hist = train_sft(policy, task, dataclasses.replace(cfg, run_dir=run_dir),
-                         log=lambda step, m: progress.update({"step": step, **m}))
-        progress.close()
-        save_model(policy, run_dir)
-        accs = [e["accuracy"] for e in hist["eval"]]
-        return {"start": accs[0], "final": accs[-1]} if accs else {}
+        trainer = Trainer(run, run_dir, resume, cfg.steps, learner)
+        learner.fit(log=lambda step, metrics: None, callback=trainer.callback)
+        trainer.finish()
+        return _summary(learner.logger.history)
 
     return job
 
@@ -258,7 +257,7 @@ def _register() -> None:
     register("spin", SPINConfig, "SPIN: self-play DPO rounds, the task's reference solution against the model's own sample",
              build=build_spin, run_fields=frozenset({"temperature"}), resumable=False)
     register("sft", SFTConfig, "supervised fine-tuning on the task's reference solutions", build=build_sft,
-             run_fields=frozenset(), resumable=False, default_model="tiny")
+             run_fields=frozenset(checkpoints), default_model="tiny")
     register("rm", RewardModelConfig, "Bradley-Terry reward model on preference pairs (a sequence-classification "
              "head, or a causal LM's likelihood)", build=build_rm, run_fields=frozenset({"temperature", "pairs", "num_pairs", "rm_kind"}),
              resumable=False)
