@@ -51,6 +51,7 @@ from tokengym.agents.logger import RunLogger
 from tokengym.agents.optim import LR_SCHEDULES, lr_factor as schedule_factor
 from tokengym.agents.rollout import evaluate, heldout_samples
 from tokengym.envs.chat import encode_prompts
+from tokengym.envs.tasks.base import fresh_samples
 
 __all__ = ["SFTConfig", "SFTBatch", "make_batch", "batches", "sft_loss", "lr_factor", "SFTLearner", "train_sft", "evaluate_policy", "main"]
 
@@ -200,16 +201,8 @@ def batches(task: Any, tokenizer: Any, batch_size: int, prompt_len: int, seed: i
     between batches moves the stream to where that state was taken (how :class:`SFTLearner` resumes).
     """
     rng = rng if rng is not None else np.random.default_rng(seed)
-    exclude = exclude or set()
     while True:
-        out: list[dict[str, Any]] = []
-        tries = 0
-        while len(out) < batch_size:
-            out += [s for s in task.batch(rng, batch_size - len(out)) if s["prompt"] not in exclude]
-            tries += 1
-            if tries > 1000:
-                raise RuntimeError("could not draw training prompts outside the held-out set: the task's prompt space is too small")
-        yield make_batch(out, tokenizer, prompt_len)
+        yield make_batch(fresh_samples(task, batch_size, rng, exclude or set()), tokenizer, prompt_len)
 
 
 # ====================================================================== loss
