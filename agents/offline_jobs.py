@@ -252,7 +252,7 @@ def _register() -> None:
     register("spin", SPINConfig, "SPIN: self-play DPO rounds, the task's reference solution against the model's own sample",
              build=build_spin, run_fields=frozenset({"temperature"}), resumable=False)
     register("sft", SFTConfig, "supervised fine-tuning on the task's reference solutions", build=build_sft,
-             run_fields=frozenset(checkpoints), default_model="tiny")
+             run_fields=frozenset(checkpoints), default_model="tiny", data_parallel=True)
     register("rm", RewardModelConfig, "Bradley-Terry reward model on preference pairs (a sequence-classification "
              "head, or a causal LM's likelihood)", build=build_rm, run_fields=frozenset({"temperature", "pairs", "num_pairs", "rm_kind"}),
              resumable=False)

@@ -47,6 +47,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 import torch
 
+from tokengym.agents.distributed import LOCAL
 from tokengym.agents.logger import RunLogger
 from tokengym.agents.optim import LR_SCHEDULES, lr_factor as schedule_factor
 from tokengym.agents.rollout import evaluate, heldout_samples
@@ -155,6 +156,10 @@ class SFTBatch:
     def to(self, device: str | torch.device) -> "SFTBatch":
         return SFTBatch(self.tokens.to(device), self.mask.to(device), self.loss_mask.to(device), self.prompt_len)
 
+    def select(self, rows: torch.Tensor) -> "SFTBatch":
+        """The batch's rows ``rows`` (a data-parallel rank's share)."""
+        return SFTBatch(self.tokens[rows], self.mask[rows], self.loss_mask[rows], self.prompt_len)
+
 
 def make_batch(samples: Sequence[dict[str, Any]], tokenizer: Any, prompt_len: int) -> SFTBatch:
     """Lay out ``samples`` (dicts with ``"prompt"`` and ``"solution"``) like a ``TokenVectorEnv`` buffer.
@@ -239,6 +244,9 @@ class SFTLearner:
     data stream's and the policy's generators and the history; after a restore, :meth:`fit` runs the remaining
     steps with the same batches, learning rates and logged records as one uninterrupted fit.
     ``logger`` (a :class:`~tokengym.agents.logger.RunLogger` of ``config.run_dir``) writes the metrics.
+    Data parallel (``dp``, set by :func:`~tokengym.agents.distributed.prepare` under torchrun): every rank draws
+    the global batch and trains on its rows, its loss weighted by its share of the batch's completion tokens,
+    and the summed gradients give every rank the 1-process step.
     """
 
     def __init__(self, policy: Any, task: Any, config: SFTConfig | None = None, prompt_len: int | None = None):
@@ -256,6 +264,7 @@ class SFTLearner:
         self.optimizer = torch.optim.AdamW(_param_groups(policy.model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas)
         self.logger = RunLogger(cfg.run_dir)
         self.global_step = 0
+        self.dp = LOCAL
         self.hist: dict[str, Any] = {"step": [], "loss": [], "lr": [], "eval": [], "config": dataclasses.asdict(cfg)}
         self._elapsed = 0.0  # wall seconds spent before the current fit (in an earlier, interrupted process)
         self._t0: float | None = None
@@ -314,16 +323,20 @@ class SFTLearner:
         model.train()
         stopped = False
         while self.global_step < cfg.steps and not done_early():
-            batch = next(self._stream).to(self.policy.device)
+            batch = next(self._stream)  # the global batch (every rank draws it alike)
+            rows, share = self.dp.shard(torch.arange(len(batch.tokens)), batch.loss_mask.sum(1))
+            batch = (batch.select(rows) if self.dp.distributed else batch).to(self.policy.device)
             lr = cfg.lr * lr_factor(self.global_step, cfg)
             for g in self.optimizer.param_groups:
                 g["lr"] = lr
             with autocast:
                 loss, stats = sft_loss(self.policy, batch)
             self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            (loss * share).backward()  # share = 1 in one process
+            self.dp.sync_gradients(model.parameters())
             gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip is not None else float("inf"))
             self.optimizer.step()
+            stats = self.dp.weighted({"loss": stats["loss"]}, share)  # the global batch's token mean
             self.global_step = step = self.global_step + 1
             hist["step"].append(step)
             hist["loss"].append(float(stats["loss"]))
