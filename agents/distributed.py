@@ -1,6 +1,6 @@
 """Data-parallel training on ``torch.distributed``: one process per device, launched with ``torchrun``.
 
-``torchrun --nproc_per_node=K -m tokengym.agents.cli train grpo|ppo|dpo ...`` runs K processes (ranks).
+``torchrun --nproc_per_node=K -m tokengym.agents.cli train grpo|ppo|dpo|sft ...`` runs K processes (ranks).
 The global batch stays what the config says; each rank owns a slice of it, and a K-process run takes
 the same optimiser steps as a 1-process one with the same global batch (up to float rounding):
 

@@ -16,21 +16,24 @@ from tokengym.agents.registry import register
 from tokengym.agents.train import (Job, Progress, RunConfig, Trainer, _agent, _first_line, _initial_eval, _summary,
                                    eval_setup, load_policy, make_env, save_model)
 
-def preference_pairs(run: RunConfig, task: Any, exclude: list[dict] | None) -> list[dict[str, Any]]:
-    """The run's pairs: the ``pairs`` JSONL, or bundled Arithmetic pairs (held-out prompts excluded)."""
+def heldout_prompts(run: RunConfig, task: Any) -> set[str]:
+    """The prompts of the run's held-out evaluation samples (none when ``eval_prompts`` is 0): the data a run
+    generates for training (pairs, step labels) must not contain them."""
+    from tokengym.agents.rollout import heldout_samples
+
+    return {s["prompt"] for s in heldout_samples(task, run.eval_prompts)} if run.eval_prompts > 0 else set()
+
+
+def preference_pairs(run: RunConfig, task: Any, exclude: set[str]) -> list[dict[str, Any]]:
+    """The run's pairs: the ``pairs`` JSONL, or bundled Arithmetic pairs (prompts in ``exclude`` left out)."""
     from tokengym.agents.pairs import load_pairs
 
     if run.pairs == ON_POLICY:
         return on_policy(run, task, exclude)
     if run.pairs is not None:
-        if not os.path.isfile(run.pairs):
-            raise R.UsageError(f"pairs file {run.pairs!r} does not exist")
-        try:
-            return load_pairs(run.pairs)
-        except (ValueError, KeyError, OSError) as e:
-            raise R.UsageError(f"cannot read pairs from {run.pairs!r}: {_first_line(e)}") from None
+        return R.read_data_file(run.pairs, "pairs", "pairs", load_pairs)
     try:  # the task's bundled pairs (Arithmetic's corrupted solutions)
-        return task.preference_pairs(run.num_pairs, seed=0, exclude_prompts={s["prompt"] for s in exclude or []})
+        return task.preference_pairs(run.num_pairs, seed=0, exclude_prompts=exclude)
     except NotImplementedError as e:
         raise R.UsageError(str(e)) from None
 
@@ -40,14 +43,14 @@ LIKELIHOOD_RM_BETA = 0.5
 """Scale of the likelihood reward model's log-likelihood (the recipe of ``tests/agents/test_rlhf_pipeline.py``)."""
 
 
-def on_policy(run: RunConfig, task: Any, exclude: list[dict] | None) -> list[dict[str, Any]]:
+def on_policy(run: RunConfig, task: Any, exclude: set[str]) -> list[dict[str, Any]]:
     """``--pairs on-policy``: the run's model's own correct vs wrong samples of ``num_pairs`` bundled Arithmetic prompts."""
     from tokengym.agents.reward_data import on_policy_pairs
 
     if not task.has_bundled_data("preference_pairs"):
         raise R.UsageError(f"--pairs {ON_POLICY} needs a task with a verifier and reference solutions (Arithmetic), not {run.env}")
     pairs = on_policy_pairs(load_policy(run, 0), task, run.num_pairs, seed=0,
-                            exclude_prompts={s["prompt"] for s in exclude or []})
+                            exclude_prompts=exclude)
     if len(pairs) < 2:
         raise R.UsageError(f"the model's samples of {run.num_pairs} prompts gave {len(pairs)} pairs; raise --num-pairs")
     return pairs
@@ -61,7 +64,7 @@ def build_dpo(run: RunConfig, cfg: Any) -> Job:
     policy = load_policy(run, cfg.seed)
     eval_env, samples = eval_setup(run, policy.tokenizer)
     task = (eval_env or make_env(run, 1, tokenizer=policy.tokenizer)).task
-    pairs = preference_pairs(run, task, samples)
+    pairs = preference_pairs(run, task, heldout_prompts(run, task))
     n_eval = len(pairs) // 20  # 5% for held-out preference accuracy; none below 20 pairs
     learner = _agent(DPOLearner, policy, cfg)
     try:  # tokenized now: chat messages without a template, empty or identical completions fail here
@@ -82,21 +85,20 @@ def build_dpo(run: RunConfig, cfg: Any) -> Job:
 
 
 def build_sft(run: RunConfig, cfg: Any) -> Job:
-    from tokengym.agents.sft import train_sft
+    """SFT through :class:`Trainer`: its checkpoints every ``save_every`` steps and ``--resume`` (exact)."""
+    from tokengym.agents.sft import SFTLearner
 
     policy = load_policy(run, cfg.seed)
     task = make_env(run, 1, tokenizer=policy.tokenizer).task
     if not task.batch(np.random.default_rng(0), 1)[0].get("solution"):
         raise R.UsageError(f"sft needs reference solutions, and {run.env}'s samples have no 'solution' field")
+    learner = SFTLearner(policy, task, dataclasses.replace(cfg, run_dir=None))  # the Trainer gives it the run's logger
 
     def job(run_dir: str, resume: bool) -> dict[str, Any]:
-        progress = Progress(cfg.steps, 0, run.progress, os.path.basename(run_dir))
-        hist = train_sft(policy, task, dataclasses.replace(cfg, run_dir=run_dir),
-                         log=lambda step, m: progress.update({"step": step, **m}))
-        progress.close()
-        save_model(policy, run_dir)
-        accs = [e["accuracy"] for e in hist["eval"]]
-        return {"start": accs[0], "final": accs[-1]} if accs else {}
+        trainer = Trainer(run, run_dir, resume, cfg.steps, learner)
+        learner.fit(log=lambda step, metrics: None, callback=trainer.callback)
+        trainer.finish()
+        return _summary(learner.logger.history)
 
     return job
 
@@ -136,7 +138,6 @@ def _text_pairs(pairs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def build_rm(run: RunConfig, cfg: Any) -> Job:
     import math
 
-    from tokengym.agents.rollout import heldout_samples
     from tokengym.rewards import RewardModel, train_reward_model
 
     if run.rm_kind not in ("sequence", "likelihood"):
@@ -155,7 +156,7 @@ def build_rm(run: RunConfig, cfg: Any) -> Job:
         scorer = RewardModel(model, tok, max_length=cfg.max_length)
         target = model
     task = make_env(run, 1, tokenizer=tok).task
-    pairs = _text_pairs(preference_pairs(run, task, heldout_samples(task, run.eval_prompts) if run.eval_prompts else None))
+    pairs = _text_pairs(preference_pairs(run, task, heldout_prompts(run, task)))
 
     def fit(callback: Callable) -> list[dict[str, Any]]:
         history = train_reward_model(target, None if run.rm_kind == "likelihood" else tok, pairs, cfg, callback=callback)
@@ -182,23 +183,16 @@ def normalize_on_samples(run: RunConfig, rm: Any, n: int = 256) -> None:
 def build_prm(run: RunConfig, cfg: Any) -> Job:
     import math
 
-    from tokengym.agents.rollout import heldout_samples
     from tokengym.rewards import LearnedPRM, train_prm
     from tokengym.rewards.learned_prm import check_step_labels
 
     model, tok = _classifier(run, "token", cfg.seed)
     task = make_env(run, 1, tokenizer=tok).task
     if run.step_labels is not None:
-        if not os.path.isfile(run.step_labels):
-            raise R.UsageError(f"step_labels file {run.step_labels!r} does not exist")
-        try:
-            examples: Any = check_step_labels(run.step_labels)
-        except (ValueError, TypeError, OSError) as e:
-            raise R.UsageError(f"cannot read step labels from {run.step_labels!r}: {_first_line(e)}") from None
+        examples: Any = R.read_data_file(run.step_labels, "step_labels", "step labels", check_step_labels)
     else:  # the task's bundled step labels (Arithmetic's corrupted solutions)
-        exclude = [s["prompt"] for s in heldout_samples(task, run.eval_prompts)] if run.eval_prompts else []
         try:
-            examples = task.step_labels(run.num_pairs, seed=cfg.seed, exclude_prompts=exclude)
+            examples = task.step_labels(run.num_pairs, seed=cfg.seed, exclude_prompts=heldout_prompts(run, task))
         except NotImplementedError as e:
             raise R.UsageError(str(e)) from None
     total = cfg.epochs * math.ceil(len(examples) * (1 - cfg.val_fraction) / cfg.batch_size)
@@ -258,7 +252,7 @@ def _register() -> None:
     register("spin", SPINConfig, "SPIN: self-play DPO rounds, the task's reference solution against the model's own sample",
              build=build_spin, run_fields=frozenset({"temperature"}), resumable=False)
     register("sft", SFTConfig, "supervised fine-tuning on the task's reference solutions", build=build_sft,
-             run_fields=frozenset(), resumable=False, default_model="tiny")
+             run_fields=frozenset(checkpoints), default_model="tiny", data_parallel=True)
     register("rm", RewardModelConfig, "Bradley-Terry reward model on preference pairs (a sequence-classification "
              "head, or a causal LM's likelihood)", build=build_rm, run_fields=frozenset({"temperature", "pairs", "num_pairs", "rm_kind"}),
              resumable=False)

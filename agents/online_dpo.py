@@ -29,6 +29,7 @@ from tokengym.agents.dpo import DPOConfig, DPOLearner
 from tokengym.agents.pairs import PairData, mine_pairs
 from tokengym.agents.rollout import collect, evaluate
 from tokengym.agents.sft import make_batch
+from tokengym.envs.tasks.base import fresh_samples
 
 __all__ = ["iterative_dpo", "SPINConfig", "spin_pairs", "spin"]
 
@@ -140,14 +141,7 @@ class SPINConfig(DPOConfig):
 
 def _draw_prompts(task: Any, n: int, seed: int | Sequence[int], exclude: set[str]) -> list[dict[str, Any]]:
     """``n`` samples of ``task`` from ``default_rng(seed)``, skipping prompts in ``exclude``; all with a reference solution."""
-    rng = np.random.default_rng(seed)
-    out: list[dict[str, Any]] = []
-    for _ in range(1000):
-        out += [s for s in task.batch(rng, n - len(out)) if s["prompt"] not in exclude]
-        if len(out) == n:
-            break
-    else:
-        raise RuntimeError("could not draw enough prompts outside exclude_prompts: the task's prompt space is too small")
+    out = fresh_samples(task, n, np.random.default_rng(seed), exclude)
     missing = [i for i, s in enumerate(out) if not isinstance(s.get("solution"), str)]
     if missing:
         raise ValueError(f"SPIN needs reference solutions: samples of task {getattr(task, 'name', type(task).__name__)!r} "

@@ -58,7 +58,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-__all__ = ["UsageError", "field_docs", "parse_value", "apply_overrides", "read_config_file", "is_run_dir",
+__all__ = ["UsageError", "field_docs", "parse_value", "apply_overrides", "read_config_file", "read_data_file", "is_run_dir",
            "field_types", "write_json_atomic", "write_folder_atomic", "storage_errors", "run_path", "RunLock",
            "clean_stale_tmp", "save_checkpoint", "verify_checkpoint", "latest_intact_checkpoint", "latest_checkpoint",
            "load_checkpoint", "truncate_metrics", "KeptMetrics", "metrics_damage", "read_metrics", "rng_state",
@@ -209,6 +209,23 @@ def read_config_file(path: str) -> dict[str, Any]:
         else:
             flat[k] = v
     return flat
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message (its type name when it has none)."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def read_data_file(path: str, flag: str, what: str, read: Callable[[str], Any]) -> Any:
+    """``read(path)`` of a data file named by ``--<flag>`` (preference pairs, step labels), with a missing file or
+    bad contents as a one-line :class:`UsageError` naming the file (``read``'s ValueError, KeyError, TypeError or
+    OSError: the reader's own message, first line)."""
+    if not os.path.isfile(path):
+        raise UsageError(f"{flag} file {path!r} does not exist")
+    try:
+        return read(path)
+    except (ValueError, KeyError, TypeError, OSError) as e:
+        raise UsageError(f"cannot read {what} from {path!r}: {first_line(e)}") from None
 
 
 # ---------------------------------------------------------------------------------------------- files

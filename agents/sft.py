@@ -11,6 +11,8 @@ Reads top to bottom: config -> data -> loss -> loop -> eval -> command line.
   same temperature scaling, same chunked log-softmax). Prompt and padding positions carry no loss.
 * **Loop.** AdamW, linear warmup then cosine (or linear / constant) decay, gradient clipping, optional
   CPU/GPU bf16 autocast, periodic held-out greedy evaluation with :func:`tokengym.agents.rollout.evaluate`.
+  :class:`SFTLearner` holds it with the resume contract of ``tokengym train`` (``tokengym train sft --resume``
+  continues a killed run exactly); metrics go through :class:`~tokengym.agents.logger.RunLogger`.
 
 Example:
     >>> from tokengym.agents.policy import Policy
@@ -45,11 +47,14 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 import torch
 
+from tokengym.agents.distributed import LOCAL
+from tokengym.agents.logger import RunLogger
 from tokengym.agents.optim import LR_SCHEDULES, lr_factor as schedule_factor
 from tokengym.agents.rollout import evaluate, heldout_samples
 from tokengym.envs.chat import encode_prompts
+from tokengym.envs.tasks.base import fresh_samples
 
-__all__ = ["SFTConfig", "SFTBatch", "make_batch", "batches", "sft_loss", "lr_factor", "train_sft", "evaluate_policy", "main"]
+__all__ = ["SFTConfig", "SFTBatch", "make_batch", "batches", "sft_loss", "lr_factor", "SFTLearner", "train_sft", "evaluate_policy", "main"]
 
 
 # ====================================================================== config
@@ -151,6 +156,10 @@ class SFTBatch:
     def to(self, device: str | torch.device) -> "SFTBatch":
         return SFTBatch(self.tokens.to(device), self.mask.to(device), self.loss_mask.to(device), self.prompt_len)
 
+    def select(self, rows: torch.Tensor) -> "SFTBatch":
+        """The batch's rows ``rows`` (a data-parallel rank's share)."""
+        return SFTBatch(self.tokens[rows], self.mask[rows], self.loss_mask[rows], self.prompt_len)
+
 
 def make_batch(samples: Sequence[dict[str, Any]], tokenizer: Any, prompt_len: int) -> SFTBatch:
     """Lay out ``samples`` (dicts with ``"prompt"`` and ``"solution"``) like a ``TokenVectorEnv`` buffer.
@@ -190,19 +199,15 @@ def make_batch(samples: Sequence[dict[str, Any]], tokenizer: Any, prompt_len: in
 
 
 def batches(task: Any, tokenizer: Any, batch_size: int, prompt_len: int, seed: int = 0,
-            exclude: set[str] | None = None) -> Iterator[SFTBatch]:
-    """An endless, seeded stream of batches from ``task.batch`` (prompts in ``exclude`` are skipped)."""
-    rng = np.random.default_rng(seed)
-    exclude = exclude or set()
+            exclude: set[str] | None = None, rng: np.random.Generator | None = None) -> Iterator[SFTBatch]:
+    """An endless, seeded stream of batches from ``task.batch`` (prompts in ``exclude`` are skipped).
+
+    ``rng`` (default: seeded with ``seed``) is the stream's only state: setting its ``bit_generator.state``
+    between batches moves the stream to where that state was taken (how :class:`SFTLearner` resumes).
+    """
+    rng = rng if rng is not None else np.random.default_rng(seed)
     while True:
-        out: list[dict[str, Any]] = []
-        tries = 0
-        while len(out) < batch_size:
-            out += [s for s in task.batch(rng, batch_size - len(out)) if s["prompt"] not in exclude]
-            tries += 1
-            if tries > 1000:
-                raise RuntimeError("could not draw training prompts outside the held-out set: the task's prompt space is too small")
-        yield make_batch(out, tokenizer, prompt_len)
+        yield make_batch(fresh_samples(task, batch_size, rng, exclude or set()), tokenizer, prompt_len)
 
 
 # ====================================================================== loss
@@ -225,8 +230,6 @@ def lr_factor(step: int, cfg: SFTConfig) -> float:
     return schedule_factor(step, cfg.warmup + cfg.decay_steps, cfg.schedule, cfg.warmup, cfg.min_lr_ratio)
 
 
-
-
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     other = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
@@ -234,6 +237,131 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str,
 
 
 # ====================================================================== loop
+class SFTLearner:
+    """The SFT loop with the resume contract of ``tokengym train`` (as :class:`~tokengym.agents.dpo.DPOLearner`).
+
+    ``checkpoint_modules`` / ``state_dict`` / ``load_state_dict`` hold the weights, the optimiser, the step, the
+    data stream's and the policy's generators and the history; after a restore, :meth:`fit` runs the remaining
+    steps with the same batches, learning rates and logged records as one uninterrupted fit.
+    ``logger`` (a :class:`~tokengym.agents.logger.RunLogger` of ``config.run_dir``) writes the metrics.
+    Data parallel (``dp``, set by :func:`~tokengym.agents.distributed.prepare` under torchrun): every rank draws
+    the global batch and trains on its rows, its loss weighted by its share of the batch's completion tokens,
+    and the summed gradients give every rank the 1-process step.
+    """
+
+    def __init__(self, policy: Any, task: Any, config: SFTConfig | None = None, prompt_len: int | None = None):
+        from tokengym.envs import TokenVectorEnv
+
+        self.policy, self.task = policy, task
+        self.config = cfg = config or SFTConfig()
+        self.heldout = heldout_samples(task, cfg.eval_prompts)
+        self.eval_env = TokenVectorEnv(min(cfg.eval_batch, cfg.eval_prompts), task, tokenizer=policy.tokenizer,
+                                       device=policy.device, max_prompt_len=prompt_len)
+        P = self.eval_env.max_prompt_len  # the env's default room for the task's prompts (chat templates included)
+        self._rng = np.random.default_rng(cfg.seed)  # the data stream's only state (saved in checkpoints)
+        exclude = {s["prompt"] for s in self.heldout} if cfg.exclude_heldout else None
+        self._stream = batches(task, policy.tokenizer, cfg.batch_size, P, exclude=exclude, rng=self._rng)
+        self.optimizer = torch.optim.AdamW(_param_groups(policy.model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas)
+        self.logger = RunLogger(cfg.run_dir)
+        self.global_step = 0
+        self.dp = LOCAL
+        self.hist: dict[str, Any] = {"step": [], "loss": [], "lr": [], "eval": [], "config": dataclasses.asdict(cfg)}
+        self._elapsed = 0.0  # wall seconds spent before the current fit (in an earlier, interrupted process)
+        self._t0: float | None = None
+
+    # ------------------------------------------------------------------ checkpoint state
+    def checkpoint_modules(self) -> dict[str, torch.nn.Module]:
+        return {"policy": self.policy.model}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything but the weights needed to continue exactly: step, optimiser, generators, history."""
+        return {"global_step": self.global_step, "optimizer": self.optimizer.state_dict(),
+                "data_rng": self._rng.bit_generator.state, "policy_rng": self.policy.generator.get_state(),
+                "history": {k: self.hist[k] for k in ("step", "loss", "lr", "eval")}, "elapsed": self._wall()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.global_step = int(state["global_step"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self._rng.bit_generator.state = state["data_rng"]
+        self.policy.generator.set_state(state["policy_rng"])
+        self.hist.update({k: list(v) for k, v in state["history"].items()})
+        self._elapsed = float(state["elapsed"])
+
+    def _wall(self) -> float:
+        return self._elapsed + (time.perf_counter() - self._t0 if self._t0 is not None else 0.0)
+
+    # ------------------------------------------------------------------ loop
+    def fit(self, log: Callable[[int, dict[str, float]], None] | None = None,
+            callback: Callable[[dict[str, Any]], Any] | None = None) -> dict[str, Any]:
+        """Train up to ``config.steps`` (or ``stop_at_accuracy``); return the history (see :func:`train_sft`).
+
+        ``log(step, metrics)`` sees every training and evaluation record; ``callback(record)`` is called after
+        every step with ``{"step": ..., **what was logged at it}``, and returning ``False`` stops right there
+        (a checkpoint saved in it resumes exactly).
+        """
+        cfg, model, hist = self.config, self.policy.model, self.hist
+        autocast = torch.autocast(self.policy.device.type, dtype=torch.bfloat16) if cfg.bf16 else nullcontext()
+        if log is None:
+            log = _print_log if cfg.log_every else (lambda step, metrics: None)
+        self._t0 = time.perf_counter()
+
+        def run_eval(step: int) -> dict[str, float]:
+            model.eval()
+            res = evaluate(self.policy, self.eval_env, self.heldout, greedy=True)
+            model.train()
+            hist["eval"].append({"step": step, **res, "wall_s": self._wall()})
+            metrics = {f"eval/{k}": v for k, v in res.items()}
+            self.logger.log(step, metrics)
+            log(step, metrics)
+            return metrics
+
+        def done_early() -> bool:
+            return cfg.stop_at_accuracy is not None and hist["eval"][-1]["accuracy"] >= cfg.stop_at_accuracy
+
+        if not hist["eval"]:  # a new fit: the score before training
+            run_eval(0)
+        model.train()
+        stopped = False
+        while self.global_step < cfg.steps and not done_early():
+            batch = next(self._stream)  # the global batch (every rank draws it alike)
+            rows, share = self.dp.shard(torch.arange(len(batch.tokens)), batch.loss_mask.sum(1))
+            batch = (batch.select(rows) if self.dp.distributed else batch).to(self.policy.device)
+            lr = cfg.lr * lr_factor(self.global_step, cfg)
+            for g in self.optimizer.param_groups:
+                g["lr"] = lr
+            with autocast:
+                loss, stats = sft_loss(self.policy, batch)
+            self.optimizer.zero_grad(set_to_none=True)
+            (loss * share).backward()  # share = 1 in one process
+            self.dp.sync_gradients(model.parameters())
+            gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip is not None else float("inf"))
+            self.optimizer.step()
+            stats = self.dp.weighted({"loss": stats["loss"]}, share)  # the global batch's token mean
+            self.global_step = step = self.global_step + 1
+            hist["step"].append(step)
+            hist["loss"].append(float(stats["loss"]))
+            hist["lr"].append(lr)
+            record: dict[str, Any] = {"step": step}
+            if cfg.log_every and step % cfg.log_every == 0:
+                window = hist["loss"][-cfg.log_every :]
+                metrics = {"train/loss": sum(window) / len(window), "train/lr": lr, "train/grad_norm": float(gnorm)}
+                self.logger.log(step, metrics)
+                log(step, metrics)
+                record.update(metrics)
+            if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
+                record.update(run_eval(step))
+            if callback is not None and callback(record) is False:
+                stopped = True
+                break
+        if not stopped and hist["eval"][-1]["step"] != self.global_step:
+            run_eval(self.global_step)
+        model.eval()
+        hist["steps_done"] = self.global_step
+        hist["wall_s"] = self._wall()
+        self._elapsed, self._t0 = hist["wall_s"], None
+        return hist
+
+
 def train_sft(policy: Any, task: Any, config: SFTConfig | None = None, log: Callable[[int, dict[str, float]], None] | None = None,
               prompt_len: int | None = None) -> dict[str, Any]:
     """Fine-tune ``policy`` on ``task``'s reference solutions; return the history.
@@ -251,102 +379,15 @@ def train_sft(policy: Any, task: Any, config: SFTConfig | None = None, log: Call
         "mean_length", "truncated", "wall_s"}, ...], "wall_s": float, "steps_done": int, "config": {...}}``;
         ``loss[i]`` is the mean completion cross-entropy of step ``i``'s batch (before its update).
     """
-    from tokengym.envs import TokenVectorEnv
-
-    cfg = config or SFTConfig()
-    model, tok, device = policy.model, policy.tokenizer, policy.device
-    heldout = heldout_samples(task, cfg.eval_prompts)
-    eval_env = TokenVectorEnv(min(cfg.eval_batch, cfg.eval_prompts), task, tokenizer=tok, device=device, max_prompt_len=prompt_len)
-    P = eval_env.max_prompt_len  # the env's default room for the task's prompts (chat templates included)
-    stream = batches(task, tok, cfg.batch_size, P, cfg.seed, {s["prompt"] for s in heldout} if cfg.exclude_heldout else None)
-    opt = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if cfg.bf16 else nullcontext()
-    sink = _MetricSink(cfg.run_dir, dataclasses.asdict(cfg))
-    if log is None:
-        log = _print_log if cfg.log_every else (lambda step, metrics: None)
-
-    hist: dict[str, Any] = {"step": [], "loss": [], "lr": [], "eval": [], "config": dataclasses.asdict(cfg)}
-    t0 = time.perf_counter()
-
-    def run_eval(step: int) -> float:
-        model.eval()
-        res = evaluate(policy, eval_env, heldout, greedy=True)
-        model.train()
-        res = {**res, "wall_s": time.perf_counter() - t0}
-        hist["eval"].append({"step": step, **res})
-        sink.write(step, {f"eval/{k}": v for k, v in res.items()})
-        log(step, {f"eval/{k}": v for k, v in res.items()})
-        return res["accuracy"]
-
-    def done_early(acc: float) -> bool:
-        return cfg.stop_at_accuracy is not None and acc >= cfg.stop_at_accuracy
-
-    acc = run_eval(0)
-    model.train()
-    step = 0
-    while step < cfg.steps and not done_early(acc):
-        batch = next(stream).to(device)
-        with autocast:
-            loss, stats = sft_loss(policy, batch)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip is not None else float("inf"))
-        opt.step()
-        lr = opt.param_groups[0]["lr"]
-        sched.step()
-        step += 1
-        hist["step"].append(step)
-        hist["loss"].append(float(stats["loss"]))
-        hist["lr"].append(lr)
-        if cfg.log_every and step % cfg.log_every == 0:
-            window = hist["loss"][-cfg.log_every :]
-            metrics = {"train/loss": sum(window) / len(window), "train/lr": lr, "train/grad_norm": float(gnorm),
-                       "train/wall_s": time.perf_counter() - t0}
-            sink.write(step, metrics)
-            log(step, metrics)
-        if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
-            acc = run_eval(step)
-    if not hist["eval"] or hist["eval"][-1]["step"] != step:
-        run_eval(step)
-    model.eval()
-    sink.close()
-    hist["steps_done"] = step
-    hist["wall_s"] = time.perf_counter() - t0
-    return hist
+    learner = SFTLearner(policy, task, config, prompt_len)
+    try:
+        return learner.fit(log)
+    finally:
+        learner.logger.close()
 
 
 def _print_log(step: int, metrics: dict[str, float]) -> None:
     print(f"step {step:6d}  " + "  ".join(f"{k} {v:.4g}" for k, v in metrics.items()), flush=True)
-
-
-class _MetricSink:
-    """``metrics.jsonl`` + TensorBoard under ``run_dir`` (a no-op without one)."""
-
-    def __init__(self, run_dir: str | None, config: dict[str, Any]):
-        self.jsonl = self.tb = None
-        if run_dir:
-            os.makedirs(run_dir, exist_ok=True)
-            with open(os.path.join(run_dir, "config.json"), "w") as f:
-                json.dump(config, f, indent=2)
-            self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(run_dir)
-
-    def write(self, step: int, metrics: dict[str, float]) -> None:
-        if self.jsonl is not None:
-            self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
-            self.jsonl.flush()
-        if self.tb is not None:
-            for k, v in metrics.items():
-                self.tb.add_scalar(k, v, step)
-
-    def close(self) -> None:
-        if self.jsonl is not None:
-            self.jsonl.close()
-        if self.tb is not None:
-            self.tb.close()
 
 
 # ====================================================================== eval
@@ -428,6 +469,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     min_lr_ratio=a.min_lr_ratio, weight_decay=a.weight_decay, grad_clip=a.grad_clip or None, seed=a.seed,
                     bf16=a.bf16, eval_every=a.eval_every, eval_prompts=a.eval_prompts,
                     stop_at_accuracy=a.stop_at_accuracy, log_every=a.log_every, run_dir=a.run_dir)
+    if a.run_dir:  # the settings next to the metrics (``tokengym train sft`` writes its own config.json)
+        from tokengym.agents.runs import write_json_atomic
+
+        os.makedirs(a.run_dir, exist_ok=True)
+        write_json_atomic(os.path.join(a.run_dir, "config.json"), dataclasses.asdict(cfg))
     hist = train_sft(policy, task, cfg)
     final = hist["eval"][-1]
     print(f"done: {hist['steps_done']} steps in {hist['wall_s']:.1f}s, held-out greedy accuracy {final['accuracy']:.3f}", flush=True)

@@ -130,8 +130,7 @@ def make_env(run: RunConfig, num_envs: int, group_size: int = 1, tokenizer: Any 
         raise R.UsageError(f"cannot build env {run.env} with {env_kwargs(run)}: {_first_line(e)}") from None
 
 
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+_first_line = R.first_line
 
 
 def checked_env(run: RunConfig, policy: Any, num_envs: int, group_size: int = 1, update_rows: int | None = None, **extra: Any):

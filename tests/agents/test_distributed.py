@@ -46,6 +46,10 @@ RUNS = {  # name -> command line (GRPO with minibatches, batch scaling and token
     "ppo": ["train", "ppo", "--steps", "3", "--prompts", "8", "--mu", "2", "--minibatches", "2", "--whiten-advantages", "true",
             "--aggregation", "seq-mean-token-mean", "--kl-target", "0.01", "--kl-horizon", "100", "--entropy-coef", "0.01", *COMMON],
     "dpo": ["train", "dpo", "--steps", "3", "--batch-size", "8", "--num-pairs", "64", *COMMON],
+    # SFT's rows split by completion tokens (their lengths differ), a held-out eval before and after (greedy: the
+    # same weights score the same on every rank)
+    "sft": ["train", "sft", "--steps", "3", "--batch-size", "8", "--warmup", "1", "--log-every", "1", *COMMON,
+            "--eval-prompts", "4"],
 }
 
 
@@ -65,11 +69,11 @@ def _metrics(path: str) -> list[dict]:
 
 
 # Optimizer steps of each run (GRPO: 3 steps x 2 minibatches; PPO: 3 steps x 2 epochs x 2 minibatches x policy
-# and critic optimizers; DPO: 3 steps), and a bound on the float32 terms summed into one gradient entry: the
-# tokens of the largest global minibatch (GRPO 4 rows, PPO 4 rows, DPO 8 pairs = 16 rows; the Arithmetic-v0
-# prompt buffer 11 + 31 completion tokens) times the widest layer of the tiny-arithmetic model (352 features).
-OPTIMIZER_STEPS = {"grpo": 6, "ppo": 24, "dpo": 3}
-N_TERMS = {"grpo": 4 * 42 * 352, "ppo": 4 * 42 * 352, "dpo": 16 * 42 * 352}
+# and critic optimizers; DPO and SFT: 3 steps), and a bound on the float32 terms summed into one gradient entry:
+# the tokens of the largest global minibatch (GRPO 4 rows, PPO 4 rows, DPO 8 pairs = 16 rows, SFT 8 rows; the
+# Arithmetic-v0 prompt buffer 11 + 31 completion tokens) times the widest layer of the tiny models (352 features).
+OPTIMIZER_STEPS = {"grpo": 6, "ppo": 24, "dpo": 3, "sft": 3}
+N_TERMS = {"grpo": 4 * 42 * 352, "ppo": 4 * 42 * 352, "dpo": 16 * 42 * 352, "sft": 8 * 42 * 352}
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +137,7 @@ def test_two_processes_match_one(runs, name):
         assert torch.equal(a[k], b[k]), f"{name} {k}: max |diff| {float((a[k] - b[k]).abs().max()):.3g}"
     m2, m1 = _metrics(str(two / name / "metrics.jsonl")), _metrics(str(one / name / "metrics.jsonl"))
     assert [r["step"] for r in m2] == [r["step"] for r in m1]  # rank 0 alone wrote the log (no duplicates)
-    assert sorted({r["step"] for r in m2}) == [1, 2, 3]
+    assert sorted({r["step"] for r in m2} - {0}) == [1, 2, 3]  # (SFT evaluates at step 0 too)
     for r2, r1 in zip(m2, m1):
         assert r2.keys() == r1.keys()
         for k in r1:

@@ -2,6 +2,8 @@
 cross-entropy, config validation, a tiny model that learns easy addition, the command line, and the
 shipped warm-start checkpoint scoring what its card says."""
 
+import dataclasses
+import io
 import json
 import math
 import os
@@ -13,7 +15,7 @@ import torch.nn.functional as F
 
 from tokengym.agents.models import build_preset
 from tokengym.agents.policy import Policy
-from tokengym.agents.sft import SFTBatch, SFTConfig, batches, evaluate_policy, lr_factor, main, make_batch, sft_loss, train_sft
+from tokengym.agents.sft import SFTBatch, SFTConfig, SFTLearner, batches, evaluate_policy, lr_factor, main, make_batch, sft_loss, train_sft
 from tokengym.envs import TokenVectorEnv
 from tokengym.envs.tasks import ArithmeticTask
 
@@ -192,6 +194,49 @@ def test_tiny_model_learns_easy_addition(tmp_path, one_thread):
     assert any("eval/accuracy" in r for r in rows) and any("train/loss" in r for r in rows)
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path / "run"))
     assert seen and math.isfinite(seen[-1][1]["eval/accuracy"])
+
+
+def _roundtrip(obj):
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)  # what runs.load_checkpoint reads back
+
+
+@pytest.mark.parametrize("k", [3, 4])  # inside a log window (log_every=2) and at its end; evals every 3 steps
+def test_stopped_and_restored_fit_equals_an_uninterrupted_one(tmp_path, one_thread, k):
+    """k steps, a checkpoint (weights + state through torch.save), a fresh learner on a differently initialised
+    policy restored from it, the remaining steps: the same weights, history and metrics.jsonl as 2k straight."""
+    task = ArithmeticTask(n_operands=2, digits=1, operators="+")
+    cfg = SFTConfig(steps=2 * k, batch_size=8, lr=3e-3, warmup=2, eval_every=3, eval_prompts=8, log_every=2, seed=5)
+
+    def learner(seed, run):
+        return SFTLearner(Policy(*build_preset("tiny", seed=seed)), task, dataclasses.replace(cfg, run_dir=str(tmp_path / run)))
+
+    def records(run):
+        return [{k: v for k, v in json.loads(line).items() if k != "time"} for line in open(tmp_path / run / "metrics.jsonl")]
+
+    def same(h):
+        return {key: [{k: v for k, v in e.items() if k != "wall_s"} for e in h[key]] if key == "eval" else h[key]
+                for key in ("step", "loss", "lr", "eval", "steps_done")}
+
+    full = learner(0, "full")
+    want = full.fit(log=lambda *a: None)
+    full.logger.close()
+    part = learner(0, "split")
+    part.fit(log=lambda *a: None, callback=lambda rec: rec["step"] < k)
+    assert part.global_step == k and len(part.hist["eval"]) == 1 + (k >= 3)  # stopped before the final eval
+    weights, state = _roundtrip(part.policy.model.state_dict()), _roundtrip(part.state_dict())
+    part.logger.close()
+    rest = learner(99, "split")
+    rest.policy.model.load_state_dict(weights)
+    rest.load_state_dict(state)
+    got = rest.fit(log=lambda *a: None)
+    rest.logger.close()
+    for (name, p), q in zip(full.policy.model.named_parameters(), rest.policy.model.parameters()):
+        assert torch.equal(p, q), name
+    assert same(got) == same(want) and want["steps_done"] == 2 * k
+    assert records("split") == records("full") and any("train/loss" in r for r in records("full"))
 
 
 def test_stop_at_accuracy_ends_early(one_thread):
