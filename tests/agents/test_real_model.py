@@ -97,6 +97,19 @@ def test_fast_decoder_log_probs_agree_with_a_full_forward(policy):
     assert float((ro.logprobs[am] - full[am]).abs().max()) < 1e-4
 
 
+def test_compaction_and_shared_prompts_change_no_token_of_a_real_model_rollout(policy):
+    """Groups of 4 chat prompts, 48 sampled tokens: the default rollout (prompts encoded once per group, finished rows
+    dropped) gives the plain rollout's tokens, with log-probs equal to float rounding."""
+    env = chat_env(policy, n=16, group_size=4, max_new_tokens=48)
+    policy.seed(3)
+    plain = collect(env, policy, seed=1, compact=False, share_prefix=False)
+    policy.seed(3)
+    fast = collect(env, policy, seed=1)
+    assert len(set(plain.lengths.tolist())) > 2  # rows end at different steps
+    assert torch.equal(plain.tokens, fast.tokens)
+    assert (plain.logprobs - fast.logprobs).abs().max().item() < 1e-3  # 30 fp32 layers, different row counts
+
+
 def test_a_multi_turn_chat_episode_extends_the_cache_with_user_turns(policy):
     """GuessNumber in chat form: each guess ends with <|im_end|>, the env answers as a user turn between the template's
     role markers, and the rollout's log-probs over the whole conversation equal a full forward's to 1e-4 (fp32)."""
