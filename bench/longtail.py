@@ -69,7 +69,8 @@ def flops(model, prompt_lens: list[int], lengths: list[int]) -> float:
 
 
 def run_side(side: str, model_name: str, n: int, repeats: int) -> dict:
-    """One contender's best seconds for the long-tailed batch (``side``: ``tokengym`` or ``generate``)."""
+    """One contender's best seconds for the long-tailed batch (``side``: ``tokengym``, ``lockstep`` (``collect`` without
+    compaction) or ``generate``)."""
     from transformers import LogitsProcessor, LogitsProcessorList
 
     policy = _load(model_name)
@@ -92,9 +93,9 @@ def run_side(side: str, model_name: str, n: int, repeats: int) -> dict:
     times = []
     for r in range(repeats + 1):  # round 0 warms up
         torch.manual_seed(r)
-        if side == "tokengym":
+        if side in ("tokengym", "lockstep"):  # lockstep: the same rollout without compaction (what it saves)
             t0 = time.perf_counter()
-            ro = collect(env, policy, seed=r)
+            ro = collect(env, policy, seed=r, compact=side == "tokengym")
             dt = time.perf_counter() - t0
             got = ro.lengths
         else:
@@ -118,4 +119,4 @@ def run_side(side: str, model_name: str, n: int, repeats: int) -> dict:
     return {"seconds": round(best, 3), "tok_s": round(int(lengths.sum()) / best, 1),
             "gflops": round(flops(policy.model, prompt_lens, lengths.tolist()) / best / 1e9, 2),
             "mean_len": round(float(lengths.float().mean()), 1), "max_len": int(lengths.max()),
-            "fast_path": policy.fast_path_active if side == "tokengym" else None}
+            "fast_path": policy.fast_path_active if side != "generate" else None}

