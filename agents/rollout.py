@@ -8,6 +8,7 @@ device; the only host syncs are the env's one-per-step stop check and the reward
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -251,6 +252,18 @@ def _prefix_copies(env, tokens: torch.Tensor, mask: torch.Tensor, share_prefix: 
     return 1
 
 
+def _row_streams(policy) -> bool:
+    """Whether ``policy`` samples from per-row streams (a :class:`Policy` whose ``sample`` takes ``ids``/``steps``;
+    a subclass that overrides ``sample`` with the older ``(logits, greedy)`` signature keeps its own sampling)."""
+    if not hasattr(policy, "begin_rollout"):
+        return False
+    try:
+        params = inspect.signature(policy.sample).parameters
+    except (TypeError, ValueError):
+        return False
+    return "ids" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
 def _run_episodes(env, policy, greedy: bool, seed: int | None, samples: list | None, compact: bool = True,
                   share_prefix: bool | None = None) -> torch.Tensor:
     """Reset ``env`` and step it to the end with ``policy``; return the sampled tokens' log-probs ``[N, M]``.
@@ -263,7 +276,7 @@ def _run_episodes(env, policy, greedy: bool, seed: int | None, samples: list | N
     logps = torch.zeros((N, M + 1), dtype=torch.float32, device=env.device)  # column M: finished rows' samples
     lead = P - max(int(obs["mask"][:, :P].sum(1).max()), 1)  # prompt columns that are padding in every row
     multi_turn = getattr(env, "multi_turn", False)
-    streams = hasattr(policy, "begin_rollout")  # per-row sampling streams (Policy); other policies sample as they like
+    streams = _row_streams(policy)
     compact = compact and streams and hasattr(policy, "compact") and getattr(policy, "noise", None) is None
     rows = torch.arange(N, device=env.device)
     actions = torch.full((N,), env.pad_id, dtype=torch.long, device=env.device)
@@ -348,13 +361,15 @@ def _run_continuous(env, policy, episodes: list | int, greedy: bool, seed: int |
     rows = torch.arange(N, device=env.device)  # env slots the cache holds, in cache order
     at = rows.clone()  # cache row of each slot (-1: dropped)
     actions = torch.full((N,), env.pad_id, dtype=torch.long, device=env.device)
+    streams = _row_streams(policy)
     try:
         policy.begin_rollout()
         logits = policy.prefill(obs["tokens"][:, :P], obs["mask"][:, :P], max_new_tokens=M)
         hold0 = torch.zeros(N, dtype=torch.bool, device=env.device)  # rows move at their own pace from the start
         for step in range(n * (M + 1000)):
             gen = env.gen_len[rows]
-            a, lp = policy.sample(logits, greedy=greedy, ids=env.episode_id[rows].clamp(min=0), steps=gen)
+            a, lp = (policy.sample(logits, greedy=greedy, ids=env.episode_id[rows].clamp(min=0), steps=gen) if streams
+                     else policy.sample(logits, greedy=greedy))
             actions[rows] = a
             held = env.waiting[rows].clone() if multi_turn and env._pending else None
             skip = env.done[rows] | env.idle[rows]

@@ -205,3 +205,19 @@ def test_bad_input_for_the_continuous_paths(policy):
     generic = Policy(policy.model, tok, fast_decode=False)
     with pytest.raises(ValueError, match="fast decode path"):
         collect_episodes(_reverse(4, tok, autoreset_mode="next_step"), generic, n=4)
+
+
+def test_a_policy_subclass_with_the_old_sample_signature_keeps_its_own_sampling(policy, monkeypatch):
+    """A user's ``sample(self, logits, greedy=False)`` override predates the per-row streams: collect calls it as
+    before (no ids/steps, so nothing to compact by) instead of failing."""
+
+    class Old(Policy):
+        def sample(self, logits, greedy=False):
+            logits[:, 5] = float("-inf")  # never token 5
+            return super().sample(logits, greedy)
+
+    old = Old(policy.model, policy.tokenizer, seed=0)
+    kept = _spy_compact(old, monkeypatch)
+    ro = collect(_reverse(16, policy.tokenizer), old, seed=1)
+    assert not kept and not (ro.tokens[:, ro.prompt_len:][ro.action_mask] == 5).any()
+    assert bool((ro.logprobs[ro.action_mask] <= 0).all())
