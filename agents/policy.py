@@ -2,11 +2,14 @@
 
 Rollout API (what :func:`tokengym.agents.collect` uses; lockstep batches)::
 
+    policy.begin_rollout()                                              # this rollout's sampling-stream key
     logits = policy.prefill(obs["tokens"][:, :P], obs["mask"][:, :P], max_new_tokens=M)  # prompts, once
-    actions, logp = policy.sample(logits)                               # on the device, no host sync
+    actions, logp = policy.sample(logits, ids=rows, steps=gen_len)      # on the device, no host sync
     obs, ... = env.step(actions)
     logits = policy.decode(actions)                                     # one token per slot
     logits[rows] = policy.extend(rows, reply, lengths)                  # multi-turn: the env's reply tokens
+    policy.compact(live_rows)                                           # drop finished rows from the cache
+    logits[rows] = policy.refill(rows, prompts, mask)                   # continuous batching: new episodes
 
 Fast path: ``policy.prefill(tokens, mask, max_new_tokens=M)`` (what ``collect`` calls) runs supported
 Llama-family models (Llama, Mistral, Qwen2) through :class:`~tokengym.agents.fast_decode.StaticDecoder`:

@@ -1,8 +1,11 @@
-"""The rollout engine: drive a ``TokenVectorEnv`` in lockstep with a policy and collect a ``Rollout``.
+"""The rollout engine: drive a ``TokenVectorEnv`` with a policy and collect a ``Rollout``.
 
-``collect`` resets the env (``DISABLED`` autoreset: one batch of episodes), prefills the prompts once,
-then samples and decodes one token per step until every slot is done. Everything stays on the env's
-device; the only host syncs are the env's one-per-step stop check and the reward calls.
+``collect`` resets the env (``DISABLED`` autoreset: one batch of episodes), prefills the prompts once (a GRPO group's
+shared prompt once for its G rows), then samples and decodes one token per step until every slot is done, dropping
+finished rows from the policy's cache as it goes. ``collect_episodes`` streams a prompt list through a ``NEXT_STEP``
+env instead (continuous batching). Each episode samples from its own stream, so neither trick changes a token.
+Everything stays on the env's device; the only host syncs are the env's one-per-step stop check, a live-row count
+every few steps and the reward calls.
 """
 
 from __future__ import annotations
