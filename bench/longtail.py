@@ -120,3 +120,27 @@ def run_side(side: str, model_name: str, n: int, repeats: int) -> dict:
             "gflops": round(flops(policy.model, prompt_lens, lengths.tolist()) / best / 1e9, 2),
             "mean_len": round(float(lengths.float().mean()), 1), "max_len": int(lengths.max()),
             "fast_path": policy.fast_path_active if side != "generate" else None}
+
+
+def run_prefill(side: str, model_name: str, repeats: int) -> dict:
+    """Best seconds of one GRPO batch's prefill (8 chat prompts x 8 rows, ``side``: ``shared`` encodes each prompt once,
+    ``each`` all 64 rows), the step that shared group prefixes shorten."""
+    from tokengym.envs.tasks import ArithmeticTask
+
+    policy = _load(model_name)
+    policy.model.eval()
+    chat = model_name == "real"
+    env = TokenVectorEnv(64, ArithmeticTask(n_operands=2, digits=(1, 2), chat=chat), tokenizer=policy.tokenizer,
+                         group_size=8, max_new_tokens=32)
+    obs, _ = env.reset(seed=0)
+    P = env.max_prompt_len
+    times = []
+    with torch.inference_mode():
+        for r in range(repeats + 1):
+            t0 = time.perf_counter()
+            policy.prefill(obs["tokens"][:, :P], obs["mask"][:, :P], max_new_tokens=32, copies=8 if side == "shared" else 1)
+            dt = time.perf_counter() - t0
+            policy.end_rollout()
+            if r:
+                times.append(dt)
+    return {"seconds": round(min(times), 4), "prompt_tokens": int(obs["mask"][:, :P].sum(1).float().mean())}

