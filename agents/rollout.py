@@ -284,7 +284,7 @@ def _run_episodes(env, policy, greedy: bool, seed: int | None, samples: list | N
     rows = torch.arange(N, device=env.device)
     actions = torch.full((N,), env.pad_id, dtype=torch.long, device=env.device)
     try:
-        if streams:
+        if streams and not greedy:  # greedy draws nothing: evaluating must not move the training stream
             policy.begin_rollout()
         tokens, mask = obs["tokens"][:, lead:P], obs["mask"][:, lead:P]
         copies = _prefix_copies(env, tokens, mask, share_prefix)
@@ -366,7 +366,8 @@ def _run_continuous(env, policy, episodes: list | int, greedy: bool, seed: int |
     actions = torch.full((N,), env.pad_id, dtype=torch.long, device=env.device)
     streams = _row_streams(policy)
     try:
-        policy.begin_rollout()
+        if not greedy:
+            policy.begin_rollout()
         logits = policy.prefill(obs["tokens"][:, :P], obs["mask"][:, :P], max_new_tokens=M)
         hold0 = torch.zeros(N, dtype=torch.bool, device=env.device)  # rows move at their own pace from the start
         for step in range(n * (M + 1000)):

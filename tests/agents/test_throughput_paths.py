@@ -221,3 +221,14 @@ def test_a_policy_subclass_with_the_old_sample_signature_keeps_its_own_sampling(
     ro = collect(_reverse(16, policy.tokenizer), old, seed=1)
     assert not kept and not (ro.tokens[:, ro.prompt_len:][ro.action_mask] == 5).any()
     assert bool((ro.logprobs[ro.action_mask] <= 0).all())
+
+
+def test_greedy_rollouts_leave_the_sampling_stream_alone(policy):
+    """Held-out evaluation between training steps must not change the samples the training steps draw."""
+    tok = policy.tokenizer
+    state = policy.generator.get_state()
+    collect(_reverse(8, tok), policy, seed=0, greedy=True)
+    evaluate(policy, _reverse(4, tok, autoreset_mode="next_step"), heldout_samples(_reverse(1, tok).task, 6))
+    assert torch.equal(policy.generator.get_state(), state)
+    collect(_reverse(8, tok), policy, seed=0)
+    assert not torch.equal(policy.generator.get_state(), state)  # a sampled rollout draws its key
