@@ -5,11 +5,11 @@ The global batch stays what the config says; each rank owns a slice of it, and a
 the same optimiser steps as a 1-process one with the same global batch (up to float rounding):
 
 * **Rollouts.** Every rank's env is seeded alike and draws the *global* batch of prompts, keeping its own
-  ``1/K`` of the groups (:class:`ShardedTask`; whole GRPO groups stay on one rank). Sampling uses
-  inverse-CDF draws whose uniforms come from a stream all ranks share, one per row of the global
-  batch, reseeded from the policy's generator at every new batch (:class:`SharedNoise`), so rank r
-  samples exactly what rows r of a 1-process rollout would. (A plain, non-distributed run keeps
-  ``torch.multinomial`` and its existing random stream.)
+  ``1/K`` of the groups (:class:`ShardedTask`; whole GRPO groups stay on one rank). Each episode samples from
+  the per-row stream of :func:`~tokengym.agents.policy.row_uniforms`, keyed by the rollout's key (drawn from the
+  policy's generator, which every rank holds alike) and the row's index in the *global* batch
+  (``policy.row_offset``), so rank r samples exactly what rows r of a 1-process rollout would, and drops its
+  finished rows from its cache as a 1-process rollout does.
 * **Statistics.** After the rollout every rank gathers the global batch (:meth:`DataParallel.gather`:
   a few ``[N, P + M]`` tensors, with PPO's critic values and reference log-probs, each computed by the
   rank that owns the rows), so advantages (``scale_rewards="batch"``, PPO's GAE and whitening), PPO's
@@ -44,7 +44,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-__all__ = ["DataParallel", "LOCAL", "init", "shutdown", "prepare", "ShardedTask", "SharedNoise", "seed_rank",
+__all__ = ["DataParallel", "LOCAL", "init", "shutdown", "prepare", "ShardedTask", "seed_rank",
            "aggregation_weights"]
 
 
@@ -283,46 +283,22 @@ class ShardedTask:
     """A task whose ``batch(rng, n)`` draws the global batch of ``n * world_size`` prompts and keeps rows
     ``rank * n .. (rank + 1) * n``; everything else is the wrapped task's."""
 
-    def __init__(self, task: Any, rank: int, world_size: int, on_batch: Any = None):
-        self.task, self.rank, self.world_size, self.on_batch = task, rank, world_size, on_batch
+    def __init__(self, task: Any, rank: int, world_size: int):
+        self.task, self.rank, self.world_size = task, rank, world_size
 
     def batch(self, rng: np.random.Generator, n: int) -> list[dict[str, Any]]:
         rows = self.task.batch(rng, n * self.world_size)
-        if self.on_batch is not None:
-            self.on_batch()
         return rows[self.rank * n:(self.rank + 1) * n]
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.task, name)
 
 
-class SharedNoise:
-    """Uniforms for inverse-CDF sampling: each call draws one per row of the global batch (``n * world_size``)
-    from a generator every rank holds alike and returns this rank's ``n`` rows.
-
-    :meth:`reseed` (called at every new global batch of prompts) reseeds that generator from the policy's
-    own generator, so each rollout consumes the same randomness however early a rank's episodes end, and
-    the policy generator (saved in checkpoints) stays the only state.
-    """
-
-    def __init__(self, source: torch.Generator, rank: int, world_size: int):
-        self.source, self.rank, self.world_size = source, rank, world_size
-        self.generator = torch.Generator(device=source.device)
-
-    def reseed(self) -> None:
-        seed = torch.randint(0, 2**62, (1,), generator=self.source, device=self.source.device)
-        self.generator.manual_seed(int(seed))
-
-    def __call__(self, n: int) -> torch.Tensor:
-        u = torch.rand(n * self.world_size, generator=self.generator, device=self.generator.device)
-        return u[self.rank * n:(self.rank + 1) * n]
-
-
 def prepare(agent: Any, env: Any = None, dp: DataParallel | None = None) -> DataParallel:
     """Make ``agent`` (and its rollout ``env``) data-parallel under the current process group.
 
     Sets ``agent.dp``, copies rank 0's weights of ``agent.checkpoint_modules()`` to every rank, and for
-    an env shards its prompt stream (:class:`ShardedTask`) and the policy's sampling (:class:`SharedNoise`).
+    an env shards its prompt stream (:class:`ShardedTask`) and numbers the policy's rows globally (``row_offset``).
     A plain run (no process group) is left as it is.
     """
     dp = dp or DataParallel.current()
@@ -332,7 +308,6 @@ def prepare(agent: Any, env: Any = None, dp: DataParallel | None = None) -> Data
     for module in agent.checkpoint_modules().values():
         dp.broadcast_module(module)
     if env is not None:
-        noise = SharedNoise(agent.policy.generator, dp.rank, dp.world_size)
-        env.task = ShardedTask(env.task, dp.rank, dp.world_size, on_batch=noise.reseed)
-        agent.policy.noise = noise
+        env.task = ShardedTask(env.task, dp.rank, dp.world_size)
+        agent.policy.row_offset = dp.rank * env.num_envs  # this rank's rows in the global batch
     return dp

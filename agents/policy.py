@@ -35,7 +35,6 @@ import inspect
 from typing import Any, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tokengym.agents import functional as Fn
@@ -174,6 +173,7 @@ class Policy(nn.Module):
         self._fast: StaticDecoder | None = None
         self._fast_active = False
         self._stream_key: int | None = None  # this rollout's sampling-stream key (begin_rollout)
+        self.row_offset = 0  # the first row's index in the global batch (data-parallel ranks)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -305,17 +305,13 @@ class Policy(nn.Module):
         Where the rows' episode ``ids[n]`` and token ``steps[n]`` are given (what ``collect`` does, after
         :meth:`begin_rollout`), each row's uniform comes from :func:`row_uniforms` (inverse-CDF sampling): a row's
         token does not depend on the rest of the batch, so finished rows can be dropped from it without changing any
-        result. A data-parallel run sets ``policy.noise`` (:class:`~tokengym.agents.distributed.SharedNoise`), which
-        then supplies the uniforms instead; otherwise ``torch.multinomial`` draws from the policy's generator.
+        result. A data-parallel rank numbers its rows from ``row_offset`` (its first row in the global batch), so it
+        samples what those rows of a 1-process rollout would. Without ids, ``torch.multinomial`` draws from the
+        policy's generator.
         """
-        noise = getattr(self, "noise", None)
         uniform = None
-        if greedy:
-            pass
-        elif noise is not None:
-            uniform = noise(logits.shape[0])
-        elif ids is not None and self._stream_key is not None:
-            uniform = row_uniforms(self._stream_key, ids.to(logits.device), steps.to(logits.device))
+        if not greedy and ids is not None and self._stream_key is not None:
+            uniform = row_uniforms(self._stream_key, ids.to(logits.device) + self.row_offset, steps.to(logits.device))
         return sample_logits(logits, self.temperature, self.top_k, self.top_p, greedy, self.generator, uniform)
 
     @torch.inference_mode()

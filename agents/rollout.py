@@ -280,7 +280,7 @@ def _run_episodes(env, policy, greedy: bool, seed: int | None, samples: list | N
     lead = P - max(int(obs["mask"][:, :P].sum(1).max()), 1)  # prompt columns that are padding in every row
     multi_turn = getattr(env, "multi_turn", False)
     streams = _row_streams(policy)
-    compact = compact and streams and hasattr(policy, "compact") and getattr(policy, "noise", None) is None
+    compact = compact and streams and hasattr(policy, "compact")
     rows = torch.arange(N, device=env.device)
     actions = torch.full((N,), env.pad_id, dtype=torch.long, device=env.device)
     try:

@@ -232,3 +232,18 @@ def test_greedy_rollouts_leave_the_sampling_stream_alone(policy):
     assert torch.equal(policy.generator.get_state(), state)
     collect(_reverse(8, tok), policy, seed=0)
     assert not torch.equal(policy.generator.get_state(), state)  # a sampled rollout draws its key
+
+
+def test_a_data_parallel_rank_samples_its_rows_of_the_global_batch(policy):
+    """``row_offset`` (set by distributed.prepare): rank 1 of 2, holding rows 8-15, draws their 1-process tokens."""
+    tok = policy.tokenizer
+    samples = heldout_samples(_reverse(1, tok).task, 16)
+    policy.seed(5)
+    full = collect(_reverse(16, tok), policy, samples=samples)
+    policy.seed(5)
+    policy.row_offset = 8
+    try:
+        rank1 = collect(_reverse(8, tok), policy, samples=samples[8:])
+    finally:
+        policy.row_offset = 0
+    assert rank1.completions == full.completions[8:] and torch.equal(rank1.tokens, full.tokens[8:])
