@@ -35,7 +35,7 @@ ENV_GUIDE: dict[str, tuple[str, str]] = {
     "tokengym/Calculator-v0": ("completion: '<calc>EXPR</calc>' calls (the env writes '=VALUE' and a newline), then "
                                "'A: <answer>'; reward 1 iff right, minus call_cost per call",
                                "tiny-calculator (the default model of tokengym train for this env) knows the syntax, "
-                               "not when calling pays: GRPO learns that (59.8% -> 96.5%)"),
+                               "not when calling pays: GRPO learns that (59.8% -> 98.4%)"),
     "tokengym/GuessNumber-v0": ("each turn: a number and '?', answered higher/lower/correct; reward 1 - 0.1 per "
                                 "extra guess when found", "a demo of interaction without a tool; chat=True for an instruct model"),
 }

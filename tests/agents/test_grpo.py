@@ -97,7 +97,7 @@ def test_logs_go_to_tensorboard_and_metrics_jsonl(tmp_path):
 
 
 # GRPO from the shipped warm start must raise held-out greedy accuracy: the README's `tokengym train grpo` (outcome,
-# 64.5% -> 73.0%), its Agents script (the same through the API) and `--advantage process` (64.5% -> 70.3%), each run
+# 64.5% -> 72.3%), its Agents script (the same through the API) and `--advantage process` (64.5% -> 71.5%), each run
 # and checked by tests/test_readme.py.
 
 
