@@ -33,6 +33,9 @@ model's own weights, with everything that does not change from step to step prep
   (what ``GRPOConfig(bf16=True)`` wraps its rollout in) keeps the fused matrices in bf16 and multiplies
   in bf16, as autocast would; the residual stream, norms, RoPE, attention and the KV cache stay fp32.
   The small preset's decode is bound by its weight GEMMs, which then read half the bytes.
+* **Rows come and go.** :meth:`StaticDecoder.compact` keeps only the live rows (moved to the front of the same
+  storage), :meth:`StaticDecoder.refill` encodes a new prompt into a row while the others go on (continuous
+  batching), and ``prefill(copies=G)`` encodes a group's shared prompt once for its G rows.
 * **No host sync** and no Python-side work that depends on the data.
 
 Numerics follow the ``transformers`` implementation (fp32 maths agrees with a full forward to ~1e-6;
