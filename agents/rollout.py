@@ -10,10 +10,11 @@ every few steps and the reward calls.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -208,19 +209,18 @@ def collect(env, policy, critic=None, *, greedy: bool = False, seed: int | None 
 
 def _snapshot(env, logps: torch.Tensor, slots: list[int] | None = None) -> Rollout:
     """A :class:`Rollout` of the episodes in ``env``'s ``slots`` (default: all) as they stand, with the sampled
-    log-probs ``logps[N, M]``. Built outside inference mode (copies), so the batch can be used in autograd."""
+    log-probs ``logps[N, M]`` (every tensor a copy: built outside inference mode, it can be used in autograd)."""
     P = env.max_prompt_len
     idx = slice(None) if slots is None else torch.tensor(slots, dtype=torch.long, device=env.device)
     pick = range(env.num_envs) if slots is None else slots
     multi_turn = getattr(env, "multi_turn", False)
     action_mask = env.action_mask[idx, P:].clone()
-    comps = _components(env)
     return Rollout(
         tokens=env.tokens[idx].clone(),
         attention_mask=env.attention_mask[idx].clone(),
         action_mask=action_mask,
         prompt_len=P,
-        logprobs=logps[idx].clone() * action_mask,
+        logprobs=logps[idx].masked_fill(~action_mask, 0.0),
         rewards=env.rewards[idx].clone(),
         process_rewards=env.process_rewards[idx].clone(),
         step_end=env.step_end[idx].clone(),
@@ -232,7 +232,7 @@ def _snapshot(env, logps: torch.Tensor, slots: list[int] | None = None) -> Rollo
         completions=[env.completions[i] for i in pick],
         samples=[env.samples[i] for i in pick],
         step_scores=[list(env.step_scores[i]) for i in pick],
-        reward_components={k: v[idx].clone() for k, v in comps.items()},
+        reward_components=_components(env, pick),
         turn_rewards=env.turn_rewards[idx].clone() if multi_turn else None,
         turn_counts={k: v[idx].clone() for k, v in env.turn_counts.items()} if multi_turn else {},
     )
@@ -267,54 +267,83 @@ def _row_streams(policy) -> bool:
     return "ids" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
+@contextlib.contextmanager
+def _rollout(policy, greedy: bool) -> Iterator[None]:
+    """A rollout's span: its sampling-stream key is drawn at the start (not for greedy decoding, which draws nothing,
+    so evaluating leaves the training stream alone) and the policy's cache is freed at the end."""
+    try:
+        if not greedy and _row_streams(policy):
+            policy.begin_rollout()
+        yield
+    finally:
+        if hasattr(policy, "end_rollout"):
+            policy.end_rollout()
+
+
 def _run_episodes(env, policy, greedy: bool, seed: int | None, samples: list | None, compact: bool = True,
                   share_prefix: bool | None = None) -> torch.Tensor:
-    """Reset ``env`` and step it to the end with ``policy``; return the sampled tokens' log-probs ``[N, M]``.
-
-    ``rows`` are the env slots the policy's cache holds, in cache order (all of them until finished rows are
-    compacted away); the policy samples and decodes those rows only, and the env's other slots get a pad action,
-    which it ignores (they have finished)."""
+    """Reset ``env`` and step it to the end with ``policy``; return the sampled tokens' log-probs ``[N, M]``."""
     obs, _ = env.reset(seed=seed, options={"samples": samples} if samples is not None else None)
-    P, M, N = env.max_prompt_len, env.max_new_tokens, env.num_envs
-    logps = torch.zeros((N, M + 1), dtype=torch.float32, device=env.device)  # column M: finished rows' samples
+    P, M = env.max_prompt_len, env.max_new_tokens
     lead = P - max(int(obs["mask"][:, :P].sum(1).max()), 1)  # prompt columns that are padding in every row
-    multi_turn = getattr(env, "multi_turn", False)
-    streams = _row_streams(policy)
-    compact = compact and streams and hasattr(policy, "compact")
-    rows = torch.arange(N, device=env.device)
-    actions = torch.full((N,), env.pad_id, dtype=torch.long, device=env.device)
-    try:
-        if streams and not greedy:  # greedy draws nothing: evaluating must not move the training stream
-            policy.begin_rollout()
+    with _rollout(policy, greedy):
         tokens, mask = obs["tokens"][:, lead:P], obs["mask"][:, lead:P]
         copies = _prefix_copies(env, tokens, mask, share_prefix)
         logits = (policy.prefill(tokens, mask, max_new_tokens=M, copies=copies) if copies > 1
                   else policy.prefill(tokens, mask, max_new_tokens=M))
-        for step in range(M + 1000):  # every live row writes a column per step (or waits for a slow reply: bounded by its timeout)
-            gen = env.gen_len[rows]
-            a, lp = policy.sample(logits, greedy=greedy, ids=rows, steps=gen) if streams else policy.sample(logits, greedy=greedy)
-            actions[rows] = a
-            held = env.waiting[rows].clone() if multi_turn and env._pending else None  # rows whose actions the env ignores
-            idle = env.done[rows] if held is None else env.done[rows] | held
-            logps[rows, torch.where(idle, M, gen)] = lp
-            env.step(actions)
-            if env.all_done:
-                break
-            logits = policy.decode(a) if held is None else policy.decode(a, hold=held)
-            if multi_turn and env.replied:  # the env answered some rows: append their replies to those caches
-                logits = _extend_replies(env, policy, logits, rows)
-            if compact and step % COMPACT_EVERY == COMPACT_EVERY - 1:
-                live = ~env.done[rows]
-                n_live = int(live.sum())
-                if n_live <= COMPACT_BELOW * len(rows):
-                    keep = live.nonzero().flatten()
-                    if not policy.compact(keep):
-                        compact = False
-                        continue
+        # every live row writes a column per step (or waits for a slow reply: bounded by its timeout)
+        return _decode_loop(env, policy, logits, greedy, compact, M + 1000)
+
+
+def _decode_loop(env, policy, logits: torch.Tensor, greedy: bool, compact: bool, limit: int, on_ended=None) -> torch.Tensor:
+    """Sample, step ``env`` and decode until every slot has finished (at most ``limit`` steps); return the sampled
+    tokens' log-probs ``[N, M]`` (of each slot's current episode).
+
+    ``rows`` are the env slots the policy's cache holds, in cache order (all of them until finished rows are
+    compacted away); the policy samples and decodes those rows only, and the env's other slots get a pad action,
+    which it ignores. Slots the env restarts with a new episode (next-step mode) get their prompt encoded into
+    their cache rows, and ``on_ended(slots, logps)`` sees the slots whose episode ended in a step, before a restart
+    overwrites them.
+    """
+    P, M, N = env.max_prompt_len, env.max_new_tokens, env.num_envs
+    multi_turn = getattr(env, "multi_turn", False)
+    streams = _row_streams(policy)
+    compact = compact and streams and hasattr(policy, "compact")
+    logps = torch.zeros((N, M + 1), dtype=torch.float32, device=env.device)  # column M: finished rows' samples
+    rows = torch.arange(N, device=env.device)
+    actions = torch.full((N,), env.pad_id, dtype=torch.long, device=env.device)
+    # slots that restart move at their own pace: per-row cache columns from the first step
+    hold0 = torch.zeros(N, dtype=torch.bool, device=env.device) if env.autoreset_mode.name == "NEXT_STEP" else None
+    for step in range(limit):
+        gen = env.gen_len[rows]
+        a, lp = (policy.sample(logits, greedy=greedy, ids=env.episode_id[rows], steps=gen) if streams
+                 else policy.sample(logits, greedy=greedy))
+        actions[rows] = a
+        held = env.waiting[rows].clone() if multi_turn and env._pending else None  # rows whose actions the env ignores
+        skip = (env.done | env.idle)[rows]
+        logps[rows, torch.where(skip if held is None else skip | held, M, gen)] = lp
+        env.step(actions)
+        if on_ended is not None and env.ended:
+            on_ended(env.ended, logps[:, :M])
+        if env.all_done:
+            break
+        hold = held if held is not None else None if hold0 is None else hold0[: len(rows)]
+        logits = policy.decode(a) if hold is None else policy.decode(a, hold=hold)
+        if multi_turn and env.replied:  # the env answered some rows: append their replies to those caches
+            logits = _extend_replies(env, policy, logits, rows)
+        if env.restarted:  # slots that took a new prompt: encode it into their cache rows
+            slots = torch.tensor(env.restarted, device=env.device)  # (their old log-probs past the new episode's end
+            r = _cache_rows(env, rows, slots)                      # are masked out by the snapshot)
+            logits = logits.clone()
+            logits[r] = policy.refill(r, env.tokens[slots, :P], env.attention_mask[slots, :P])
+        if compact and step % COMPACT_EVERY == COMPACT_EVERY - 1:
+            live = ~env.finished[rows]
+            if int(live.sum()) <= COMPACT_BELOW * len(rows):
+                keep = live.nonzero().flatten()
+                if policy.compact(keep):
                     rows, logits = rows[keep], logits[keep]
-    finally:
-        if hasattr(policy, "end_rollout"):
-            policy.end_rollout()
+                else:  # the policy cannot drop rows (generic transformers path)
+                    compact = False
     return logps[:, :M]
 
 
@@ -358,51 +387,14 @@ def _run_continuous(env, policy, episodes: list | int, greedy: bool, seed: int |
     """:func:`collect_episodes`' loop: appends ``(episode ids, Rollout of them)`` to ``parts`` as episodes end."""
     obs, _ = env.reset(seed=seed, options={"episodes": episodes})
     n = episodes if isinstance(episodes, int) else len(episodes)
-    P, M, N = env.max_prompt_len, env.max_new_tokens, env.num_envs
-    multi_turn = getattr(env, "multi_turn", False)
-    logps = torch.zeros((N, M + 1), dtype=torch.float32, device=env.device)
-    rows = torch.arange(N, device=env.device)  # env slots the cache holds, in cache order
-    at = rows.clone()  # cache row of each slot (-1: dropped)
-    actions = torch.full((N,), env.pad_id, dtype=torch.long, device=env.device)
-    streams = _row_streams(policy)
-    try:
-        if not greedy:
-            policy.begin_rollout()
-        logits = policy.prefill(obs["tokens"][:, :P], obs["mask"][:, :P], max_new_tokens=M)
-        hold0 = torch.zeros(N, dtype=torch.bool, device=env.device)  # rows move at their own pace from the start
-        for step in range(n * (M + 1000)):
-            gen = env.gen_len[rows]
-            a, lp = (policy.sample(logits, greedy=greedy, ids=env.episode_id[rows].clamp(min=0), steps=gen) if streams
-                     else policy.sample(logits, greedy=greedy))
-            actions[rows] = a
-            held = env.waiting[rows].clone() if multi_turn and env._pending else None
-            skip = env.done[rows] | env.idle[rows]
-            skip = skip if held is None else skip | held
-            logps[rows, torch.where(skip, M, gen)] = lp
-            env.step(actions)
-            if env.ended:
-                parts.append((env.episode_id[env.ended].tolist(), _snapshot(env, logps[:, :M], env.ended)))
-            if env.all_done:
-                break
-            logits = policy.decode(a, hold=hold0[: len(rows)] if held is None else held)
-            if multi_turn and env.replied:
-                logits = _extend_replies(env, policy, logits, rows)
-            if env.restarted:  # slots that took a new prompt: encode it into their cache rows
-                slots = torch.tensor(env.restarted, device=env.device)
-                logps[slots] = 0.0
-                r = at[slots]
-                logits = logits.clone()
-                logits[r] = policy.refill(r, env.tokens[slots, :P], env.attention_mask[slots, :P])
-            if step % COMPACT_EVERY == COMPACT_EVERY - 1:
-                live = ~env.idle[rows]
-                if int(live.sum()) <= COMPACT_BELOW * len(rows):
-                    keep = live.nonzero().flatten()
-                    policy.compact(keep)
-                    rows, logits = rows[keep], logits[keep]
-                    at.fill_(-1)
-                    at[rows] = torch.arange(len(rows), device=env.device)
-    finally:
-        policy.end_rollout()
+    P, M = env.max_prompt_len, env.max_new_tokens
+
+    def ended(slots: list[int], logps: torch.Tensor) -> None:
+        parts.append((env.episode_id[slots].tolist(), _snapshot(env, logps, slots)))
+
+    with _rollout(policy, greedy):
+        logits = policy.prefill(obs["tokens"][:, :P], obs["mask"][:, :P], max_new_tokens=M)  # full width: refills
+        _decode_loop(env, policy, logits, greedy, True, n * (M + 1000), on_ended=ended)
 
 
 def _copied(ro: Rollout) -> Rollout:
@@ -422,9 +414,7 @@ def _extend_replies(env, policy, logits: torch.Tensor, held: torch.Tensor) -> to
     """Feed the reply tokens the env just appended (slots ``env.replied``) to ``policy``, whose cache holds the slots
     ``held`` in that order; their logits replace those rows'."""
     slots = torch.tensor(env.replied, device=env.device)
-    at = torch.full((env.num_envs,), -1, dtype=torch.long, device=env.device)
-    at[held] = torch.arange(len(held), device=env.device)
-    rows = at[slots]  # answered slots are live, so the cache holds them
+    rows = _cache_rows(env, held, slots)  # answered slots are live, so the cache holds them
     n = env.reply_len[slots]
     k = int(n.max())
     start = env.max_prompt_len + env.gen_len[slots] - n
@@ -434,9 +424,18 @@ def _extend_replies(env, policy, logits: torch.Tensor, held: torch.Tensor) -> to
     return logits
 
 
-def _components(env) -> dict[str, torch.Tensor]:
-    names = sorted({k for c in env.reward_components for k in c})
-    return {k: torch.tensor([c.get(k, 0.0) for c in env.reward_components], device=env.device) for k in names}
+def _cache_rows(env, held: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The cache rows of env ``slots``, for a cache that holds the slots ``held`` in that order."""
+    at = torch.full((env.num_envs,), -1, dtype=torch.long, device=env.device)
+    at[held] = torch.arange(len(held), device=env.device)
+    return at[slots]
+
+
+def _components(env, pick: Sequence[int]) -> dict[str, torch.Tensor]:
+    """The named reward components of slots ``pick``, one ``[len(pick)]`` tensor per name."""
+    comps = [env.reward_components[i] for i in pick]
+    names = sorted({k for c in comps for k in c})
+    return {k: torch.tensor([c.get(k, 0.0) for c in comps], device=env.device) for k in names}
 
 
 def heldout_samples(task, n: int, seed: int = 10_007) -> list[dict[str, Any]]:

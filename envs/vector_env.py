@@ -253,7 +253,8 @@ class TokenVectorEnv(MultiTurnMixin, VectorEnv):
         self.reward_components: list[dict[str, float]] = [{} for _ in range(N)]
         self._next_group = 0
         self.episode_id = torch.full((N,), -1, dtype=torch.long, device=dev)
-        """Next-step mode with an ``episodes`` list: the list index of each slot's episode (-1: idle)."""
+        """Each slot's episode: its slot in a ``disabled``-mode batch, its entry in an ``episodes`` list in ``next_step``
+        mode (-1: none); what a rollout keys each episode's sampling stream by."""
         self.idle = torch.zeros(N, dtype=torch.bool, device=dev)
         """Slots with no episode left to run (``episodes`` list exhausted); their actions are ignored."""
         self.ended: list[int] = []  # slots whose episode ended in the last step (host list)
@@ -302,7 +303,10 @@ class TokenVectorEnv(MultiTurnMixin, VectorEnv):
             raise ValueError(f"unknown reset options {sorted(unknown)}; valid: ['episodes', 'reset_mask', 'samples']")
         self._queue = None
         self.idle.zero_()
-        self.episode_id.fill_(-1)
+        if self.autoreset_mode is AutoresetMode.DISABLED:  # one batch: episode i runs in slot i
+            self.episode_id.copy_(self._arange_n)
+        else:
+            self.episode_id.fill_(-1)
         self.ended, self.restarted = [], []
         if options.get("episodes") is not None:
             return self._start_episodes(options)
@@ -615,6 +619,12 @@ class TokenVectorEnv(MultiTurnMixin, VectorEnv):
     def done(self) -> torch.Tensor:
         """Bool ``[N]``: the slot's episode has ended (terminated or truncated)."""
         return self.terminated | self.truncated
+
+    @property
+    def finished(self) -> torch.Tensor:
+        """Bool ``[N]``: slots with nothing left to run: an ended episode in ``disabled`` mode, an :attr:`idle` slot in
+        ``next_step`` mode (where an ended episode is followed by the next)."""
+        return self.idle if self.autoreset_mode is AutoresetMode.NEXT_STEP else self.done
 
     @property
     def prompts(self) -> list[str]:
