@@ -56,16 +56,10 @@ def _load(model_name: str):
 
 
 def flops(model, prompt_lens: list[int], lengths: list[int]) -> float:
-    """Useful FLOPs of the batch: every linear layer (incl. lm_head) per real token, attention per real context."""
-    cfg = model.config
-    params = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    attn = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * hd
-    total = 0.0
-    for p, m in zip(prompt_lens, lengths):
-        ctx = p * (p + 1) / 2 + sum(p + t + 1 for t in range(m))
-        total += 2 * params * (p + m) + attn * ctx
-    return total
+    """Useful FLOPs of the batch: ``bench/rollout.py``'s count for each row's real prompt and completion."""
+    from rollout import flops_per_rollout
+
+    return sum(flops_per_rollout(model, 1, p, m) for p, m in zip(prompt_lens, lengths))
 
 
 def run_side(side: str, model_name: str, n: int, repeats: int) -> dict:
@@ -99,14 +93,10 @@ def run_side(side: str, model_name: str, n: int, repeats: int) -> dict:
             dt = time.perf_counter() - t0
             got = ro.lengths
         else:
-            env.reset(seed=r)
-            prompts, mask = env.tokens[:, :P].clone(), env.attention_mask[:, :P].long()
-            t0 = time.perf_counter()
-            with torch.inference_mode():
-                out = policy.model.generate(input_ids=prompts, attention_mask=mask, do_sample=True, top_k=0, top_p=1.0,
-                                            temperature=1.0, max_new_tokens=BUDGET, logits_processor=LogitsProcessorList([Force()]),
-                                            eos_token_id=eos, pad_token_id=tok.pad_token_id, use_cache=True)
-            dt = time.perf_counter() - t0
+            from rollout import timed_generate
+
+            out, dt = timed_generate(policy.model, env, r, max_new_tokens=BUDGET, eos_token_id=eos, pad_token_id=tok.pad_token_id,
+                                     logits_processor=LogitsProcessorList([Force()]))
             gen = out[:, P:]
             hit = gen == eos
             got = torch.where(hit.any(1), hit.float().argmax(1) + 1, torch.full_like(lengths, gen.shape[1]))

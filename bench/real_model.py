@@ -109,6 +109,8 @@ def _timed(fn) -> float:
 # ---------------------------------------------------------------------------------------------- rollout
 def rollout_one(side: str, n: int, new_tokens: int, repeats: int) -> dict:
     """Best seconds of one side's batch of ``n`` rows x ``new_tokens`` sampled tokens."""
+    from rollout import flops_per_rollout, timed_generate  # bench/rollout.py
+
     policy = NoStopPolicy.from_pretrained(folder())
     policy.model.eval()
     env = TokenVectorEnv(n, task(), tokenizer=policy.tokenizer, max_new_tokens=new_tokens, reward=zero_reward)
@@ -123,18 +125,11 @@ def rollout_one(side: str, n: int, new_tokens: int, repeats: int) -> dict:
             dt = time.perf_counter() - t0
             assert bool((ro.lengths == new_tokens).all()), ro.lengths.tolist()
         else:
-            env.reset(seed=r)
-            prompts, mask = env.tokens[:, :P].clone(), env.attention_mask[:, :P].long()
-            t0 = time.perf_counter()
-            with torch.inference_mode():
-                out = policy.model.generate(input_ids=prompts, attention_mask=mask, do_sample=True, top_k=0, top_p=1.0,
-                                            temperature=1.0, max_new_tokens=new_tokens, suppress_tokens=policy.stop.tolist(),
-                                            pad_token_id=policy.tokenizer.pad_token_id, use_cache=True)
-            dt = time.perf_counter() - t0
+            out, dt = timed_generate(policy.model, env, r, max_new_tokens=new_tokens, suppress_tokens=policy.stop.tolist(),
+                                     pad_token_id=policy.tokenizer.pad_token_id)
             assert out.shape[1] == P + new_tokens
         if r:
             times.append(dt)
-    from rollout import flops_per_rollout  # bench/rollout.py
 
     linear_bytes = 4 * sum(m.weight.numel() for m in policy.model.modules() if isinstance(m, torch.nn.Linear))
     best = min(times)

@@ -79,6 +79,19 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+def timed_generate(model, env, seed: int, **kwargs) -> tuple[torch.Tensor, float]:
+    """``(output, seconds)`` of one sampled ``model.generate`` (T=1, no top-k/p, KV cache) on the prompts that
+    ``env.reset(seed=seed)`` draws, left-padded as the env lays them out; ``kwargs`` add to the generate call."""
+    P = env.max_prompt_len
+    env.reset(seed=seed)
+    prompts, mask = env.tokens[:, :P].clone(), env.attention_mask[:, :P].long()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(input_ids=prompts, attention_mask=mask, do_sample=True, top_k=0, top_p=1.0, temperature=1.0,
+                             use_cache=True, **kwargs)
+    return out, time.perf_counter() - t0
+
+
 def flops_per_rollout(model, n: int, prompt_len: int, new_tokens: int) -> float:
     cfg = model.config
     matmul_params = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
