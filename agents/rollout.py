@@ -379,8 +379,8 @@ def collect_episodes(env, policy, samples: Sequence[Any] | None = None, n: int |
     with torch.inference_mode():
         _run_continuous(env, policy, episodes, greedy, seed, parts)
     order = [e for ids, _ in parts for e in ids]
-    ro = concat_rollouts([p for _, p in parts]).select(sorted(range(len(order)), key=order.__getitem__))
-    return _copied(ro)
+    # concatenated outside inference mode: fresh tensors that autograd accepts
+    return concat_rollouts([p for _, p in parts]).select(sorted(range(len(order)), key=order.__getitem__))
 
 
 def _run_continuous(env, policy, episodes: list | int, greedy: bool, seed: int | None, parts: list) -> None:
@@ -395,19 +395,6 @@ def _run_continuous(env, policy, episodes: list | int, greedy: bool, seed: int |
     with _rollout(policy, greedy):
         logits = policy.prefill(obs["tokens"][:, :P], obs["mask"][:, :P], max_new_tokens=M)  # full width: refills
         _decode_loop(env, policy, logits, greedy, True, n * (M + 1000), on_ended=ended)
-
-
-def _copied(ro: Rollout) -> Rollout:
-    """``ro`` with every tensor copied outside inference mode (usable in autograd)."""
-    out = {}
-    for f in dataclasses.fields(ro):
-        v = getattr(ro, f.name)
-        if isinstance(v, torch.Tensor):
-            v = v.clone()
-        elif isinstance(v, dict):
-            v = {k: t.clone() for k, t in v.items()}
-        out[f.name] = v
-    return Rollout(**out)
 
 
 def _extend_replies(env, policy, logits: torch.Tensor, held: torch.Tensor) -> torch.Tensor:

@@ -138,8 +138,9 @@ def test_continuous_batching_returns_the_lockstep_episodes_in_start_order(policy
     assert [s["prompt"] for s in cont.samples] == [s["prompt"] for s in samples]  # start order, all of them
     assert len(set(lockstep.lengths.tolist())) > 3
     _same(lockstep, cont)
-    cont.logprobs.sum()  # usable outside inference mode
-    assert not cont.tokens.is_inference()
+    w = torch.ones((), requires_grad=True)
+    (cont.logprobs * w).sum().backward()  # usable in autograd (an inference tensor cannot be saved for backward)
+    assert w.grad is not None and not cont.tokens.is_inference()
 
 
 def test_continuous_batching_keeps_long_episodes_it_started():
