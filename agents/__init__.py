@@ -5,19 +5,19 @@ The pure advantage/loss math lives in :mod:`tokengym.agents.functional` and :mod
 """
 
 from . import functional, variants
-from .critic import Critic
-from .dpo import DPOConfig, DPOLearner
-from .grpo import CriticFreeConfig, GRPOAgent, GRPOConfig
-from .models import PRESETS, build_preset, load_classifier, load_model
-from .online_dpo import SPINConfig, iterative_dpo, spin, spin_pairs
-from .pairs import PairData, arithmetic_pairs, load_pairs, mine_pairs, split_pairs
-from .onpolicy import OnPolicyAgent
-from .policy import Policy
-from .ppo import PPOAgent, PPOConfig
-from .reinforce_pp import ReinforcePPAgent, ReinforcePPConfig
-from .rloo import RLOOAgent, RLOOConfig
-from .rollout import Rollout, collect, evaluate, heldout_samples
-from .sft import SFTConfig, evaluate_policy, train_sft
+from .engine.critic import Critic
+from .algorithms.dpo import DPOConfig, DPOLearner
+from .algorithms.grpo import CriticFreeConfig, GRPOAgent, GRPOConfig
+from .engine.models import PRESETS, build_preset, load_classifier, load_model
+from .algorithms.online_dpo import SPINConfig, iterative_dpo, spin, spin_pairs
+from .data.pairs import PairData, arithmetic_pairs, load_pairs, mine_pairs, split_pairs
+from .algorithms.onpolicy import OnPolicyAgent
+from .engine.policy import Policy
+from .algorithms.ppo import PPOAgent, PPOConfig
+from .algorithms.reinforce_pp import ReinforcePPAgent, ReinforcePPConfig
+from .algorithms.rloo import RLOOAgent, RLOOConfig
+from .engine.rollout import Rollout, collect, evaluate, heldout_samples
+from .algorithms.sft import SFTConfig, evaluate_policy, train_sft
 
 __all__ = [
     "Critic",

@@ -36,8 +36,8 @@ def one(name: str, seconds: float, seed: int, eval_seconds: float) -> dict:
 
     import tokengym.envs  # noqa: F401
     from tokengym.agents import Policy
-    from tokengym.agents.registry import algorithms
-    from tokengym.agents.rollout import evaluate, heldout_samples
+    from tokengym.agents.algorithms.registry import algorithms
+    from tokengym.agents.engine.rollout import evaluate, heldout_samples
 
     algo, preset = ALGOS[name]
     spec = algorithms()[algo]

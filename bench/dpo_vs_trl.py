@@ -63,7 +63,7 @@ import torch  # noqa: E402
 
 
 def make_pairs(n: int, seed: int) -> list[dict]:
-    from tokengym.agents.pairs import arithmetic_pairs
+    from tokengym.agents.data.pairs import arithmetic_pairs
     from tokengym.envs.tasks import ArithmeticTask
 
     task = ArithmeticTask(n_operands=(2, 3), digits=2, operators="+")
@@ -84,9 +84,9 @@ def padded_tokens(data, batch_size: int, steps: int) -> tuple[int, int, int]:
 
 
 def run_tokengym(preset: str, pairs: list[dict], a: argparse.Namespace, precompute: bool, share_prefix: bool | None = None) -> dict:
-    from tokengym.agents.dpo import DPOConfig, DPOLearner
-    from tokengym.agents.models import build_preset
-    from tokengym.agents.policy import Policy
+    from tokengym.agents.algorithms.dpo import DPOConfig, DPOLearner
+    from tokengym.agents.engine.models import build_preset
+    from tokengym.agents.engine.policy import Policy
 
     policy = Policy(*build_preset(preset, seed=0))
     cfg = DPOConfig(beta=a.beta, lr=a.lr, batch_size=a.batch_size, steps=a.warmup + a.steps, shuffle=False,
@@ -108,7 +108,7 @@ def run_trl(preset: str, pairs: list[dict], a: argparse.Namespace, precompute: b
     from trl import DPOConfig as TRLConfig
     from trl import DPOTrainer
 
-    from tokengym.agents.models import build_preset
+    from tokengym.agents.engine.models import build_preset
 
     model, tok = build_preset(preset, seed=0)
     ref = None if precompute else copy.deepcopy(model)
@@ -167,7 +167,7 @@ def main(argv=None) -> int:
     import datasets
 
     datasets.logging.set_verbosity_error()
-    from tokengym.agents.pairs import PairData
+    from tokengym.agents.data.pairs import PairData
     from tokengym.envs.tokenizer import char_tokenizer
 
     load_before = os.getloadavg()

@@ -19,8 +19,8 @@ torch.set_num_threads(2)
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import GRPOConfig as TRLConfig, GRPOTrainer
-from tokengym.agents.convert import gguf_folder
-from tokengym.agents.policy import Policy
+from tokengym.agents.engine.convert import gguf_folder
+from tokengym.agents.engine.policy import Policy
 from tokengym.agents import functional as F
 from tokengym.envs.tasks import ArithmeticTask
 from tokengym.rewards import number_match

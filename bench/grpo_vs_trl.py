@@ -13,7 +13,7 @@ step / tokengym seconds per step (both fp32); ``*_speedup_bf16`` compares both w
 (tokengym: bf16 autocast in the rollout, whose fast decoder then multiplies bf16 weights, and in the
 update; TRL: ``bf16=True`` with ``use_cpu=True``, i.e. accelerate's CPU bf16 autocast over training and
 generation; TRL's model keeps ``transformers``' sdpa attention, while tokengym's ``Policy`` attends in fp32
-under CPU autocast, see ``tokengym.agents.models.ATTENTION``). Each contender runs in a fresh process (``bench/_isolate.py``: one library's leftovers slowed the next by ~10%); ``--repeats`` reruns the four in rotating order.
+under CPU autocast, see ``tokengym.agents.engine.models.ATTENTION``). Each contender runs in a fresh process (``bench/_isolate.py``: one library's leftovers slowed the next by ~10%); ``--repeats`` reruns the four in rotating order.
 The small preset's step is mostly the same arithmetic in both (tokengym fp32: 1.27 s update at the matmul
 peak, 0.62 s rollout bound by reading the weights once per token), which caps its fp32 ratio.
 
@@ -60,10 +60,10 @@ import sys
 
 import torch
 
-from tokengym.agents.grpo import GRPOAgent, GRPOConfig
-from tokengym.agents.models import build_preset
-from tokengym.agents.policy import Policy
-from tokengym.agents.rollout import evaluate, heldout_samples
+from tokengym.agents.algorithms.grpo import GRPOAgent, GRPOConfig
+from tokengym.agents.engine.models import build_preset
+from tokengym.agents.engine.policy import Policy
+from tokengym.agents.engine.rollout import evaluate, heldout_samples
 from tokengym.envs import TokenVectorEnv
 from tokengym.envs.tasks import ArithmeticTask
 from tokengym.rewards import arithmetic_correct

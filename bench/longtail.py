@@ -18,8 +18,8 @@ import time
 
 import torch
 
-from tokengym.agents.policy import Policy
-from tokengym.agents.rollout import collect
+from tokengym.agents.engine.policy import Policy
+from tokengym.agents.engine.rollout import collect
 from tokengym.envs import TokenVectorEnv
 from tokengym.envs.tasks import ReverseTask
 
@@ -49,7 +49,7 @@ class Scheduled(Policy):
 
 def _load(model_name: str):
     if model_name == "real":
-        from tokengym.agents.convert import gguf_folder
+        from tokengym.agents.engine.convert import gguf_folder
 
         return Scheduled.from_pretrained(gguf_folder("smollm2-135m-instruct"), seed=0)
     return Scheduled.from_pretrained(model_name, seed=0)
@@ -57,7 +57,7 @@ def _load(model_name: str):
 
 def flops(model, prompt_lens: list[int], lengths: list[int]) -> float:
     """Useful FLOPs of the batch: ``bench/rollout.py``'s count for each row's real prompt and completion."""
-    from rollout import flops_per_rollout
+    from _measure import flops_per_rollout
 
     return sum(flops_per_rollout(model, 1, p, m) for p, m in zip(prompt_lens, lengths))
 
@@ -93,7 +93,7 @@ def run_side(side: str, model_name: str, n: int, repeats: int) -> dict:
             dt = time.perf_counter() - t0
             got = ro.lengths
         else:
-            from rollout import timed_generate
+            from _measure import timed_generate
 
             out, dt = timed_generate(policy.model, env, r, max_new_tokens=BUDGET, eos_token_id=eos, pad_token_id=tok.pad_token_id,
                                      logits_processor=LogitsProcessorList([Force()]))

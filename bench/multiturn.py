@@ -62,7 +62,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tokengym.agents.models import build_preset
+from tokengym.agents.engine.models import build_preset
 from tokengym.envs import Task
 
 STOP_CHARS = "ABCDEFGHIJKLM"
@@ -110,8 +110,8 @@ def make_task(max_turns: int) -> BenchCalc:
 
 # ---------------------------------------------------------------------------------------------- tokengym
 def tokengym_run(preset: str, n: int, budget: int, max_turns: int, warmup: int, repeats: int) -> dict:
-    from tokengym.agents.policy import Policy
-    from tokengym.agents.rollout import collect, trimmed_logprobs
+    from tokengym.agents.engine.policy import Policy
+    from tokengym.agents.engine.rollout import collect, trimmed_logprobs
     from tokengym.envs import TokenVectorEnv
 
     model, tok = build_preset(preset, seed=0)

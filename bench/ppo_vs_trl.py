@@ -20,7 +20,7 @@ values, advantages, epochs, logging) after ``--warmup`` updates. ``<preset>_spee
 update / tokengym seconds per update (both fp32); ``<preset>_speedup_bf16`` compares both with
 ``bf16=True`` (tokengym: bf16 autocast in rollout and update; TRL: ``bf16=True`` with ``use_cpu=True``,
 accelerate's CPU bf16 autocast; TRL's models keep ``transformers``' sdpa attention, as a TRL user gets them, while
-tokengym's ``Policy``/``Critic`` attend in fp32 under CPU autocast: ``tokengym.agents.models.ATTENTION``). Each contender runs in a fresh process (``bench/_isolate.py``: one library's leftovers slowed the next by ~10%). ``--rounds R`` repeats the four contenders R times and pools the updates, so that a machine whose
+tokengym's ``Policy``/``Critic`` attend in fp32 under CPU autocast: ``tokengym.agents.engine.models.ATTENTION``). Each contender runs in a fresh process (``bench/_isolate.py``: one library's leftovers slowed the next by ~10%). ``--rounds R`` repeats the four contenders R times and pools the updates, so that a machine whose
 load drifts does not favour whichever trainer ran first.
 
 Where the time goes (2026-12-03, 1 thread, quiet machine): both updates are the same arithmetic (4 epochs of policy
@@ -46,9 +46,9 @@ import time
 
 import torch
 
-from tokengym.agents.models import build_preset, load_classifier
-from tokengym.agents.policy import Policy
-from tokengym.agents.ppo import PPOAgent, PPOConfig
+from tokengym.agents.engine.models import build_preset, load_classifier
+from tokengym.agents.engine.policy import Policy
+from tokengym.agents.algorithms.ppo import PPOAgent, PPOConfig
 from tokengym.envs import TokenVectorEnv
 from tokengym.envs.tasks import ArithmeticTask
 from tokengym.rewards import RewardModel

@@ -43,9 +43,9 @@ import time
 import numpy as np
 import torch
 
-from tokengym.agents.grpo import GRPOAgent, GRPOConfig
-from tokengym.agents.policy import Policy
-from tokengym.agents.rollout import collect, evaluate, heldout_samples
+from tokengym.agents.algorithms.grpo import GRPOAgent, GRPOConfig
+from tokengym.agents.engine.policy import Policy
+from tokengym.agents.engine.rollout import collect, evaluate, heldout_samples
 from tokengym.envs import TokenVectorEnv
 from tokengym.envs.tasks import ArithmeticTask
 from tokengym.rewards import number_match
@@ -61,7 +61,7 @@ def task() -> ArithmeticTask:
 
 
 def folder() -> str:
-    from tokengym.agents.convert import gguf_folder
+    from tokengym.agents.engine.convert import gguf_folder
 
     return gguf_folder(MODEL)
 
@@ -109,7 +109,7 @@ def _timed(fn) -> float:
 # ---------------------------------------------------------------------------------------------- rollout
 def rollout_one(side: str, n: int, new_tokens: int, repeats: int) -> dict:
     """Best seconds of one side's batch of ``n`` rows x ``new_tokens`` sampled tokens."""
-    from rollout import flops_per_rollout, timed_generate  # bench/rollout.py
+    from _measure import flops_per_rollout, timed_generate
 
     policy = NoStopPolicy.from_pretrained(folder())
     policy.model.eval()

@@ -4,7 +4,7 @@ Prints one JSON line (``--json``) or a table. For each preset (``tiny``, ``small
 (16, 64), both contenders produce exactly ``--new-tokens`` (64) sampled tokens per row for the same
 left-padded Arithmetic prompts, with the same model, KV cache on, in the same process:
 
-* **rollout**: ``tokengym.agents.rollout.collect(env, policy)``: env reset (prompt sampling and
+* **rollout**: ``tokengym.agents.engine.rollout.collect(env, policy)``: env reset (prompt sampling and
   tokenisation), prefill, then sample -> ``env.step`` -> decode in lockstep, and the ``Rollout``
   record; the env's outcome reward is a constant 0 (reward-free task) so scoring costs nothing.
 * **generate**: ``model.generate(prompts, attention_mask, do_sample=True, top_k=0, top_p=1,
@@ -48,10 +48,12 @@ import time
 
 import torch
 
-from tokengym.agents.models import build_preset
-from tokengym.agents.policy import Policy
-from tokengym.agents.rollout import collect
+from tokengym.agents.engine.models import build_preset
+from tokengym.agents.engine.policy import Policy
+from tokengym.agents.engine.rollout import collect
 from tokengym.envs import TokenVectorEnv
+
+from _measure import flops_per_rollout, timed_generate  # bench/_measure.py
 
 
 class NoEOSPolicy(Policy):
@@ -77,30 +79,6 @@ def _timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
-
-
-def timed_generate(model, env, seed: int, **kwargs) -> tuple[torch.Tensor, float]:
-    """``(output, seconds)`` of one sampled ``model.generate`` (T=1, no top-k/p, KV cache) on the prompts that
-    ``env.reset(seed=seed)`` draws, left-padded as the env lays them out; ``kwargs`` add to the generate call."""
-    P = env.max_prompt_len
-    env.reset(seed=seed)
-    prompts, mask = env.tokens[:, :P].clone(), env.attention_mask[:, :P].long()
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(input_ids=prompts, attention_mask=mask, do_sample=True, top_k=0, top_p=1.0, temperature=1.0,
-                             use_cache=True, **kwargs)
-    return out, time.perf_counter() - t0
-
-
-def flops_per_rollout(model, n: int, prompt_len: int, new_tokens: int) -> float:
-    cfg = model.config
-    matmul_params = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    attn_per_ctx = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * hd
-    L = prompt_len + new_tokens
-    # prefill: every prompt column attends to (col + 1) columns on average (P + 1) / 2; decode step t to P + t + 1
-    ctx = prompt_len * (prompt_len + 1) / 2 + sum(prompt_len + t + 1 for t in range(new_tokens))
-    return n * (2 * matmul_params * L + attn_per_ctx * ctx)
 
 
 def bench_one(preset: str, n: int, new_tokens: int, repeats: int) -> dict:
@@ -165,7 +143,7 @@ def longtail(models: list[str], n: int, repeats: int, threads: int, peak: float)
     for model in models:
         if model == "real":
             try:
-                from tokengym.agents.convert import find_gguf
+                from tokengym.agents.engine.convert import find_gguf
 
                 find_gguf("smollm2-135m-instruct")
             except (FileNotFoundError, ValueError, ImportError) as e:

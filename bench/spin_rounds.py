@@ -17,9 +17,9 @@ import time
 import torch
 
 from tokengym.agents import Policy
-from tokengym.agents.dpo import DPOLearner
-from tokengym.agents.online_dpo import SPINConfig, spin
-from tokengym.agents.rollout import evaluate, heldout_samples
+from tokengym.agents.algorithms.dpo import DPOLearner
+from tokengym.agents.algorithms.online_dpo import SPINConfig, spin
+from tokengym.agents.engine.rollout import evaluate, heldout_samples
 from tokengym.envs import TokenVectorEnv
 from tokengym.envs.tasks import ArithmeticTask
 

@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from tokengym.agents import Policy
-from tokengym.agents.rollout import collect, evaluate, heldout_samples
-from tokengym.agents.sft import SFTConfig, train_sft
+from tokengym.agents.engine.rollout import collect, evaluate, heldout_samples
+from tokengym.agents.algorithms.sft import SFTConfig, train_sft
 from tokengym.envs import TokenVectorEnv
 from tokengym.envs.tasks import ArithmeticTask, CalculatorTask
 from tokengym.envs.tasks.tools import calculator_turns

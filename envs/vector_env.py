@@ -36,7 +36,7 @@ Autoreset modes (``metadata["autoreset_mode"]``):
   instead of the task's endless stream: the first
   ``N`` start at once, each later one starts in the next slot to finish, and once the list runs out finished slots
   stay :attr:`idle`; :attr:`episode_id` says which list entry each slot holds (what continuous batching,
-  :func:`tokengym.agents.rollout.collect_episodes`, uses).
+  :func:`tokengym.agents.engine.rollout.collect_episodes`, uses).
 """
 
 from __future__ import annotations

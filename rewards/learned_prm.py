@@ -70,7 +70,7 @@ class LearnedPRM:
         name: the reward's name in logs.
 
     Example:
-        >>> from tokengym.agents.models import load_classifier
+        >>> from tokengym.agents.engine.models import load_classifier
         >>> prm = LearnedPRM(*load_classifier("tiny", head="token"), threshold=0.5)
         >>> scores = prm(["12+7+30\\n"], [["12+7=19", "19+30=49", "A: 49"]])
         >>> len(scores[0]), set(scores[0]) <= {0.0, 1.0}

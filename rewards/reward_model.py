@@ -19,7 +19,7 @@ held-out pairs.
 optionally minus a frozen reference's (DPO's implicit reward), and trains with the same loop.
 
 Nothing here imports the environments or the agents: pass a model and its tokenizer (e.g. from
-``tokengym.agents.models.load_classifier``).
+``tokengym.agents.engine.models.load_classifier``).
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ class RewardModel:
             which keeps an RL critic's targets and the KL penalty on a known scale.
 
     Example:
-        >>> from tokengym.agents.models import load_classifier
+        >>> from tokengym.agents.engine.models import load_classifier
         >>> rm = RewardModel(*load_classifier("tiny", head="sequence"))
         >>> rm(["1+2\\n", "2+2\\n"], ["1+2=3\\nA: 3", "2+2=5\\nA: 5"]).shape
         torch.Size([2])
@@ -284,7 +284,7 @@ class LikelihoodRewardModel(RewardModel):
         batch_size, max_length, name, shift, scale: as in :class:`RewardModel`.
 
     Example:
-        >>> from tokengym.agents.models import load_model
+        >>> from tokengym.agents.engine.models import load_model
         >>> rm = LikelihoodRewardModel(*load_model("tiny"), beta=0.5)
         >>> rm(["1+2\\n", "2+2\\n"], ["1+2=3\\nA: 3", "2+2=5\\nA: 5"]).shape
         torch.Size([2])

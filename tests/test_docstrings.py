@@ -10,7 +10,7 @@ import tokengym.agents
 import tokengym.envs
 import tokengym.rewards
 
-SKIP = {"tokengym.agents.cli"}  # the command-line entry point
+SKIP = {"tokengym.agents.cli.__main__"}  # runs the command on import
 
 
 def modules():

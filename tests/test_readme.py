@@ -59,8 +59,9 @@ def check_recipes(out: str) -> None:
     process, dpo, sft, grpo = _percent_pair(out)
     assert process[0] == 64.5 and process[1] >= 69.0, process  # README: 64.5% -> 71.5%
     assert dpo[0] == 64.5 and dpo[1] >= 68.0, dpo  # README: 64.5% -> 70.7%
-    assert sft[0] == 0.0 and sft[1] >= 40.0, sft  # README: 0.0% -> 61.3% (stops at the first eval >= 40%)
-    assert grpo[0] == sft[1] and grpo[1] >= grpo[0] + 20.0, grpo  # README: 61.3% -> 100.0%
+    assert sft[0] == 0.0 and sft[1] >= 40.0, sft  # README: 0.0% -> 61.3% (stops at the first eval >= 40%: 61-89% by CPU)
+    # README: 61.3% -> 100.0%; where SFT stopped higher (88.7% on an AVX-512 EPYC) RL has less to gain
+    assert grpo[0] == sft[1] and grpo[1] >= min(grpo[0] + 20.0, 98.0), grpo
 
 
 def check_agents(out: str) -> None:
@@ -95,7 +96,7 @@ def _params():
 def _real_model_installed() -> bool:
     import importlib.util
 
-    from tokengym.agents.convert import find_gguf
+    from tokengym.agents.engine.convert import find_gguf
 
     try:
         find_gguf("smollm2-135m-instruct")

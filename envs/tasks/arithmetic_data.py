@@ -3,7 +3,7 @@
 Both come from corrupting reference solutions (:data:`CORRUPTIONS`), so they need no model; they live with
 the task (:meth:`ArithmeticTask.preference_pairs <tokengym.envs.tasks.ArithmeticTask.preference_pairs>`,
 :meth:`~tokengym.envs.tasks.ArithmeticTask.step_labels`) so that trainers ask the task instead of knowing it.
-Step labels mixed with a policy's own samples are :func:`tokengym.agents.reward_data.arithmetic_step_labels`.
+Step labels mixed with a policy's own samples are :func:`tokengym.agents.data.reward_data.arithmetic_step_labels`.
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ def arithmetic_step_labels(task: Any, n: int, seed: int = 0, exclude_prompts: It
     ``reference_fraction`` of ``n`` are reference solutions (every step good), the rest of the fresh prompts
     get a complete corrupted solution (``kinds`` from :data:`CORRUPTIONS`, the error carried on to the answer).
     ``sampled``: records with ``prompt``, ``completion`` (and ``answer``) that come first and count towards
-    ``n`` (a policy's samples, see :func:`tokengym.agents.reward_data.arithmetic_step_labels`). Every solution is
+    ``n`` (a policy's samples, see :func:`tokengym.agents.data.reward_data.arithmetic_step_labels`). Every solution is
     labelled by the rule-based checker :data:`~tokengym.rewards.arithmetic_step_reward`, so a later step that
     correctly uses an earlier wrong value is good, and only the answer line compares with the truth.
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from tokengym.agents.cli import main
-from tokengym.agents.distributed import DataParallel
+from tokengym.agents.runtime.distributed import DataParallel
 
 
 def check_all_same(out_dir: str) -> None:

@@ -7,12 +7,12 @@ import torch
 
 import tokengym.envs  # noqa: F401
 from tokengym.agents import functional as F
-from tokengym.agents.grpo import PRESETS, GRPOAgent, GRPOConfig
-from tokengym.agents.policy import Policy
-from tokengym.agents.registry import algorithms
-from tokengym.agents.reinforce_pp import ReinforcePPAgent, ReinforcePPConfig
-from tokengym.agents.rloo import RLOOAgent, RLOOConfig
-from tokengym.agents.rollout import collect
+from tokengym.agents.algorithms.grpo import PRESETS, GRPOAgent, GRPOConfig
+from tokengym.agents.engine.policy import Policy
+from tokengym.agents.algorithms.registry import algorithms
+from tokengym.agents.algorithms.reinforce_pp import ReinforcePPAgent, ReinforcePPConfig
+from tokengym.agents.algorithms.rloo import RLOOAgent, RLOOConfig
+from tokengym.agents.engine.rollout import collect
 
 
 def target_env(n=32, g=8, **kw):

@@ -9,8 +9,8 @@ import torch
 
 import tokengym.envs  # noqa: F401
 from tokengym.agents import DPOConfig, GRPOAgent, GRPOConfig, Policy, PPOConfig, collect
-from tokengym.agents.logger import SignalWatch
-from tokengym.agents.resources import batch_memory_bytes, check_device, check_memory
+from tokengym.agents.runtime.logger import SignalWatch
+from tokengym.agents.engine.resources import batch_memory_bytes, check_device, check_memory
 from tokengym.envs.tasks import DatasetTask
 from tokengym.rewards import PRMConfig, RewardModelConfig
 from tokengym.rewards.common import TokengymWarning

@@ -44,7 +44,7 @@ def test_sample_errors_are_one_line(capsys):
 
 
 def test_ppo_and_grpo_default_to_64_episodes_per_step_and_an_explicit_prompts_wins():
-    from tokengym.agents import train as T
+    from tokengym.agents.cli import runner as T
 
     # what build_grpo / build_ppo build their env from: (num_envs, group_size)
     assert T.rollout_batch(T.RunConfig(), "grpo") == (64, 8)

@@ -152,7 +152,7 @@ def test_a_read_only_runs_folder_is_one_line(tmp_path, capsys, monkeypatch):
     """Root ignores file modes, so the read-only file system is simulated where the run folder is created."""
     import errno
 
-    from tokengym.agents import runs as R
+    from tokengym.agents.runtime import runs as R
 
     makedirs = os.makedirs
 

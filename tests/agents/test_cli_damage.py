@@ -47,7 +47,7 @@ def test_a_locked_run_refuses_a_second_resume(tmp_path, capsys):
             "--progress", "false", "--runs-dir", str(tmp_path), "--name", "r"]
     r = cli(args, TOKENGYM_SIGKILL_AFTER_STEP="1")
     assert r.returncode == -9
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from tokengym.agents.runs import RunLock; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from tokengym.agents.runtime.runs import RunLock; "
                                "RunLock(sys.argv[1], create=False).acquire(); print('held', flush=True); time.sleep(60)",
                                str(tmp_path / "r")], stdout=subprocess.PIPE, text=True)
     try:

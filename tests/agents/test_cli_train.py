@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from tokengym.agents import Policy
-from tokengym.agents import runs as R
+from tokengym.agents.runtime import runs as R
 from tokengym.agents.cli import main
 
 ALGOS = {
@@ -163,7 +163,7 @@ def test_eval_table_and_plot(finished_run, capsys):
     assert "greedy" in out and "sampled x1" in out and "accuracy" in out
     assert main(["plot", finished_run]) == 0
     written = capsys.readouterr().out.split()
-    from tokengym.agents.plot import PANELS
+    from tokengym.agents.cli.plot import PANELS
 
     # every panel the README promises, from a GRPO run's metrics
     assert sorted(os.path.basename(p) for p in written) == sorted(f"{k}.png" for k in PANELS)

@@ -1,4 +1,4 @@
-"""Data-parallel training (agents/distributed.py): a 2-process gloo run equals a 1-process one.
+"""Data-parallel training (agents/runtime/distributed.py): a 2-process gloo run equals a 1-process one.
 
 The 2-process run is a real ``torchrun`` launch of ``tokengym train`` (through ``dist_worker.py``, wrapped by
 ``_numerics.py``, which makes rank 0 save the gradients of every optimizer step); the 1-process reference runs
@@ -27,9 +27,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tokengym.agents import distributed as D
+from tokengym.agents.runtime import distributed as D
 from tokengym.agents.cli import main
-from tokengym.agents.policy import sample_logits
+from tokengym.agents.engine.policy import sample_logits
 from tokengym.envs.tasks import ArithmeticTask
 
 NUMERICS = pathlib.Path(__file__).with_name("_numerics.py")
@@ -161,7 +161,7 @@ def test_ppo_critic_and_kl_controller_match_one_process(runs):
 
 def test_ppo_global_explained_variance_is_the_one_value_loss_reports():
     from tokengym.agents import functional as F
-    from tokengym.agents.ppo import global_stats
+    from tokengym.agents.algorithms.ppo import global_stats
 
     g = torch.Generator().manual_seed(0)
     ret, values = torch.randn(4, 5, generator=g), torch.randn(4, 5, generator=g)

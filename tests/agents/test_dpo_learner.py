@@ -11,12 +11,12 @@ import pathlib
 import pytest
 import torch
 
-from tokengym.agents.dpo import DPOConfig, DPOLearner
-from tokengym.agents.models import build_preset
-from tokengym.agents.online_dpo import iterative_dpo
-from tokengym.agents.pairs import PairData, arithmetic_pairs
-from tokengym.agents.policy import Policy
-from tokengym.agents.rollout import collect, evaluate, heldout_samples
+from tokengym.agents.algorithms.dpo import DPOConfig, DPOLearner
+from tokengym.agents.engine.models import build_preset
+from tokengym.agents.algorithms.online_dpo import iterative_dpo
+from tokengym.agents.data.pairs import PairData, arithmetic_pairs
+from tokengym.agents.engine.policy import Policy
+from tokengym.agents.engine.rollout import collect, evaluate, heldout_samples
 from tokengym.envs import TokenVectorEnv
 from tokengym.envs.tasks import ArithmeticTask
 
@@ -159,7 +159,7 @@ def test_share_prefix_default_is_on_only_where_the_packed_path_is_verified(pairs
 
 def test_lora_policy_trains_against_its_adapter_disabled_base(pairs):
     peft = pytest.importorskip("peft")
-    from tokengym.agents.policy import AdapterDisabledReference
+    from tokengym.agents.engine.policy import AdapterDisabledReference
 
     base = random_policy()
     data = PairData.from_pairs(pairs[:8], base.tokenizer)
@@ -243,7 +243,7 @@ def test_config_fields_have_docstrings():
     import ast
     import inspect
 
-    from tokengym.agents import dpo
+    from tokengym.agents.algorithms import dpo
 
     tree = ast.parse(inspect.getsource(dpo.DPOConfig))
     body = tree.body[0].body
@@ -304,7 +304,7 @@ def test_evaluation_between_updates_sees_the_new_weights(pairs):
     policy = random_policy()
     env = TokenVectorEnv(4, TASK, tokenizer=policy.tokenizer, max_new_tokens=8)
     samples = heldout_samples(TASK, 4)
-    from tokengym.agents.rollout import collect
+    from tokengym.agents.engine.rollout import collect
 
     collect(env, policy, greedy=True, samples=samples)  # builds the fast decoder's weight cache
     DPOLearner(policy, DPOConfig(batch_size=8, steps=3, lr=3e-2)).fit(pairs)

@@ -7,11 +7,11 @@ import io
 import pytest
 import torch
 
-from tokengym.agents.dpo import DPOConfig, DPOLearner
-from tokengym.agents.models import build_preset
-from tokengym.agents.online_dpo import iterative_dpo
-from tokengym.agents.pairs import arithmetic_pairs
-from tokengym.agents.policy import Policy
+from tokengym.agents.algorithms.dpo import DPOConfig, DPOLearner
+from tokengym.agents.engine.models import build_preset
+from tokengym.agents.algorithms.online_dpo import iterative_dpo
+from tokengym.agents.data.pairs import arithmetic_pairs
+from tokengym.agents.engine.policy import Policy
 from tokengym.envs import TokenVectorEnv
 from tokengym.envs.tasks import ArithmeticTask
 

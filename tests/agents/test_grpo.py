@@ -9,9 +9,9 @@ import torch
 
 import tokengym.envs  # noqa: F401
 from tokengym.agents.functional import AGGREGATIONS
-from tokengym.agents.grpo import GRPOAgent, GRPOConfig, grpo_advantages
-from tokengym.agents.policy import Policy
-from tokengym.agents.rollout import collect
+from tokengym.agents.algorithms.grpo import GRPOAgent, GRPOConfig, grpo_advantages
+from tokengym.agents.engine.policy import Policy
+from tokengym.agents.engine.rollout import collect
 
 _spec = importlib.util.spec_from_file_location("_numerics", pathlib.Path(__file__).with_name("_numerics.py"))
 numerics = importlib.util.module_from_spec(_spec)
@@ -140,7 +140,7 @@ def test_passes_skip_columns_past_every_rows_end_without_changing_the_update(mon
     float32 rounding. The full-width run steps on the trimmed run's gradients (``numerics.Lockstep``), so both
     compute each update at the same weights; their weights after AdamW steps are not compared, as AdamW
     turns a rounding-level difference in a near-zero gradient entry into an O(lr) weight difference."""
-    import tokengym.agents.onpolicy as skeleton
+    import tokengym.agents.algorithms.onpolicy as skeleton
 
     def run(full_width: bool, lockstep):
         if full_width:

@@ -26,11 +26,11 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import tokengym.envs  # noqa: F401
 from tokengym.agents import functional as F
-from tokengym.agents.critic import Critic
-from tokengym.agents.grpo import GRPOAgent, GRPOConfig
-from tokengym.agents.policy import Policy
-from tokengym.agents.ppo import PPOAgent, PPOConfig
-from tokengym.agents.rollout import collect, trimmed_logprobs, used_slice
+from tokengym.agents.engine.critic import Critic
+from tokengym.agents.algorithms.grpo import GRPOAgent, GRPOConfig
+from tokengym.agents.engine.policy import Policy
+from tokengym.agents.algorithms.ppo import PPOAgent, PPOConfig
+from tokengym.agents.engine.rollout import collect, trimmed_logprobs, used_slice
 
 _spec = importlib.util.spec_from_file_location("_numerics", pathlib.Path(__file__).with_name("_numerics.py"))
 numerics = importlib.util.module_from_spec(_spec)

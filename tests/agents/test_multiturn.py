@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from tokengym.agents import GRPOAgent, GRPOConfig, Policy, PPOAgent, PPOConfig
-from tokengym.agents.grpo import grpo_advantages
-from tokengym.agents.models import build_preset
-from tokengym.agents.rollout import collect, trimmed_logprobs
+from tokengym.agents.algorithms.grpo import grpo_advantages
+from tokengym.agents.engine.models import build_preset
+from tokengym.agents.engine.rollout import collect, trimmed_logprobs
 from tokengym.envs import Task, TokenVectorEnv
 
 
@@ -74,7 +74,7 @@ def test_extend_matches_a_prefill_of_the_whole_history():
         W = max(len(r) for r in rows)
         ids = torch.stack([torch.cat([torch.zeros(W - len(r), dtype=torch.long), r]) for r in rows])
         m = torch.stack([torch.arange(W) >= W - len(r) for r in rows])
-        from tokengym.agents.policy import position_ids
+        from tokengym.agents.engine.policy import position_ids
 
         want = policy.model(input_ids=ids, attention_mask=m.long(), position_ids=position_ids(m)).logits[:, -1]
         assert float((got - want).abs().max()) < 1e-4
@@ -106,7 +106,7 @@ def test_grpo_and_ppo_train_on_the_agents_tokens_only():
 
 def test_dpo_pairs_mined_from_multi_turn_episodes_score_the_agents_tokens_only():
     from tokengym.agents import DPOConfig, DPOLearner
-    from tokengym.agents.pairs import mine_pairs
+    from tokengym.agents.data.pairs import mine_pairs
 
     policy = Policy.from_pretrained("tiny", seed=0)
     env = TokenVectorEnv(16, Chatter(), group_size=4)
@@ -153,7 +153,7 @@ def test_shipped_calculator_warm_start_scores_what_its_card_says():
     import json
     import os
 
-    from tokengym.agents.rollout import evaluate, heldout_samples
+    from tokengym.agents.engine.rollout import evaluate, heldout_samples
     from tokengym.envs.tasks import CalculatorTask
 
     folder = os.path.join(os.path.dirname(__file__), "..", "..", "agents", "checkpoints", "tiny-calculator")

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from tokengym.agents.pairs import (CORRUPTIONS, PairData, arithmetic_pairs, corrupt_solution, load_pairs, mine_pairs,
+from tokengym.agents.data.pairs import (CORRUPTIONS, PairData, arithmetic_pairs, corrupt_solution, load_pairs, mine_pairs,
                                    split_pairs)
-from tokengym.agents.policy import Policy
-from tokengym.agents.rollout import collect
+from tokengym.agents.engine.policy import Policy
+from tokengym.agents.engine.rollout import collect
 from tokengym.envs import TokenVectorEnv
 from tokengym.envs.tasks import ArithmeticTask
 from tokengym.envs.tokenizer import char_tokenizer

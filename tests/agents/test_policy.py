@@ -7,10 +7,10 @@ import torch
 from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
                           Qwen2Config, Qwen2ForCausalLM)
 
-from tokengym.agents.fast_decode import StaticDecoder, unsupported_reason
-from tokengym.agents.models import build_preset
-from tokengym.agents.policy import Policy
-from tokengym.agents.rollout import collect
+from tokengym.agents.engine.fast_decode import StaticDecoder, unsupported_reason
+from tokengym.agents.engine.models import build_preset
+from tokengym.agents.engine.policy import Policy
+from tokengym.agents.engine.rollout import collect
 from tokengym.envs import TokenVectorEnv, char_tokenizer
 
 TOL = 1e-4
@@ -73,7 +73,7 @@ def prompts(n=6, seed=1, max_new_tokens=8):
 @pytest.fixture(params=[False, True], ids=["mm", "packed"])
 def packed(request, monkeypatch):
     """Run the fast decoder's GEMMs on torch.mm, or on oneDNN-packed weights for every matrix (when available)."""
-    from tokengym.agents import fast_decode
+    from tokengym.agents.engine import fast_decode
 
     if request.param and not fast_decode._packed_ok(torch.device("cpu"), torch.float32):
         pytest.skip("oneDNN linear not available in this torch build")
@@ -289,7 +289,7 @@ def test_shipped_checkpoint_loads_by_name_and_unknown_names_fail_clearly():
 
     import pytest
 
-    from tokengym.agents.models import CHECKPOINTS_DIR, load_model
+    from tokengym.agents.engine.models import CHECKPOINTS_DIR, load_model
 
     model, tok = load_model("tiny-arithmetic")
     by_path, _ = load_model(os.path.join(CHECKPOINTS_DIR, "tiny-arithmetic"))
@@ -310,7 +310,7 @@ def _padded_batch(tok, n=6, length=20, pad=5, seed=0):
 def test_tokengym_attention_equals_sdpa_in_fp32_and_runs_bf16_autocast_attention_in_fp32(monkeypatch):
     """Policy switches an sdpa model to models.ATTENTION: the same log-probs and gradients as sdpa in fp32,
     and under bf16 autocast on CPU the attention kernel gets fp32 inputs (its bf16 backward is slow)."""
-    from tokengym.agents.models import ATTENTION
+    from tokengym.agents.engine.models import ATTENTION
 
     model, tok = build_preset("tiny", seed=3)
     plain = copy.deepcopy(model)

@@ -6,9 +6,9 @@ import torch
 
 import tokengym.envs  # noqa: F401
 from tokengym.agents import functional as F
-from tokengym.agents.policy import Policy
-from tokengym.agents.ppo import AdaptiveKLController, PPOAgent, PPOConfig, ppo_rewards
-from tokengym.agents.rollout import collect
+from tokengym.agents.engine.policy import Policy
+from tokengym.agents.algorithms.ppo import AdaptiveKLController, PPOAgent, PPOConfig, ppo_rewards
+from tokengym.agents.engine.rollout import collect
 
 
 def target_env(n=32):

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import tokengym.envs  # noqa: F401
-from tokengym.agents.policy import Policy
-from tokengym.agents.ppo import PPOAgent, PPOConfig
+from tokengym.agents.engine.policy import Policy
+from tokengym.agents.algorithms.ppo import PPOAgent, PPOConfig
 
 STEPS, STOP = 4, 2
 

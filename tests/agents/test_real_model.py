@@ -16,7 +16,7 @@ import torch
 
 import tokengym.envs  # noqa: F401
 from tokengym.agents import GRPOAgent, GRPOConfig, Policy, collect
-from tokengym.agents.convert import find_gguf
+from tokengym.agents.engine.convert import find_gguf
 
 NAME = "smollm2-135m-instruct"
 try:
@@ -144,7 +144,7 @@ def test_two_grpo_steps_with_a_kl_reference(policy):
 
 
 def test_bad_gguf_files_are_one_clear_error(tmp_path):
-    from tokengym.agents.convert import convert_gguf
+    from tokengym.agents.engine.convert import convert_gguf
 
     cut = tmp_path / "cut.gguf"
     with open(find_gguf(NAME), "rb") as f:
@@ -187,7 +187,7 @@ def test_critic_reward_model_dpo_ppo_and_lora_run_on_the_real_model():
     warm-started from it, and a LoRA policy whose rollouts go through the fast decoder."""
     peft = pytest.importorskip("peft")
     from tokengym.agents import DPOConfig, DPOLearner, PPOAgent, PPOConfig
-    from tokengym.agents.models import load_classifier
+    from tokengym.agents.engine.models import load_classifier
     from tokengym.rewards import RewardModel
 
     policy = Policy.from_pretrained(NAME, seed=0)

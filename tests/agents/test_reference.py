@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tokengym.agents import Policy, collect
-from tokengym.agents.policy import AdapterDisabledReference, make_reference
+from tokengym.agents.engine.policy import AdapterDisabledReference, make_reference
 from tokengym.envs import TokenVectorEnv
 
 

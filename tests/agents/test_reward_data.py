@@ -3,7 +3,7 @@
 import torch
 
 from tokengym.agents import Policy, heldout_samples
-from tokengym.agents.reward_data import on_policy_pairs
+from tokengym.agents.data.reward_data import on_policy_pairs
 from tokengym.envs.tasks import ArithmeticTask
 from tokengym.rewards import arithmetic_correct, solve_expression
 

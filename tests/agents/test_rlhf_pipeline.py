@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from tokengym.agents import Policy, collect, evaluate, heldout_samples
-from tokengym.agents.models import load_classifier
-from tokengym.agents.pairs import arithmetic_pairs, split_pairs
-from tokengym.agents.ppo import PPOAgent, PPOConfig
+from tokengym.agents.engine.models import load_classifier
+from tokengym.agents.data.pairs import arithmetic_pairs, split_pairs
+from tokengym.agents.algorithms.ppo import PPOAgent, PPOConfig
 from tokengym.envs import TokenVectorEnv
 from tokengym.envs.tasks import ArithmeticTask
 from tokengym.rewards import RewardModel, RewardModelConfig, train_reward_model
@@ -85,7 +85,7 @@ def test_learned_prm_on_rule_based_labels_plugs_into_the_env_and_agrees_with_the
     solutions (half the warm start's own samples, a fifth references, the rest corrupted), scores the
     warm start's rollouts on 128 held-out prompts inside the env. Measured: agreement 0.64 with the rule
     (the majority label alone: 0.55); it flags 41% of the rule's bad steps and passes 82% of the good ones."""
-    from tokengym.agents.reward_data import arithmetic_step_labels
+    from tokengym.agents.data.reward_data import arithmetic_step_labels
     from tokengym.rewards import LearnedPRM, PRMConfig, arithmetic_step_reward, train_prm
 
     heldout = heldout_samples(task(), 128)
@@ -125,8 +125,8 @@ def on_policy_rm(single_thread):
     """DPO's implicit reward ``0.5 * log(pi_rm / pi_sft)`` of the completion, Bradley-Terry-trained on 4,096 prompts'
     on-policy pairs (the warm start's correct vs wrong samples of a prompt, 8 samples each; the reference
     solution as the chosen side where none is correct), the 200 evaluation prompts excluded."""
-    from tokengym.agents.models import frozen_copy, load_model
-    from tokengym.agents.reward_data import on_policy_pairs
+    from tokengym.agents.engine.models import frozen_copy, load_model
+    from tokengym.agents.data.reward_data import on_policy_pairs
     from tokengym.rewards import LikelihoodRewardModel
 
     held = {s["prompt"] for s in heldout_samples(task(), 200)}
@@ -148,7 +148,7 @@ def test_ppo_against_the_learned_rm_raises_verifier_accuracy(on_policy_rm):
     """The issue's must-learn claim: SFT warm start -> RM on pairs -> PPO against the RM raises the verifier's accuracy.
 
     Recipe (:func:`on_policy_rm`): 4,096 training prompts x 8 samples of the warm start, each prompt's
-    correct vs wrong samples paired (:func:`~tokengym.agents.reward_data.on_policy_pairs`; 9,870 distinct
+    correct vs wrong samples paired (:func:`~tokengym.agents.data.reward_data.on_policy_pairs`; 9,870 distinct
     pairs); a :class:`~tokengym.rewards.LikelihoodRewardModel` from the SFT LM trained as DPO's implicit
     reward ``0.5 * log(pi_rm / pi_sft)`` (2 epochs, lr 1e-4); PPO scores with ``0.5 * log pi_rm`` (the
     reference dropped), normalised on the warm start's samples: PPO's defaults, 30 steps.

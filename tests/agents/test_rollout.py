@@ -8,9 +8,9 @@ import torch
 
 import tokengym.envs  # noqa: F401  (registers the ids)
 from tokengym.agents import functional as Fn
-from tokengym.agents.models import build_preset
-from tokengym.agents.policy import Policy
-from tokengym.agents.rollout import collect, evaluate, heldout_samples
+from tokengym.agents.engine.models import build_preset
+from tokengym.agents.engine.policy import Policy
+from tokengym.agents.engine.rollout import collect, evaluate, heldout_samples
 
 TOL = 1e-4
 ENV_IDS = ["tokengym/Arithmetic-v0", "tokengym/Reverse-v0", "tokengym/Target-v0", "tokengym/Dataset-v0"]
@@ -120,7 +120,7 @@ def test_used_slice_drops_only_columns_that_are_padding_in_every_row():
     import gymnasium as gym
 
     from tokengym.agents import Policy, collect
-    from tokengym.agents.rollout import used_slice
+    from tokengym.agents.engine.rollout import used_slice
 
     env = gym.make_vec("tokengym/Dataset-v0", num_envs=4, vectorization_mode="vector_entry_point", max_prompt_len=20,
                        data=[{"prompt": "1+2\n", "answer": "3"}, {"prompt": "10+20+3\n", "answer": "33"}], shuffle=False)

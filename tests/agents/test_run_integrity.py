@@ -13,7 +13,7 @@ import textwrap
 import pytest
 import torch
 
-from tokengym.agents import runs as R
+from tokengym.agents.runtime import runs as R
 
 CKPT = R.CHECKPOINTS
 
@@ -384,7 +384,7 @@ def test_clean_stale_tmp_removes_only_leftovers(tmp_path):
 # ---------------------------------------------------------------------------------------------- SIGKILL during a write
 KILLED_SAVE = """
 import sys, torch
-from tokengym.agents import runs as R
+from tokengym.agents.runtime import runs as R
 torch.manual_seed(4)
 what, run = sys.argv[1], sys.argv[2]
 if what == "checkpoint":
@@ -425,7 +425,7 @@ def test_kill_hook_does_nothing_for_other_writes(monkeypatch):
 # ---------------------------------------------------------------------------------------------- run lock
 HOLDER = """
 import sys
-from tokengym.agents import runs as R
+from tokengym.agents.runtime import runs as R
 lock = R.RunLock(sys.argv[1]).acquire()
 print("locked", flush=True)
 sys.stdin.readline()

@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokengym.agents.models import build_preset
-from tokengym.agents.policy import Policy
-from tokengym.agents.sft import SFTBatch, SFTConfig, SFTLearner, batches, evaluate_policy, lr_factor, main, make_batch, sft_loss, train_sft
+from tokengym.agents.engine.models import build_preset
+from tokengym.agents.engine.policy import Policy
+from tokengym.agents.algorithms.sft import SFTBatch, SFTConfig, SFTLearner, batches, evaluate_policy, lr_factor, main, make_batch, sft_loss, train_sft
 from tokengym.envs import TokenVectorEnv
 from tokengym.envs.tasks import ArithmeticTask
 
@@ -165,7 +165,7 @@ def test_config_validation(kw, field):
 
 
 def test_config_fields_are_documented_and_schedule_shape():
-    src = open(os.path.join(os.path.dirname(__file__), "..", "..", "agents", "sft.py")).read()
+    src = open(os.path.join(os.path.dirname(__file__), "..", "..", "agents", "algorithms", "sft.py")).read()
     for f in SFTConfig.__dataclass_fields__:
         assert f'\n    {f}: ' in src and '"""' in src.split(f"\n    {f}: ")[1].split("\n")[1], f
     cfg = SFTConfig(steps=110, warmup=10, min_lr_ratio=0.1)

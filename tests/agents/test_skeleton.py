@@ -13,12 +13,12 @@ import torch
 
 import tokengym.envs  # noqa: F401
 from tokengym.agents import functional as F
-from tokengym.agents.critic import Critic
-from tokengym.agents.grpo import GRPOAgent, GRPOConfig
-from tokengym.agents.optim import adamw
-from tokengym.agents.policy import Policy, make_reference
-from tokengym.agents.ppo import PPOAgent, PPOConfig
-from tokengym.agents.rollout import collect, trimmed_logprobs, used_slice
+from tokengym.agents.engine.critic import Critic
+from tokengym.agents.algorithms.grpo import GRPOAgent, GRPOConfig
+from tokengym.agents.runtime.optim import adamw
+from tokengym.agents.engine.policy import Policy, make_reference
+from tokengym.agents.algorithms.ppo import PPOAgent, PPOConfig
+from tokengym.agents.engine.rollout import collect, trimmed_logprobs, used_slice
 
 
 def env(n, g):

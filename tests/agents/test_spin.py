@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from tokengym.agents.dpo import DPOLearner
-from tokengym.agents.models import build_preset
-from tokengym.agents.online_dpo import SPINConfig, spin, spin_pairs
-from tokengym.agents.policy import Policy
-from tokengym.agents.rollout import evaluate, heldout_samples
+from tokengym.agents.algorithms.dpo import DPOLearner
+from tokengym.agents.engine.models import build_preset
+from tokengym.agents.algorithms.online_dpo import SPINConfig, spin, spin_pairs
+from tokengym.agents.engine.policy import Policy
+from tokengym.agents.engine.rollout import evaluate, heldout_samples
 from tokengym.envs import TokenVectorEnv
 from tokengym.envs.tasks import ArithmeticTask
 

@@ -5,9 +5,9 @@ product's rounding may depend on how many rows it has)."""
 import pytest
 import torch
 
-from tokengym.agents import rollout as R
-from tokengym.agents.policy import Policy, row_uniforms
-from tokengym.agents.rollout import collect, collect_episodes, evaluate, heldout_samples
+from tokengym.agents.engine import rollout as R
+from tokengym.agents.engine.policy import Policy, row_uniforms
+from tokengym.agents.engine.rollout import collect, collect_episodes, evaluate, heldout_samples
 from tokengym.envs import TokenVectorEnv
 from tokengym.envs.tasks import ReverseTask
 

@@ -6,8 +6,8 @@ import json
 import pytest
 
 import tokengym.agents
-from tokengym.agents import pairs as agent_pairs
-from tokengym.agents import reward_data
+from tokengym.agents.data import pairs as agent_pairs
+from tokengym.agents.data import reward_data
 from tokengym.envs.tasks import ArithmeticTask, CalculatorTask, ReverseTask, TargetTask, Task, arithmetic_data
 
 TASKS = {"default": ArithmeticTask(), "mixed": ArithmeticTask(n_operands=(2, 4), digits=(1, 3), operators="+-*")}

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from tokengym.agents.models import load_classifier
+from tokengym.agents.engine.models import load_classifier
 from tokengym.envs import TokenVectorEnv
 from tokengym.rewards import LearnedPRM, PRMConfig, ProcessReward, train_prm
 

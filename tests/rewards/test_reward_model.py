@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from tokengym.agents.models import load_classifier
+from tokengym.agents.engine.models import load_classifier
 from tokengym.envs import TokenVectorEnv
 from tokengym.rewards import OutcomeReward, RewardModel, RewardModelConfig, train_reward_model
 from tokengym.rewards.reward_model import load_rows, split_rows
@@ -194,7 +194,7 @@ def test_config_validation(field, value):
 
 
 def test_likelihood_rm_scores_the_completion_given_the_prompt_and_trains_as_a_reward_model(tmp_path):
-    from tokengym.agents.models import frozen_copy, load_model
+    from tokengym.agents.engine.models import frozen_copy, load_model
     from tokengym.rewards import LikelihoodRewardModel
 
     lm, tok = load_model("tiny")

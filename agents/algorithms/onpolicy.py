@@ -6,7 +6,7 @@ shuffled minibatches: forward, the algorithm's :meth:`~OnPolicyAgent.loss` terms
 sync, clipping, optimiser steps -> metrics, evaluation, logging. Checkpoint state (exact resume), the
 learning-rate schedule and the reference reset of outer iterations live here too.
 
-An algorithm is a config dataclass, ``prepare`` and ``loss``; ``agents/rloo.py`` is a complete one.
+An algorithm is a config dataclass, ``prepare`` and ``loss``; ``agents/algorithms/rloo.py`` is a complete one.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ from typing import Any, Callable
 import torch
 
 from tokengym.agents import variants as V
-from tokengym.agents.distributed import LOCAL, aggregation_weights
-from tokengym.agents.logger import RunLogger
-from tokengym.agents.models import enable_checkpointing
-from tokengym.agents.optim import LR_SCHEDULES, adamw
-from tokengym.agents.policy import make_reference
-from tokengym.agents.resources import check_fits
-from tokengym.agents.rollout import Rollout, collect, evaluate, trimmed_logprobs, used_slice
+from tokengym.agents.runtime.distributed import LOCAL, aggregation_weights
+from tokengym.agents.runtime.logger import RunLogger
+from tokengym.agents.engine.models import enable_checkpointing
+from tokengym.agents.runtime.optim import LR_SCHEDULES, adamw
+from tokengym.agents.engine.policy import make_reference
+from tokengym.agents.engine.resources import check_fits
+from tokengym.agents.engine.rollout import Rollout, collect, evaluate, trimmed_logprobs, used_slice
 
 __all__ = ["OnPolicyAgent", "Minibatch"]
 

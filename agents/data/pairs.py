@@ -567,7 +567,7 @@ def mine_pairs(rollout: Any, min_gap: float = 0.0, score: str = "return", pad_id
     be empty (``len == 0``); records carry ``group``, ``chosen_reward``, ``rejected_reward`` and texts.
 
     Args:
-        rollout: a :class:`~tokengym.agents.rollout.Rollout` with ``group_size >= 2``.
+        rollout: a :class:`~tokengym.agents.engine.rollout.Rollout` with ``group_size >= 2``.
         min_gap: smallest reward gap that makes a pair.
         score: ``"return"`` (the episode's summed per-token reward: the outcome plus any process
             rewards) or ``"outcome"`` (the outcome reward only).

@@ -13,10 +13,10 @@ past the budget: the critic is never regressed on s_M, so with gamma = 1 it chas
 (V -> r + V; on Target-v0, where every episode is truncated, the values rose by about the mean reward
 per update, explained variance stayed near 0 and the policy stalled at half the target).
 
-Under ``torchrun`` (``self.dp``, set by :func:`~tokengym.agents.distributed.prepare`) each rank rolls out
+Under ``torchrun`` (``self.dp``, set by :func:`~tokengym.agents.runtime.distributed.prepare`) each rank rolls out
 its rows of the global batch and scores them with the critic and the reference, the ranks gather the
 global batch for GAE, whitening and the KL controller, and every minibatch's policy and critic gradients
-are summed over ranks before clipping: see :mod:`tokengym.agents.distributed`.
+are summed over ranks before clipping: see :mod:`tokengym.agents.runtime.distributed`.
 """
 
 from __future__ import annotations
@@ -27,12 +27,12 @@ from typing import Any
 import torch
 
 from tokengym.agents import functional as F
-from tokengym.agents.critic import Critic
-from tokengym.agents.config import check_config
-from tokengym.agents.onpolicy import Minibatch, OnPolicyAgent
-from tokengym.agents.optim import adamw
-from tokengym.agents.registry import register
-from tokengym.agents.rollout import Rollout, collect, turn_metrics
+from tokengym.agents.engine.critic import Critic
+from tokengym.agents.runtime.config import check_config
+from tokengym.agents.algorithms.onpolicy import Minibatch, OnPolicyAgent
+from tokengym.agents.runtime.optim import adamw
+from tokengym.agents.algorithms.registry import register
+from tokengym.agents.engine.rollout import Rollout, collect, turn_metrics
 
 __all__ = ["PPOConfig", "PPOAgent", "AdaptiveKLController", "ppo_rewards"]
 

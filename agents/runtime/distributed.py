@@ -6,7 +6,7 @@ the same optimiser steps as a 1-process one with the same global batch (up to fl
 
 * **Rollouts.** Every rank's env is seeded alike and draws the *global* batch of prompts, keeping its own
   ``1/K`` of the groups (:class:`ShardedTask`; whole GRPO groups stay on one rank). Each episode samples from
-  the per-row stream of :func:`~tokengym.agents.policy.row_uniforms`, keyed by the rollout's key (drawn from the
+  the per-row stream of :func:`~tokengym.agents.engine.policy.row_uniforms`, keyed by the rollout's key (drawn from the
   policy's generator, which every rank holds alike) and the row's index in the *global* batch
   (``policy.row_offset``), so rank r samples exactly what rows r of a 1-process rollout would, and drops its
   finished rows from its cache as a 1-process rollout does.

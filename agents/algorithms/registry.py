@@ -1,9 +1,12 @@
 """The algorithm registry: ``tokengym train <name>`` finds an algorithm, its config dataclass, its run
-settings, its presets and its builder here, so ``train.py`` holds no per-algorithm branches.
+settings and its presets here, so the ``tokengym train`` runner holds no per-algorithm branches.
 
 An algorithm registers itself where it is defined (``register("rloo", RLOOConfig, agent=RLOOAgent, ...)``
-at the end of ``agents/rloo.py``). On-policy agents need no builder of their own: the run's env, rewards
-and checks are the same for every agent that follows :class:`~tokengym.agents.onpolicy.OnPolicyAgent`.
+at the end of ``agents/algorithms/rloo.py``). On-policy agents need no builder of their own: the run's env, rewards
+and checks are the same for every agent that follows :class:`~tokengym.agents.algorithms.onpolicy.OnPolicyAgent`.
+An offline algorithm registers with ``build=`` (its run builder), or, for the bundled ones, without: their
+builders are the CLI's (:data:`tokengym.agents.cli.offline_jobs.BUILDERS`), which imports this layer, never the
+other way round.
 """
 
 from __future__ import annotations
@@ -16,10 +19,12 @@ __all__ = ["Algorithm", "register", "algorithms", "ON_POLICY_RUN_FIELDS"]
 
 ON_POLICY_RUN_FIELDS = frozenset({"prompts", "group_size", "temperature", "reward_model", "prm_model", "save_every",
                                   "keep_checkpoints"})
-"""The :class:`~tokengym.agents.train.RunConfig` fields an on-policy algorithm takes beyond the common ones."""
+"""The :class:`~tokengym.agents.cli.runner.RunConfig` fields an on-policy algorithm takes beyond the common ones."""
 
-BUILTIN_MODULES = ("grpo", "rloo", "reinforce_pp", "ppo", "offline_jobs")
-"""Modules of ``tokengym.agents`` whose import registers the bundled algorithms (in ``tokengym train`` order)."""
+BUILTIN_MODULES = ("grpo", "ppo", "reinforce_pp", "rloo", "dpo", "online_dpo", "sft", "reward_models")
+"""Modules of :mod:`tokengym.agents.algorithms` whose import registers the bundled algorithms."""
+ORDER = ("grpo", "ppo", "reinforce-pp", "rloo", "dpo", "spin", "sft", "rm", "prm")
+"""``tokengym train``'s order of the bundled algorithms (others follow in registration order)."""
 
 
 @dataclass
@@ -30,9 +35,10 @@ class Algorithm:
     config_cls: type
     help: str
     agent: type | None = None
-    """An on-policy agent class (built by the generic on-policy builder), or None with ``build`` set."""
+    """An on-policy agent class (built by the generic on-policy builder); None for an offline algorithm."""
     build: Callable[[Any, Any], Any] | None = None
-    """``build(run, cfg) -> job``: loads and checks everything, writing nothing (offline algorithms)."""
+    """``build(run, cfg) -> job`` of an offline algorithm: loads and checks everything, writing nothing (None for
+    the bundled ones: the CLI has their builders)."""
     run_fields: frozenset[str] = ON_POLICY_RUN_FIELDS
     """RunConfig fields it takes beyond the common ones (env, model, name, eval_prompts, device, ...)."""
     rollout: tuple[int, int] = (8, 8)
@@ -53,8 +59,8 @@ _REGISTRY: dict[str, Algorithm] = {}
 def register(name: str, config_cls: type, help: str, **kwargs: Any) -> Algorithm:
     """Add (or replace) algorithm ``name``; returns its :class:`Algorithm`."""
     spec = Algorithm(name, config_cls, help, **kwargs)
-    if (spec.agent is None) == (spec.build is None):
-        raise ValueError(f"algorithm {name!r}: give exactly one of agent= (on-policy) and build=")
+    if spec.agent is not None and spec.build is not None:
+        raise ValueError(f"algorithm {name!r}: give agent= (on-policy) or build= (offline), not both")
     for preset, values in spec.presets.items():
         config_cls(**values)  # a preset that does not make a valid config fails at import, not in a user's run
     _REGISTRY[name] = spec
@@ -64,5 +70,6 @@ def register(name: str, config_cls: type, help: str, **kwargs: Any) -> Algorithm
 def algorithms() -> dict[str, Algorithm]:
     """Every registered algorithm by name (importing the bundled ones first)."""
     for module in BUILTIN_MODULES:
-        importlib.import_module(f"tokengym.agents.{module}")
-    return dict(_REGISTRY)
+        importlib.import_module(f"tokengym.agents.algorithms.{module}")
+    rank = {name: i for i, name in enumerate(ORDER)}
+    return dict(sorted(_REGISTRY.items(), key=lambda kv: rank.get(kv[0], len(ORDER))))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from tokengym.agents.runs import UsageError, read_metrics
+from tokengym.agents.runtime.runs import UsageError, read_metrics
 
 __all__ = ["PANELS", "plot_run"]
 

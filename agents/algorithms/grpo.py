@@ -15,11 +15,11 @@ import torch
 
 from tokengym.agents import functional as F
 from tokengym.agents import variants as V
-from tokengym.agents.config import check_config
-from tokengym.agents.onpolicy import Minibatch, OnPolicyAgent
-from tokengym.agents.optim import LR_SCHEDULES
-from tokengym.agents.registry import register
-from tokengym.agents.rollout import Rollout, concat_rollouts, turn_metrics
+from tokengym.agents.runtime.config import check_config
+from tokengym.agents.algorithms.onpolicy import Minibatch, OnPolicyAgent
+from tokengym.agents.runtime.optim import LR_SCHEDULES
+from tokengym.agents.algorithms.registry import register
+from tokengym.agents.engine.rollout import Rollout, concat_rollouts, turn_metrics
 
 __all__ = ["GRPOConfig", "GRPOAgent", "grpo_advantages", "LR_SCHEDULES"]
 

@@ -19,7 +19,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from tokengym.agents.rollout import collect
+from tokengym.agents.engine.rollout import collect
 from tokengym.envs.tasks import arithmetic_data
 from tokengym.envs.tasks.base import fresh_samples
 from tokengym.envs.vector_env import TokenVectorEnv
@@ -71,7 +71,7 @@ def sampled_pairs(policy: Any, task: Any, n: int, seed: int = 0, exclude_prompts
 
     Prompts whose sample is correct give no pair; sampling goes on (up to ``max_draws`` rounds) until
     ``n`` pairs are found. Records carry ``answer`` and ``kind="sampled"``, like
-    :func:`~tokengym.agents.pairs.arithmetic_pairs`, so both kinds can be mixed.
+    :func:`~tokengym.agents.data.pairs.arithmetic_pairs`, so both kinds can be mixed.
     """
     pairs: list[dict[str, Any]] = []
     seen = set(exclude_prompts)

@@ -2,7 +2,7 @@
 
 Each completion's advantage is its return minus the mean return of the other G - 1 completions of its prompt: an
 unbiased baseline with no critic and no std scaling. The loss and every switch are the critic-free ones
-(:class:`~tokengym.agents.grpo.CriticFreeConfig`); only the advantage differs from GRPO's.
+(:class:`~tokengym.agents.algorithms.grpo.CriticFreeConfig`); only the advantage differs from GRPO's.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from tokengym.agents import variants as V
-from tokengym.agents.grpo import CriticFreeConfig, GRPOAgent
-from tokengym.agents.registry import register
-from tokengym.agents.rollout import Rollout
+from tokengym.agents.algorithms.grpo import CriticFreeConfig, GRPOAgent
+from tokengym.agents.algorithms.registry import register
+from tokengym.agents.engine.rollout import Rollout
 
 __all__ = ["RLOOConfig", "RLOOAgent"]
 
@@ -33,7 +33,7 @@ class RLOOAgent(GRPOAgent):
     Example:
         >>> import gymnasium as gym, tokengym.envs
         >>> from tokengym.agents import Policy
-        >>> from tokengym.agents.rloo import RLOOAgent, RLOOConfig
+        >>> from tokengym.agents.algorithms.rloo import RLOOAgent, RLOOConfig
         >>> env = gym.make_vec("tokengym/Target-v0", num_envs=16, vectorization_mode="vector_entry_point",
         ...                    group_size=4, partial_credit=True)
         >>> len(RLOOAgent(Policy.from_pretrained("tiny"), RLOOConfig(steps=2)).learn(env))

@@ -12,7 +12,7 @@ Rollout API (what :func:`tokengym.agents.collect` uses; lockstep batches)::
     logits[rows] = policy.refill(rows, prompts, mask)                   # continuous batching: new episodes
 
 Fast path: ``policy.prefill(tokens, mask, max_new_tokens=M)`` (what ``collect`` calls) runs supported
-Llama-family models (Llama, Mistral, Qwen2) through :class:`~tokengym.agents.fast_decode.StaticDecoder`:
+Llama-family models (Llama, Mistral, Qwen2) through :class:`~tokengym.agents.engine.fast_decode.StaticDecoder`:
 a static KV cache laid out like the env buffer and a lean decode step written against the model's
 weights, with the same numerics. Other models, ``fast_decode=False``, or ``prefill`` without
 ``max_new_tokens`` use the generic ``transformers`` path with its own cache.
@@ -38,8 +38,8 @@ import torch
 from torch import nn
 
 from tokengym.agents import functional as Fn
-from tokengym.agents.fast_decode import StaticDecoder, unsupported_reason
-from tokengym.agents.models import load_model, use_tokengym_attention
+from tokengym.agents.engine.fast_decode import StaticDecoder, unsupported_reason
+from tokengym.agents.engine.models import load_model, use_tokengym_attention
 from tokengym.rewards.common import quiet_transformers
 
 __all__ = ["Policy", "AdapterDisabledReference", "make_reference", "position_ids", "row_uniforms", "sample_logits"]
@@ -99,7 +99,7 @@ def sample_logits(
     then top-p). ``greedy`` takes the argmax and reports its log-probability under the temperature-scaled
     distribution. Everything stays on the device (no host sync). ``uniform[N]`` in [0, 1) switches from
     ``torch.multinomial`` to inverse-CDF sampling with one given uniform per row (data-parallel runs draw
-    them from a stream shared by all ranks, see :mod:`tokengym.agents.distributed`).
+    them from a stream shared by all ranks, see :mod:`tokengym.agents.runtime.distributed`).
     """
     logits = logits.float()
     if greedy:
@@ -137,7 +137,7 @@ class Policy(nn.Module):
         temperature, top_k, top_p: sampling settings (``top_k=0`` and ``top_p=1`` turn those filters off).
         seed: seeds the policy's own sampling generator.
         fast_decode: use the static-cache decode step for supported models when ``prefill`` is given
-            ``max_new_tokens`` (see :mod:`tokengym.agents.fast_decode`); ``False`` always takes the
+            ``max_new_tokens`` (see :mod:`tokengym.agents.engine.fast_decode`); ``False`` always takes the
             generic ``transformers`` path.
 
     Example:
@@ -412,7 +412,7 @@ def make_reference(policy: Policy):
     A ``peft`` model (LoRA) gets :class:`AdapterDisabledReference` (no extra weights); any other model a
     frozen deep copy wrapped in a :class:`Policy` with the same temperature.
     """
-    from tokengym.agents.models import frozen_copy
+    from tokengym.agents.engine.models import frozen_copy
 
     if getattr(policy.model, "peft_config", None) and hasattr(policy.model, "disable_adapter"):
         return AdapterDisabledReference(policy)

@@ -65,8 +65,8 @@ def scripted_rollout(env, policy: str, generator: torch.Generator) -> None:
 
 
 def _cmd_sample(args: argparse.Namespace) -> int:
-    from tokengym.agents import runs as R
-    from tokengym.agents.train import RunConfig, load_policy, make_env
+    from tokengym.agents.runtime import runs as R
+    from tokengym.agents.cli.runner import RunConfig, load_policy, make_env
 
     run = RunConfig(env=args.env, model=args.model)
     if args.env_kwargs:
@@ -85,7 +85,7 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     gen = torch.Generator().manual_seed(args.seed)
     for policy in policies:
         if policy == "model":
-            from tokengym.agents.rollout import collect
+            from tokengym.agents.engine.rollout import collect
 
             model.eval()
             model.seed(args.seed)
@@ -109,10 +109,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     import json
     import os
 
-    from tokengym.agents import runs as R
-    from tokengym.agents.resources import check_device
-    from tokengym.agents.rollout import evaluate, heldout_samples
-    from tokengym.agents.train import RunConfig, load_policy, make_env
+    from tokengym.agents.runtime import runs as R
+    from tokengym.agents.engine.resources import check_device
+    from tokengym.agents.engine.rollout import evaluate, heldout_samples
+    from tokengym.agents.cli.runner import RunConfig, load_policy, make_env
 
     run, model = RunConfig(), args.model
     if args.run is None and args.model is None:
@@ -165,8 +165,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 def _cmd_convert(args: argparse.Namespace) -> int:
     import time
 
-    from tokengym.agents import runs as R
-    from tokengym.agents.convert import SHIPPED_GGUF, convert_gguf, describe, find_gguf, gguf_folder
+    from tokengym.agents.runtime import runs as R
+    from tokengym.agents.engine.convert import SHIPPED_GGUF, convert_gguf, describe, find_gguf, gguf_folder
 
     t0 = time.perf_counter()
     try:
@@ -186,8 +186,8 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-    from tokengym.agents import runs as R
-    from tokengym.agents.plot import plot_run
+    from tokengym.agents.runtime import runs as R
+    from tokengym.agents.cli.plot import plot_run
 
     if not R.is_run_dir(args.run):
         raise R.UsageError(f"{args.run!r} is not a run folder (no config.json)")
@@ -197,7 +197,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
 
 def _add_fields(parser: argparse.ArgumentParser, cls: type, title: str, seen: set[str], only: set[str] | None = None) -> None:
-    from tokengym.agents.runs import field_docs
+    from tokengym.agents.runtime.runs import field_docs
 
     group = parser.add_argument_group(title)
     docs = field_docs(cls)
@@ -217,7 +217,7 @@ def _add_fields(parser: argparse.ArgumentParser, cls: type, title: str, seen: se
 
 
 def _train_parser(sub: Any) -> None:
-    from tokengym.agents.train import RunConfig, algorithms, run_fields
+    from tokengym.agents.cli.runner import RunConfig, algorithms, run_fields
 
     specs = algorithms()
     p = sub.add_parser("train", help=f"train a model ({', '.join(specs)}); writes runs/<name>/")
@@ -238,8 +238,8 @@ def _train_parser(sub: Any) -> None:
 
 
 def _cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
-    from tokengym.agents import runs as R
-    from tokengym.agents.train import train
+    from tokengym.agents.runtime import runs as R
+    from tokengym.agents.cli.train import train
 
     if extra:
         flag = next((e for e in extra if e.startswith("-")), extra[0])
@@ -252,7 +252,7 @@ def _cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
 def _unknown_flag(flag: str, args: argparse.Namespace) -> str:
     import difflib
 
-    from tokengym.agents.train import algorithms, run_fields, run_fields_for
+    from tokengym.agents.cli.runner import algorithms, run_fields, run_fields_for
 
     key = flag.lstrip("-").split("=")[0].replace("-", "_")
     users = run_fields_for()
@@ -265,7 +265,7 @@ def _unknown_flag(flag: str, args: argparse.Namespace) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from tokengym.agents.runs import UsageError
+    from tokengym.agents.runtime.runs import UsageError
 
     parser = argparse.ArgumentParser(prog="tokengym", description="RL post-training of language models as Gymnasium envs")
     sub = parser.add_subparsers(dest="command", required=True)

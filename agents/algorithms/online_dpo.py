@@ -1,6 +1,6 @@
 """Online / iterative DPO: preference pairs mined from the policy's own samples, round after round.
 
-The offline learner (:class:`~tokengym.agents.dpo.DPOLearner`) trains on a fixed set of pairs; the
+The offline learner (:class:`~tokengym.agents.algorithms.dpo.DPOLearner`) trains on a fixed set of pairs; the
 functions here make a fresh set each round with the policy as it is at that round's start and hand it
 to ``learner.fit``:
 
@@ -24,12 +24,13 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 import torch
 
-from tokengym.agents.config import check_config
-from tokengym.agents.dpo import DPOConfig, DPOLearner
-from tokengym.agents.pairs import PairData, mine_pairs
-from tokengym.agents.rollout import collect, evaluate
-from tokengym.agents.sft import make_batch
+from tokengym.agents.runtime.config import check_config
+from tokengym.agents.algorithms.dpo import DPOConfig, DPOLearner
+from tokengym.agents.data.pairs import PairData, mine_pairs
+from tokengym.agents.engine.rollout import collect, evaluate
+from tokengym.agents.algorithms.sft import make_batch
 from tokengym.envs.tasks.base import fresh_samples
+from tokengym.agents.algorithms.registry import register
 
 __all__ = ["iterative_dpo", "SPINConfig", "spin_pairs", "spin"]
 
@@ -63,7 +64,7 @@ def iterative_dpo(
 
     Each round: ``batches_per_round`` rollouts of a ``group_size=G`` env with the current policy (G
     sampled completions per prompt, scored by the env's reward) -> the (best, worst) completion of every
-    group with a reward gap (:func:`~tokengym.agents.pairs.mine_pairs`; groups without a gap are
+    group with a reward gap (:func:`~tokengym.agents.data.pairs.mine_pairs`; groups without a gap are
     skipped) -> ``learner.fit`` on those pairs. With ``reset_ref`` the reference of each round is the
     policy at the round's start (a trust region per round); otherwise it stays the initial policy.
 
@@ -121,7 +122,7 @@ def iterative_dpo(
 # ====================================================================== SPIN
 @dataclass
 class SPINConfig(DPOConfig):
-    """:class:`~tokengym.agents.dpo.DPOConfig` plus SPIN's rounds, with DPO defaults that suit SPIN's pairs.
+    """:class:`~tokengym.agents.algorithms.dpo.DPOConfig` plus SPIN's rounds, with DPO defaults that suit SPIN's pairs.
 
     The rejected completions are the policy's own samples, mostly wrong in one place: plain DPO at the
     offline default lr 1e-4 collapses on such pairs (see ``DPOConfig``), so SPIN takes a smaller step.
@@ -164,7 +165,7 @@ def spin_pairs(policy: Any, env: Any, n_prompts: int, seed: int | Sequence[int] 
     ``exclude_prompts``. The rejected completion is one sample of ``policy`` (its own sampler and
     generator) on ``env``, a ``group_size=1`` env, as the policy generated it (its tokens, never
     re-tokenized); the chosen one is the reference solution laid out as the SFT warm start lays it out
-    (:func:`~tokengym.agents.sft.make_batch`: solution, then EOS). A sample that reproduces the
+    (:func:`~tokengym.agents.algorithms.sft.make_batch`: solution, then EOS). A sample that reproduces the
     reference carries no preference and is dropped, so the result may be empty. Records carry
     ``prompt``, ``chosen``, ``rejected`` (texts) and ``rejected_reward``.
     """
@@ -246,3 +247,7 @@ def spin(
         if not _end_round(learner, r, rec, eval_env, eval_samples, records, callback):
             break
     return records
+
+
+register("spin", SPINConfig, "SPIN: self-play DPO rounds, the task's reference solution against the model's own sample",
+         run_fields=frozenset({"temperature"}), resumable=False)

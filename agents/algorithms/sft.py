@@ -10,12 +10,12 @@ Reads top to bottom: config -> data -> loss -> loop -> eval -> command line.
   ``-Policy.forward(tokens, mask, P)``: the very log-probabilities the RL agents use (same position ids,
   same temperature scaling, same chunked log-softmax). Prompt and padding positions carry no loss.
 * **Loop.** AdamW, linear warmup then cosine (or linear / constant) decay, gradient clipping, optional
-  CPU/GPU bf16 autocast, periodic held-out greedy evaluation with :func:`tokengym.agents.rollout.evaluate`.
+  CPU/GPU bf16 autocast, periodic held-out greedy evaluation with :func:`tokengym.agents.engine.rollout.evaluate`.
   :class:`SFTLearner` holds it with the resume contract of ``tokengym train`` (``tokengym train sft --resume``
-  continues a killed run exactly); metrics go through :class:`~tokengym.agents.logger.RunLogger`.
+  continues a killed run exactly); metrics go through :class:`~tokengym.agents.runtime.logger.RunLogger`.
 
 Example:
-    >>> from tokengym.agents.policy import Policy
+    >>> from tokengym.agents.engine.policy import Policy
     >>> from tokengym.envs.tasks import ArithmeticTask
     >>> policy = Policy.from_pretrained("tiny")
     >>> task = ArithmeticTask(n_operands=2, digits=1, operators="+")
@@ -26,9 +26,9 @@ Example:
 
 Command line (trains, saves with ``save_pretrained`` and writes ``sft_metrics.json`` next to the weights)::
 
-    python -m tokengym.agents.sft --model tiny --n-operands 2 3 --digits 2 --operators + \\
+    python -m tokengym.agents.algorithms.sft --model tiny --n-operands 2 3 --digits 2 --operators + \\
         --steps 800 --seed 0 --out runs/sft-tiny
-    python -m tokengym.agents.sft --model runs/sft-tiny --eval-only --n-operands 2 3 --digits 2 --operators +
+    python -m tokengym.agents.algorithms.sft --model runs/sft-tiny --eval-only --n-operands 2 3 --digits 2 --operators +
 """
 
 from __future__ import annotations
@@ -47,12 +47,13 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from tokengym.agents.distributed import LOCAL
-from tokengym.agents.logger import RunLogger
-from tokengym.agents.optim import LR_SCHEDULES, lr_factor as schedule_factor
-from tokengym.agents.rollout import evaluate, heldout_samples
+from tokengym.agents.runtime.distributed import LOCAL
+from tokengym.agents.runtime.logger import RunLogger
+from tokengym.agents.runtime.optim import LR_SCHEDULES, lr_factor as schedule_factor
+from tokengym.agents.engine.rollout import evaluate, heldout_samples
 from tokengym.envs.chat import encode_prompts
 from tokengym.envs.tasks.base import fresh_samples
+from tokengym.agents.algorithms.registry import register
 
 __all__ = ["SFTConfig", "SFTBatch", "make_batch", "batches", "sft_loss", "lr_factor", "SFTLearner", "train_sft", "evaluate_policy", "main"]
 
@@ -238,13 +239,13 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str,
 
 # ====================================================================== loop
 class SFTLearner:
-    """The SFT loop with the resume contract of ``tokengym train`` (as :class:`~tokengym.agents.dpo.DPOLearner`).
+    """The SFT loop with the resume contract of ``tokengym train`` (as :class:`~tokengym.agents.algorithms.dpo.DPOLearner`).
 
     ``checkpoint_modules`` / ``state_dict`` / ``load_state_dict`` hold the weights, the optimiser, the step, the
     data stream's and the policy's generators and the history; after a restore, :meth:`fit` runs the remaining
     steps with the same batches, learning rates and logged records as one uninterrupted fit.
-    ``logger`` (a :class:`~tokengym.agents.logger.RunLogger` of ``config.run_dir``) writes the metrics.
-    Data parallel (``dp``, set by :func:`~tokengym.agents.distributed.prepare` under torchrun): every rank draws
+    ``logger`` (a :class:`~tokengym.agents.runtime.logger.RunLogger` of ``config.run_dir``) writes the metrics.
+    Data parallel (``dp``, set by :func:`~tokengym.agents.runtime.distributed.prepare` under torchrun): every rank draws
     the global batch and trains on its rows, its loss weighted by its share of the batch's completion tokens,
     and the summed gradients give every rank the 1-process step.
     """
@@ -404,7 +405,7 @@ def evaluate_policy(policy: Any, task: Any, n: int = 256, num_envs: int = 256, p
 # ====================================================================== command line
 def _parser() -> argparse.ArgumentParser:
     d = SFTConfig()
-    p = argparse.ArgumentParser(prog="python -m tokengym.agents.sft", description="Supervised warm start on a task's reference solutions.")
+    p = argparse.ArgumentParser(prog="python -m tokengym.agents.algorithms.sft", description="Supervised warm start on a task's reference solutions.")
     p.add_argument("--model", "--preset", dest="model", default="tiny", help="preset name (tiny, small) or a local save_pretrained folder")
     p.add_argument("--task", default="arithmetic", help="task name (its samples need a 'solution')")
     p.add_argument("--n-operands", type=int, nargs="+", default=[2, 3], help="arithmetic: operand count or MIN MAX")
@@ -448,8 +449,8 @@ def _task_from_args(a: argparse.Namespace) -> Any:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from tokengym.agents.models import build_preset, PRESETS
-    from tokengym.agents.policy import Policy
+    from tokengym.agents.engine.models import build_preset, PRESETS
+    from tokengym.agents.engine.policy import Policy
 
     a = _parser().parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -470,7 +471,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     bf16=a.bf16, eval_every=a.eval_every, eval_prompts=a.eval_prompts,
                     stop_at_accuracy=a.stop_at_accuracy, log_every=a.log_every, run_dir=a.run_dir)
     if a.run_dir:  # the settings next to the metrics (``tokengym train sft`` writes its own config.json)
-        from tokengym.agents.runs import write_json_atomic
+        from tokengym.agents.runtime.runs import write_json_atomic
 
         os.makedirs(a.run_dir, exist_ok=True)
         write_json_atomic(os.path.join(a.run_dir, "config.json"), dataclasses.asdict(cfg))
@@ -479,7 +480,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"done: {hist['steps_done']} steps in {hist['wall_s']:.1f}s, held-out greedy accuracy {final['accuracy']:.3f}", flush=True)
     if a.out:
         policy.save_pretrained(a.out)
-        meta = {"command": "python -m tokengym.agents.sft " + " ".join(sys.argv[1:] if argv is None else argv),
+        meta = {"command": "python -m tokengym.agents.algorithms.sft " + " ".join(sys.argv[1:] if argv is None else argv),
                 "task": repr(task), "model": a.model, "init_seed": a.init_seed, "torch": torch.__version__,
                 "threads": a.threads, **{k: hist[k] for k in ("steps_done", "wall_s", "eval", "config")},
                 "loss_every_50": hist["loss"][49::50]}
@@ -489,5 +490,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+
+register("sft", SFTConfig, "supervised fine-tuning on the task's reference solutions",
+         run_fields=frozenset({"save_every", "keep_checkpoints"}), default_model="tiny", data_parallel=True)
+
+
 if __name__ == "__main__":
     sys.exit(main())
+

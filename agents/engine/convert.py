@@ -51,7 +51,7 @@ def find_gguf(name: str) -> str:
 def gguf_folder(path: str) -> str:
     """The cached ``save_pretrained`` folder of the GGUF file ``path`` (or a :data:`SHIPPED_GGUF` name), converting
     it on first use. Safe when several processes convert the same file at once (the first rename wins)."""
-    from tokengym.agents.runs import UsageError, file_sha256, write_folder_atomic
+    from tokengym.agents.runtime.runs import UsageError, file_sha256, write_folder_atomic
 
     if path in SHIPPED_GGUF:
         path = find_gguf(path)

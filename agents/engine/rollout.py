@@ -18,7 +18,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from tokengym.agents.resources import check_fits
+from tokengym.agents.engine.resources import check_fits
 
 __all__ = ["Rollout", "collect", "collect_episodes", "evaluate", "heldout_samples", "turn_metrics", "used_columns", "used_slice", "trimmed_logprobs"]
 

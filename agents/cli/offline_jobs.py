@@ -1,6 +1,6 @@
-"""Builders of the offline ``tokengym train`` algorithms (DPO, SPIN, SFT, reward models, PRMs), and their
-registrations. Each loads and checks everything its run needs, raising :class:`~tokengym.agents.runs.UsageError`,
-and writes nothing; the job it returns trains in the created run folder (see :mod:`tokengym.agents.train`).
+"""Builders of the offline ``tokengym train`` algorithms (DPO, SPIN, SFT, reward models, PRMs; each registers
+itself in :mod:`tokengym.agents.algorithms`). Each loads and checks everything its run needs, raising :class:`~tokengym.agents.runtime.runs.UsageError`,
+and writes nothing; the job it returns trains in the created run folder (see :mod:`tokengym.agents.cli.train`).
 """
 
 from __future__ import annotations
@@ -11,22 +11,22 @@ from typing import Any, Callable
 
 import numpy as np
 
-from tokengym.agents import runs as R
-from tokengym.agents.registry import register
-from tokengym.agents.train import (Job, Progress, RunConfig, Trainer, _agent, _first_line, _initial_eval, _summary,
-                                   eval_setup, load_policy, make_env, save_model)
+from tokengym.agents.runtime import runs as R
+from tokengym.agents.cli.runner import (Job, Progress, RunConfig, Trainer, eval_setup, first_line, initial_eval, load_policy,
+                                        make_agent, make_env, save_model, summary)
+
 
 def heldout_prompts(run: RunConfig, task: Any) -> set[str]:
     """The prompts of the run's held-out evaluation samples (none when ``eval_prompts`` is 0): the data a run
     generates for training (pairs, step labels) must not contain them."""
-    from tokengym.agents.rollout import heldout_samples
+    from tokengym.agents.engine.rollout import heldout_samples
 
     return {s["prompt"] for s in heldout_samples(task, run.eval_prompts)} if run.eval_prompts > 0 else set()
 
 
 def preference_pairs(run: RunConfig, task: Any, exclude: set[str]) -> list[dict[str, Any]]:
     """The run's pairs: the ``pairs`` JSONL, or bundled Arithmetic pairs (prompts in ``exclude`` left out)."""
-    from tokengym.agents.pairs import load_pairs
+    from tokengym.agents.data.pairs import load_pairs
 
     if run.pairs == ON_POLICY:
         return on_policy(run, task, exclude)
@@ -45,7 +45,7 @@ LIKELIHOOD_RM_BETA = 0.5
 
 def on_policy(run: RunConfig, task: Any, exclude: set[str]) -> list[dict[str, Any]]:
     """``--pairs on-policy``: the run's model's own correct vs wrong samples of ``num_pairs`` bundled Arithmetic prompts."""
-    from tokengym.agents.reward_data import on_policy_pairs
+    from tokengym.agents.data.reward_data import on_policy_pairs
 
     if not task.has_bundled_data("preference_pairs"):
         raise R.UsageError(f"--pairs {ON_POLICY} needs a task with a verifier and reference solutions (Arithmetic), not {run.env}")
@@ -59,34 +59,34 @@ def on_policy(run: RunConfig, task: Any, exclude: set[str]) -> list[dict[str, An
 def build_dpo(run: RunConfig, cfg: Any) -> Job:
     import math
 
-    from tokengym.agents.dpo import DPOLearner
+    from tokengym.agents.algorithms.dpo import DPOLearner
 
     policy = load_policy(run, cfg.seed)
     eval_env, samples = eval_setup(run, policy.tokenizer)
     task = (eval_env or make_env(run, 1, tokenizer=policy.tokenizer)).task
     pairs = preference_pairs(run, task, heldout_prompts(run, task))
     n_eval = len(pairs) // 20  # 5% for held-out preference accuracy; none below 20 pairs
-    learner = _agent(DPOLearner, policy, cfg)
+    learner = make_agent(DPOLearner, policy, cfg)
     try:  # tokenized now: chat messages without a template, empty or identical completions fail here
         train_data = learner.prepare(pairs[n_eval:])
         eval_data = learner.prepare(pairs[:n_eval]) if n_eval else None
     except ValueError as e:
-        raise R.UsageError(f"pairs: {_first_line(e)}") from None
+        raise R.UsageError(f"pairs: {first_line(e)}") from None
     total = cfg.steps if cfg.steps is not None else cfg.epochs * math.ceil(len(train_data) / cfg.batch_size)
 
     def job(run_dir: str, resume: bool) -> dict[str, Any]:
         trainer = Trainer(run, run_dir, resume, total, learner)
-        _initial_eval(trainer, learner, eval_env, samples)
+        initial_eval(trainer, learner, eval_env, samples)
         learner.fit(train_data, eval_data, eval_env, samples, callback=trainer.callback)
         trainer.finish()
-        return _summary(learner.logger.history)
+        return summary(learner.logger.history)
 
     return job
 
 
 def build_sft(run: RunConfig, cfg: Any) -> Job:
     """SFT through :class:`Trainer`: its checkpoints every ``save_every`` steps and ``--resume`` (exact)."""
-    from tokengym.agents.sft import SFTLearner
+    from tokengym.agents.algorithms.sft import SFTLearner
 
     policy = load_policy(run, cfg.seed)
     task = make_env(run, 1, tokenizer=policy.tokenizer).task
@@ -98,7 +98,7 @@ def build_sft(run: RunConfig, cfg: Any) -> Job:
         trainer = Trainer(run, run_dir, resume, cfg.steps, learner)
         learner.fit(log=lambda step, metrics: None, callback=trainer.callback)
         trainer.finish()
-        return _summary(learner.logger.history)
+        return summary(learner.logger.history)
 
     return job
 
@@ -107,7 +107,7 @@ def _fit_classifier(run: RunConfig, total: int, fit: Callable, scorer: Any, key:
     """The job that trains a reward model / PRM with ``fit(callback)``, logging to the run, and saves ``scorer``."""
 
     def job(run_dir: str, resume: bool) -> dict[str, Any]:
-        from tokengym.agents.logger import RunLogger
+        from tokengym.agents.runtime.logger import RunLogger
 
         logger = RunLogger(run_dir)
         progress = Progress(total, 0, run.progress, os.path.basename(run_dir))
@@ -143,7 +143,7 @@ def build_rm(run: RunConfig, cfg: Any) -> Job:
     if run.rm_kind not in ("sequence", "likelihood"):
         raise R.UsageError(f"rm_kind must be 'sequence' or 'likelihood', got {run.rm_kind!r}")
     if run.rm_kind == "likelihood":
-        from tokengym.agents.models import frozen_copy
+        from tokengym.agents.engine.models import frozen_copy
         from tokengym.rewards import LikelihoodRewardModel
 
         policy = load_policy(run, cfg.seed)
@@ -173,7 +173,7 @@ def normalize_on_samples(run: RunConfig, rm: Any, n: int = 256) -> None:
     Bradley-Terry fixes only score differences; PPO's critic and KL penalty (and GRPO's ``scale_rewards="none"``)
     need a known scale, and the policy that will be trained starts from these samples.
     """
-    from tokengym.agents.rollout import collect
+    from tokengym.agents.engine.rollout import collect
 
     policy = load_policy(run, 0)
     ro = collect(make_env(run, n, tokenizer=policy.tokenizer), policy, seed=1)
@@ -201,27 +201,27 @@ def build_prm(run: RunConfig, cfg: Any) -> Job:
 
 
 def _classifier(run: RunConfig, head: str, seed: int):
-    from tokengym.agents.models import load_classifier
+    from tokengym.agents.engine.models import load_classifier
 
     try:
         return load_classifier(run.model, head=head, device=run.device, seed=seed)
     except (FileNotFoundError, ValueError, OSError, ImportError) as e:
-        raise R.UsageError(f"cannot load model {run.model!r}: {_first_line(e)}") from None
+        raise R.UsageError(f"cannot load model {run.model!r}: {first_line(e)}") from None
 
 
 def build_spin(run: RunConfig, cfg: Any) -> Job:
     """SPIN: ``cfg.rounds`` rounds of DPO on (reference solution, the policy's own sample) pairs."""
-    from tokengym.agents.dpo import DPOLearner
-    from tokengym.agents.logger import RunLogger
-    from tokengym.agents.online_dpo import spin
-    from tokengym.agents.rollout import evaluate
+    from tokengym.agents.algorithms.dpo import DPOLearner
+    from tokengym.agents.runtime.logger import RunLogger
+    from tokengym.agents.algorithms.online_dpo import spin
+    from tokengym.agents.engine.rollout import evaluate
 
     policy = load_policy(run, cfg.seed)
     eval_env, samples = eval_setup(run, policy.tokenizer)
     env = make_env(run, min(cfg.prompts_per_round, 256), tokenizer=policy.tokenizer)
     if not env.task.batch(np.random.default_rng(0), 1)[0].get("solution"):
         raise R.UsageError(f"spin needs reference solutions, and {run.env}'s samples have no 'solution' field")
-    learner = _agent(DPOLearner, policy, cfg)
+    learner = make_agent(DPOLearner, policy, cfg)
 
     def job(run_dir: str, resume: bool) -> dict[str, Any]:
         learner.logger.close()
@@ -235,29 +235,11 @@ def build_spin(run: RunConfig, cfg: Any) -> Job:
         progress.close()
         learner.logger.close()
         save_model(policy, run_dir)
-        return _summary(learner.logger.history)
+        return summary(learner.logger.history)
 
     return job
 
 
-def _register() -> None:
-    from tokengym.agents.dpo import DPOConfig
-    from tokengym.agents.online_dpo import SPINConfig
-    from tokengym.agents.sft import SFTConfig
-    from tokengym.rewards import PRMConfig, RewardModelConfig
-
-    checkpoints = {"save_every", "keep_checkpoints"}
-    register("dpo", DPOConfig, "DPO and its IPO/hinge/robust variants on preference pairs", build=build_dpo,
-             run_fields=frozenset({"temperature", "pairs", "num_pairs", *checkpoints}), data_parallel=True)
-    register("spin", SPINConfig, "SPIN: self-play DPO rounds, the task's reference solution against the model's own sample",
-             build=build_spin, run_fields=frozenset({"temperature"}), resumable=False)
-    register("sft", SFTConfig, "supervised fine-tuning on the task's reference solutions", build=build_sft,
-             run_fields=frozenset(checkpoints), default_model="tiny", data_parallel=True)
-    register("rm", RewardModelConfig, "Bradley-Terry reward model on preference pairs (a sequence-classification "
-             "head, or a causal LM's likelihood)", build=build_rm, run_fields=frozenset({"temperature", "pairs", "num_pairs", "rm_kind"}),
-             resumable=False)
-    register("prm", PRMConfig, "learned process reward model on step labels (a token-classification head)", build=build_prm,
-             run_fields=frozenset({"num_pairs", "step_labels"}), resumable=False)
-
-
-_register()
+BUILDERS: dict[str, Callable[[RunConfig, Any], Job]] = {
+    "dpo": build_dpo, "spin": build_spin, "sft": build_sft, "rm": build_rm, "prm": build_prm}
+"""The run builders of the bundled offline algorithms (registered in their own modules, built here)."""

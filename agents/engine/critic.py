@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokengym.agents.models import use_tokengym_attention
-from tokengym.agents.policy import position_ids
+from tokengym.agents.engine.models import use_tokengym_attention
+from tokengym.agents.engine.policy import position_ids
 from tokengym.rewards.common import quiet_transformers
 
 __all__ = ["Critic"]

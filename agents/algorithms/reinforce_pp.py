@@ -14,10 +14,10 @@ import torch
 
 from tokengym.agents import functional as F
 from tokengym.agents import variants as V
-from tokengym.agents.config import check_config
-from tokengym.agents.grpo import CriticFreeConfig, GRPOAgent
-from tokengym.agents.registry import register
-from tokengym.agents.rollout import Rollout
+from tokengym.agents.runtime.config import check_config
+from tokengym.agents.algorithms.grpo import CriticFreeConfig, GRPOAgent
+from tokengym.agents.algorithms.registry import register
+from tokengym.agents.engine.rollout import Rollout
 
 __all__ = ["ReinforcePPConfig", "ReinforcePPAgent"]
 
@@ -48,7 +48,7 @@ class ReinforcePPAgent(GRPOAgent):
     Example:
         >>> import gymnasium as gym, tokengym.envs
         >>> from tokengym.agents import Policy
-        >>> from tokengym.agents.reinforce_pp import ReinforcePPAgent, ReinforcePPConfig
+        >>> from tokengym.agents.algorithms.reinforce_pp import ReinforcePPAgent, ReinforcePPConfig
         >>> env = gym.make_vec("tokengym/Target-v0", num_envs=16, vectorization_mode="vector_entry_point",
         ...                    partial_credit=True)
         >>> len(ReinforcePPAgent(Policy.from_pretrained("tiny"), ReinforcePPConfig(steps=2)).learn(env))

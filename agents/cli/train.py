@@ -1,0 +1,215 @@
+"""``tokengym train <algo>``: build env, model and agent from a config, train with progress and checkpoints, resume.
+
+The algorithm comes from the registry (:mod:`tokengym.agents.algorithms.registry`): its config dataclass, the
+:class:`RunConfig` fields it takes, its presets and its builder. A builder turns a :class:`RunConfig` (the
+run: env, model, batch, checkpoints) and the algorithm's config into a job; every on-policy agent shares
+:func:`build_on_policy`, and the offline ones (DPO, SFT, RM, PRM, SPIN) are in ``offline_jobs.py``. Both
+configs are filled from defaults, then ``--preset``, then ``--config FILE.toml``, then ``--key value`` flags.
+
+Nothing is written until everything is built: the builder loads the model, env, data and agent and checks
+that they fit together (device, position limit, memory); only then is ``runs/<name>/`` created, locked and
+given ``config.json``, and the job trains in it. So bad input of any kind leaves no folder behind.
+
+Agents that follow the resume contract (``checkpoint_modules()``, ``state_dict()``, ``load_state_dict()``,
+and a ``learn``/``fit`` that continues an interrupted schedule) get checkpoints every ``save_every``
+steps and ``--resume``: on CPU with a fixed seed a run killed at any point and resumed ends with the
+same parameters and metrics as an uninterrupted one. (Testing hook: the environment variable
+``TOKENGYM_SIGKILL_AFTER_STEP=k`` makes the process SIGKILL itself right after logging step ``k``.)
+"""
+
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import time
+from typing import Any
+
+import torch
+
+from tokengym.agents.cli.offline_jobs import BUILDERS
+from tokengym.agents.cli.runner import (RESUMABLE, WARM_STARTS, RunConfig, algorithms, build_on_policy, first_line,
+                                        run_fields, run_fields_for)
+from tokengym.agents.runtime import runs as R
+
+__all__ = ["RunConfig", "algorithms", "train", "resolve", "run_fields", "run_fields_for"]
+
+
+# ---------------------------------------------------------------------------------------------- entry point
+def _new_run_dir(run: RunConfig, algo: str) -> str:
+    name = run.name or f"{algo}-{run.env.split('/')[-1].lower()}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path = R.run_path(run.runs_dir, name)
+    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+        raise R.UsageError(f"{path} already exists and is not empty; pick another --name or --resume {path}")
+    return path
+
+
+def _saved_config(resume_dir: str, algo: str) -> dict[str, Any]:
+    """The ``config.json`` of a run folder, checked for the parts resume needs (one-line errors otherwise)."""
+    import json
+
+    if not R.is_run_dir(resume_dir):
+        raise R.UsageError(f"{resume_dir!r} is not a run folder (no config.json); runs are created by `tokengym train`")
+    path = os.path.join(resume_dir, "config.json")
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (OSError, ValueError) as e:
+        raise R.UsageError(f"cannot read {path}: {first_line(e)}") from None
+    if not isinstance(saved, dict) or not all(isinstance(saved.get(k), dict) for k in ("run", "config")):
+        raise R.UsageError(f"{path} is damaged: it needs an 'algorithm' name and 'run' and 'config' sections")
+    if saved.get("algorithm") != algo:
+        raise R.UsageError(f"{resume_dir} is a {saved.get('algorithm')!r} run; resume it with `tokengym train {saved.get('algorithm')}`")
+    return saved
+
+
+def resolve(algo: str, values_file: dict[str, Any], values_flags: dict[str, Any], resume_dir: str | None,
+            preset: str | None = None):
+    """``(run_config, algo_config, run_dir)`` from defaults, the saved run (resume) or the preset, the file, then
+    the flags."""
+    spec = algorithms()[algo]
+    if preset is not None and preset not in spec.presets:
+        raise R.UsageError(f"unknown preset {preset!r} for {algo}; presets: {', '.join(sorted(spec.presets)) or 'none'}")
+    run, cfg = RunConfig(), None
+    saved = _saved_config(resume_dir, algo) if resume_dir is not None else None
+    if saved and not spec.resumable:
+        raise R.UsageError(f"{algo} runs cannot be resumed; start a new run (they take minutes)")
+    agent_values = dict(saved["config"]) if saved else dict(spec.presets.get(preset or "", {}))
+    try:
+        types = R.field_types(spec.config_cls)
+        unknown = sorted(set(agent_values) - set(types))
+        if unknown:
+            raise TypeError(f"unknown key {unknown[0]!r}")
+        cfg = spec.config_cls(**{k: R.parse_value(k, types[k], v) for k, v in agent_values.items()})
+    except (TypeError, ValueError, R.UsageError) as e:
+        raise R.UsageError(f"saved config of {resume_dir} does not fit this version of tokengym: {e}") from None
+    if saved:
+        R.apply_overrides({"run": run}, saved["run"], "the saved run config")
+    configs = {"run": run, "agent": cfg}
+    allowed = run_fields(algo) | {f.name for f in dataclasses.fields(spec.config_cls)}
+    for source, values in (("the config file", values_file), ("the command line", values_flags)):
+        users_of = run_fields_for()
+        other = next((k for k in values if k.replace("-", "_") not in allowed and k.replace("-", "_") in users_of), None)
+        if other is not None:
+            users = ", ".join(sorted(users_of[other.replace("-", "_")]))
+            raise R.UsageError(f"{other!r} in {source} does not apply to `tokengym train {algo}` (it is for {users})")
+        R.apply_overrides(configs, values, source)
+    try:  # re-run the dataclass validation on the final values
+        cfg = spec.config_cls(**dataclasses.asdict(cfg))
+    except (TypeError, ValueError) as e:
+        raise R.UsageError(str(e)) from None
+    _check_run(run, algo)
+    if saved:
+        changed = [(k, saved[part][k], v) for part, obj in (("run", run), ("config", cfg))
+                   for k, v in _jsonable(dataclasses.asdict(obj)).items()
+                   if k not in RESUMABLE and k in saved[part] and saved[part][k] != v]
+        if changed:
+            k, old, new = changed[0]
+            raise R.UsageError(f"cannot resume {resume_dir} with a different config: {k} was {old!r}, now {new!r}")
+        return run, cfg, resume_dir
+    if run.model is None:  # the shipped warm start of the env's task
+        run.model = spec.default_model or WARM_STARTS.get(run.env, "tiny-arithmetic")
+    return run, cfg, _new_run_dir(run, algo)
+
+
+def _check_run(run: RunConfig, algo: str) -> None:
+    from tokengym.agents.engine.resources import check_device
+    from tokengym.rewards.common import check_field_types
+
+    try:
+        check_field_types(run)
+    except ValueError as e:
+        raise R.UsageError(str(e)) from None
+    min_group = algorithms()[algo].min_group
+    bad = {"prompts": run.prompts is None or run.prompts >= 1,
+           "group_size": run.group_size is None or run.group_size >= min_group,
+           "eval_prompts": run.eval_prompts >= 0, "save_every": run.save_every >= 0, "num_pairs": run.num_pairs >= 2,
+           "keep_checkpoints": run.keep_checkpoints >= 1, "temperature": run.temperature > 0,
+           "threads": run.threads is None or run.threads >= 1}
+    for k, ok in bad.items():
+        if not ok:
+            why = f" ({algo} compares G >= {min_group} completions of each prompt)" if k == "group_size" and min_group > 1 else ""
+            raise R.UsageError(f"invalid {k}={getattr(run, k)!r}{why}")
+    try:
+        check_device(run.device)
+    except ValueError as e:
+        raise R.UsageError(str(e)) from None
+
+
+def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
+
+
+def train(algo: str, values_file: dict[str, Any], values_flags: dict[str, Any], resume_dir: str | None = None,
+          preset: str | None = None) -> int:
+    """Run ``tokengym train <algo>``; return the exit code (bad input raises :class:`UsageError`).
+
+    Under ``torchrun`` (``WORLD_SIZE`` set) the run is data-parallel: see :mod:`tokengym.agents.runtime.distributed`.
+    """
+    from tokengym.agents.runtime import distributed
+
+    run, cfg, run_dir = resolve(algo, values_file, values_flags, resume_dir, preset)
+    if run.threads:
+        torch.set_num_threads(run.threads)
+    dp, device = distributed.init(run.device)
+    try:
+        return _train(algo, run, cfg, run_dir, resume_dir is not None, dp, device, preset)
+    finally:
+        distributed.shutdown()
+
+
+def _train(algo: str, run: RunConfig, cfg: Any, run_dir: str, resume: bool, dp: Any, device: str,
+           preset: str | None = None) -> int:
+    from tokengym.agents.runtime import distributed
+
+    specs = algorithms()
+    if dp.world_size > 1 and not specs[algo].data_parallel:
+        parallel = sorted(k for k, v in specs.items() if v.data_parallel)
+        raise R.UsageError(f"tokengym train {algo} is not data-parallel yet; run it in one process "
+                           f"(torchrun with several processes supports {', '.join(parallel)})")
+    run_dir = dp.broadcast_object(run_dir)  # rank 0's (timestamped) name
+    say = print if dp.is_main else (lambda *a, **k: None)
+    if resume and os.path.isdir(os.path.join(run_dir, "model")):
+        say(f"{run_dir} already finished; nothing to resume (the trained model is in {run_dir}/model)")
+        return 0
+    if dp.distributed:
+        distributed.seed_rank(getattr(cfg, "seed", 0), dp)
+        run = dataclasses.replace(run, device=device)
+    with contextlib.ExitStack() as held:
+        if resume and dp.is_main:  # another process writing this run: fail before loading anything
+            held.enter_context(R.RunLock(run_dir, create=False))
+        spec = specs[algo]  # everything loaded and checked; nothing written yet:
+        build = spec.build or BUILDERS.get(algo)
+        job = build(run, cfg) if build is not None else build_on_policy(spec, run, cfg)
+        dp.barrier()  # every rank has built its job before rank 0 creates the folder
+        if dp.is_main:
+            if not resume:
+                held.enter_context(R.RunLock(run_dir))  # creates the folder
+                if set(os.listdir(run_dir)) - {R.LOCK_FILE}:  # another run took the name meanwhile
+                    raise R.UsageError(f"{run_dir} already exists and is not empty; pick another --name")
+            R.clean_stale_tmp(run_dir)
+            if not resume:
+                R.write_json_atomic(os.path.join(run_dir, "config.json"), {
+                    "algorithm": algo, "preset": preset, "run": _jsonable(dataclasses.asdict(run)),
+                    "config": _jsonable(dataclasses.asdict(cfg))})
+        if dp.distributed:
+            say(f"data parallel: {dp.world_size} processes, {run.device} (rank 0 writes the run)", flush=True)
+        dp.barrier()
+        say(f"tokengym train {algo}: {run.env} from {run.model} -> {run_dir}", flush=True)
+        say(f"  TensorBoard: tensorboard --logdir {run.runs_dir}", flush=True)
+        resolved = ", ".join(f"{k}={v}" for k, v in _jsonable(dataclasses.asdict(cfg)).items())
+        say(f"  {type(cfg).__name__}{f' (preset {preset})' if preset else ''}: {resolved}", flush=True)
+        with R.storage_errors(run_dir, "the run's logs and checkpoints"):  # a full or read-only disk: one line
+            result = job(run_dir, resume)
+    if not dp.is_main:
+        return 0
+    if "start" in result:
+        print(f"held-out greedy accuracy: {result['start']:.1%} -> {result['final']:.1%}")
+        if "replies" in result:
+            print("env replies (tool calls) per held-out episode: {:.2f} -> {:.2f}".format(*result["replies"]))
+    elif result:
+        print(f"{result['label']}: {result['final']:.1%}")
+    print(f"done: model in {run_dir}/model, metrics in {run_dir}/metrics.jsonl")
+    return 0
+
