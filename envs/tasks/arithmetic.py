@@ -59,8 +59,8 @@ def _check_seed(seed: Any) -> int | None:
 @register_task(
     "arithmetic", description="multi-step integer arithmetic, one step per line; verifier + rule-based PRM",
     prompt_format="completion: one reduction per line, then 'A: <answer>'; reward 1 iff the answer is right",
-    models="tiny-arithmetic was trained on this default task (64.5% held-out greedy): GRPO/PPO lift it; "
-           "from the tiny or small preset, SFT first")
+    models="tiny-arithmetic was trained on this default task: GRPO/PPO lift it; from the tiny or small preset, "
+           "SFT first")
 class ArithmeticTask(Task):
     """Integer expressions such as ``"12+7*3\\n"`` solved one reduction per line.
 

@@ -56,7 +56,7 @@ def calculator_solution(prompt: str) -> str:
     prompt_format="completion: '<calc>EXPR</calc>' calls (the env writes '=VALUE' and a newline), then 'A: <answer>'; "
                   "reward 1 iff right, minus call_cost per call",
     models="tiny-calculator (the default model of tokengym train for this env) knows the syntax, not when calling "
-           "pays: GRPO learns that (59.8% -> 98.4%)")
+           "pays: GRPO learns that")
 class CalculatorTask(ArithmeticTask):
     """Arithmetic with a calculator tool: ``<calc>EXPR</calc>`` is answered ``=VALUE`` (then a newline).
 
