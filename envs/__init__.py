@@ -2,14 +2,15 @@
 
 Importing this package registers every ``tokengym/<Task>-v0`` id for ``gymnasium.make`` (a
 :class:`TokenEnv`) and ``gymnasium.make_vec(..., vectorization_mode="vector_entry_point")`` (a
-:class:`TokenVectorEnv`). Multi-turn tasks answer the agent mid-episode (:meth:`Task.respond`, :class:`Reply`; see
-:mod:`tokengym.envs.multiturn`).
+:class:`TokenVectorEnv`); a task of your own joins them with :func:`register_task`. Multi-turn tasks answer
+the agent mid-episode (:meth:`Task.respond`, :class:`Reply`; see :mod:`tokengym.envs.multiturn`).
 """
 
 from tokengym.envs.checker import check_vector_env
 from tokengym.envs.multiturn import Reply
 from tokengym.envs.registration import ENV_GUIDE, ENV_IDS, register_envs
 from tokengym.envs.tasks.base import Task
+from tokengym.envs.tasks.registry import register_task, unregister_task
 from tokengym.envs.token_env import TokenEnv
 from tokengym.envs.tokenizer import char_tokenizer, check_tokenizer, load_tokenizer
 from tokengym.envs.vector_env import TokenVectorEnv, resolve_task
@@ -28,5 +29,7 @@ __all__ = [
     "check_vector_env",
     "load_tokenizer",
     "register_envs",
+    "register_task",
     "resolve_task",
+    "unregister_task",
 ]

@@ -55,6 +55,7 @@ from gymnasium.vector.utils import batch_space
 from tokengym.envs.chat import check_chat_template, encode_prompts, end_of_turn_ids, is_messages, prompt_texts, template_overhead
 from tokengym.envs.multiturn import TURN_EVENTS, MultiTurnMixin, chat_reply_wrapper
 from tokengym.envs.tasks.base import Task
+from tokengym.envs.tasks.registry import TASK_SPECS
 from tokengym.envs.tokenizer import load_tokenizer
 from tokengym.rewards.common import TokengymWarning
 from tokengym.rewards.protocols import check_reward, score_outcome, score_process
@@ -63,20 +64,15 @@ __all__ = ["TokenVectorEnv", "resolve_task"]
 
 
 def resolve_task(task: str | Task, **task_kwargs: Any) -> Task:
-    """A :class:`Task` from a name (``"arithmetic"``, ``"reverse"``, ``"dataset"``, ``"reasoning_gym"``, ``"target"``,
-    ``"calculator"``, ``"guess_number"``) or instance."""
+    """A :class:`Task` from a registered name (``"arithmetic"``, ``"calculator"``, ...: the keys of
+    :data:`~tokengym.envs.tasks.registry.TASK_SPECS`) or instance."""
     if isinstance(task, Task):
         if task_kwargs:
             raise TypeError(f"got a Task instance and extra task arguments {sorted(task_kwargs)}; pass one or the other")
         return task
-    from tokengym.envs import tasks as T
-
-    named = {"arithmetic": "ArithmeticTask", "reverse": "ReverseTask", "dataset": "DatasetTask",
-             "reasoning_gym": "ReasoningGymTask", "target": "TargetTask",
-             "calculator": "CalculatorTask", "guess_number": "GuessNumberTask"}
-    if not isinstance(task, str) or task not in named:
-        raise ValueError(f"unknown task {task!r}; choose one of {sorted(named)} or pass a Task instance")
-    return getattr(T, named[task])(**task_kwargs)
+    if not isinstance(task, str) or task not in TASK_SPECS:
+        raise ValueError(f"unknown task {task!r}; choose one of {sorted(TASK_SPECS)} or pass a Task instance")
+    return TASK_SPECS[task].cls(**task_kwargs)
 
 
 def _parse_mode(mode: Any) -> AutoresetMode:

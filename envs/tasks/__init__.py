@@ -6,19 +6,20 @@ Procedural tasks (:data:`TASKS`): :class:`ArithmeticTask`, :class:`ReverseTask`.
 which the env answers: :class:`CalculatorTask` (a tool) and :class:`GuessNumberTask` (a game).
 A task may bundle training data for learned rewards (:meth:`Task.preference_pairs`, :meth:`Task.step_labels`; ask
 :meth:`Task.has_bundled_data`): Arithmetic does (:mod:`~tokengym.envs.tasks.arithmetic_data`).
+Each task registers itself in the one task table (:mod:`~tokengym.envs.tasks.registry`) with
+:func:`register_task`; a new bundled task is its own file plus its import below.
 """
 
-from .arithmetic import ArithmeticTask
 from .base import Task
-from .dataset import DatasetTask
-from .reasoning_gym import ReasoningGymReward, ReasoningGymTask
-from .reverse import ReverseTask
-from .tools import CalculatorTask, GuessNumberTask
-from .toy import TargetTask
+from .registry import TASK_SPECS, TASKS, TaskSpec, register_task, unregister_task
 
-TASKS: dict[str, type[Task]] = {"arithmetic": ArithmeticTask, "reverse": ReverseTask, "calculator": CalculatorTask,
-                                "guess_number": GuessNumberTask}
-"""The procedural tasks by name."""
+# The import order is the registration order, the order in which `tokengym envs` lists the ids.
+from .arithmetic import ArithmeticTask
+from .reverse import ReverseTask
+from .dataset import DatasetTask
+from .toy import TargetTask
+from .reasoning_gym import ReasoningGymReward, ReasoningGymTask
+from .tools import CalculatorTask, GuessNumberTask
 
 __all__ = ["Task", "ArithmeticTask", "ReverseTask", "DatasetTask", "ReasoningGymTask", "ReasoningGymReward", "TargetTask", "CalculatorTask",
-           "GuessNumberTask", "TASKS"]
+           "GuessNumberTask", "TASKS", "TASK_SPECS", "TaskSpec", "register_task", "unregister_task"]

@@ -23,6 +23,7 @@ from ..chat import user_prompt
 
 from .arithmetic_data import arithmetic_pairs, arithmetic_step_labels
 from .base import Task
+from .registry import register_task
 
 __all__ = ["ArithmeticTask"]
 
@@ -55,6 +56,11 @@ def _check_seed(seed: Any) -> int | None:
     return None if seed is None else int(seed)
 
 
+@register_task(
+    "arithmetic", description="multi-step integer arithmetic, one step per line; verifier + rule-based PRM",
+    prompt_format="completion: one reduction per line, then 'A: <answer>'; reward 1 iff the answer is right",
+    models="tiny-arithmetic was trained on this default task: GRPO/PPO lift it; from the tiny or small preset, "
+           "SFT first")
 class ArithmeticTask(Task):
     """Integer expressions such as ``"12+7*3\\n"`` solved one reduction per line.
 

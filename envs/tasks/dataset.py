@@ -16,6 +16,7 @@ from tokengym.rewards import answer_match
 from ..chat import is_messages, prompt_chars
 from .arithmetic import _check_seed
 from .base import Task
+from .registry import register_task
 
 __all__ = ["DatasetTask", "read_jsonl"]
 
@@ -55,6 +56,11 @@ def _is_hf_dataset_like(data: Any) -> bool:
     return type(data).__module__.split(".")[0] == "datasets"
 
 
+@register_task(
+    "dataset", kind="data", description="prompts from JSONL / list / datasets.Dataset (data=...), any reward",
+    prompt_format="prompt: your 'prompt' column as is; reward: the final answer ('A: ...', 'Answer: ...', "
+                  "<answer>...</answer> or the last line) against an 'answer' column, or your reward=",
+    models="your own model (the char-level presets only know their own tasks)")
 class DatasetTask(Task):
     """A task whose prompts (and reference answers, and any other columns) come from data.
 

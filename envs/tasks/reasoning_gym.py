@@ -8,6 +8,7 @@ from tokengym.rewards import extract_answer
 
 from ..chat import user_prompt
 from .dataset import DatasetTask
+from .registry import register_task
 
 __all__ = ["ReasoningGymTask", "ReasoningGymReward"]
 
@@ -64,6 +65,11 @@ class ReasoningGymReward:
         return f"ReasoningGymReward({self.name!r})"
 
 
+@register_task(
+    "reasoning_gym", kind="data", description="a reasoning-gym dataset (name=...), scored by its score_answer",
+    prompt_format="prompt: the dataset's English question; answer in <answer>...</answer> or on the last line, "
+                  "scored by the dataset",
+    models="a local instruct model that reads English: the bundled char-level models score 0 on these")
 class ReasoningGymTask(DatasetTask):
     """Questions of a reasoning-gym dataset, scored by the dataset's own verifier.
 

@@ -10,10 +10,15 @@ from tokengym.rewards import char_accuracy, exact_match
 
 from .arithmetic import _check_seed, _int_range
 from .base import Task
+from .registry import register_task
 
 __all__ = ["ReverseTask"]
 
 
+@register_task(
+    "reverse", description="reverse a string of letters; exact-match reward",
+    prompt_format="completion: the letters in reverse order; reward 1 iff exact",
+    models="the presets start at 0%: SFT first (tokengym train sft --env tokengym/Reverse-v0), then GRPO")
 class ReverseTask(Task):
     """Random letters to write backwards: prompt ``"abcd\\n"``, solution ``"dcba"``.
 

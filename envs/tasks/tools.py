@@ -23,6 +23,7 @@ from ..chat import user_prompt
 from ..multiturn import Reply
 from .arithmetic import ArithmeticTask
 from .base import Task
+from .registry import register_task
 
 __all__ = ["CalculatorTask", "GuessNumberTask", "calculator_solution", "calculator_turns", "count_calls"]
 
@@ -50,6 +51,12 @@ def calculator_solution(prompt: str) -> str:
     return "".join(calculator_turns(prompt))
 
 
+@register_task(
+    "calculator", description="multi-turn: Arithmetic with a calculator tool, <calc>38+87</calc> is answered =125",
+    prompt_format="completion: '<calc>EXPR</calc>' calls (the env writes '=VALUE' and a newline), then 'A: <answer>'; "
+                  "reward 1 iff right, minus call_cost per call",
+    models="tiny-calculator (the default model of tokengym train for this env) knows the syntax, not when calling "
+           "pays: GRPO learns that")
 class CalculatorTask(ArithmeticTask):
     """Arithmetic with a calculator tool: ``<calc>EXPR</calc>`` is answered ``=VALUE`` (then a newline).
 
@@ -119,6 +126,10 @@ def calculate(expression: str) -> str:
         return "error"
 
 
+@register_task(
+    "guess_number", description="multi-turn: find a hidden number from the env's higher/lower replies",
+    prompt_format="each turn: a number and '?', answered higher/lower/correct; reward 1 - 0.1 per extra guess when "
+                  "found", models="a demo of interaction without a tool; chat=True for an instruct model")
 class GuessNumberTask(Task):
     """Find a hidden number in ``[1, high]``: each guess (a number, then ``?``) is answered ``higher``,
     ``lower`` (then a newline) or ``correct``. Reward ``1 - 0.1 * (guesses - 1)`` (at least 0.1) when found, else 0.

@@ -7,10 +7,15 @@ from typing import Any, Callable
 import numpy as np
 
 from tokengym.envs.tasks.base import Task
+from tokengym.envs.tasks.registry import register_task
 
 __all__ = ["TargetTask"]
 
 
+@register_task(
+    "target", kind="toy", description="emit a fixed target string; the smallest learnable task, for agent smoke tests",
+    prompt_format="completion: the fixed target (target='ok'); reward 1 iff exact, or partial_credit=True",
+    models="the untrained tiny preset learns it with GRPO or PPO in seconds (agent smoke tests)")
 class TargetTask(Task):
     """Reward 1 for generating exactly ``target`` (surrounding whitespace ignored), else 0.
 
