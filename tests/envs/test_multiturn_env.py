@@ -308,3 +308,31 @@ def test_special_token_text_in_a_reply_is_text_not_special_tokens(chat):
     else:
         assert reply == plain
     assert not bool(env.done[0])
+
+
+def test_a_tool_that_never_returns_does_not_keep_the_process_alive():
+    """The timeout turns the hung reply into an error message; the process then ends normally (before the fix, the
+    reply thread was joined at exit and the finished run never exited). The subprocess limit only guards a hang."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent('''
+        import threading, torch
+        from tokengym.envs import TokenVectorEnv
+        from tokengym.envs.tasks import GuessNumberTask
+
+        class Hung(GuessNumberTask):
+            reply_timeout = 0.2
+            def respond(self, sample, history):
+                threading.Event().wait()  # never returns
+
+        env = TokenVectorEnv(1, Hung(high=9))
+        env.reset(seed=0)
+        for t in "1?":
+            env.step(torch.tensor(env.tokenizer(t, add_special_tokens=False)["input_ids"]))
+        print("history", env.history[0], flush=True)
+    ''')
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "no reply within 0.2 s" in out.stdout
