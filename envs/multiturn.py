@@ -19,13 +19,18 @@ end-of-turn marker, or token ids outside the vocabulary, is the env's bug: a ``V
 from __future__ import annotations
 
 import concurrent.futures as cf
+import math
+import numbers
+import queue
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
-__all__ = ["TURN_EVENTS", "Reply", "MultiTurnMixin", "answer_one", "ask_all", "chat_reply_wrapper", "timed_out"]
+__all__ = ["TURN_EVENTS", "Reply", "BadReply", "DaemonPool", "MultiTurnMixin", "answer_one", "ask_all", "check_reply",
+           "chat_reply_wrapper", "timed_out"]
 
 
 TURN_EVENTS = ("turns", "replies", "tool_errors", "tool_timeouts", "reply_overflows", "max_turns")
@@ -50,13 +55,47 @@ class Reply:
     reward: float = 0.0
 
 
-def _normalise(out: Any) -> tuple[Reply, str | None]:
+def _is_int(i: Any) -> bool:
+    """An integer (Python, NumPy or a 0-d integer tensor), not a bool or a float that would be truncated."""
+    if isinstance(i, torch.Tensor):
+        return i.ndim == 0 and not i.dtype.is_floating_point and not i.dtype.is_complex and i.dtype != torch.bool
+    return isinstance(i, numbers.Integral) and not isinstance(i, bool)
+
+
+class BadReply(ValueError):
+    """A :class:`Reply` of the wrong form: a bug of the task, raised (naming it) rather than shown to the agent."""
+
+
+def check_reply(task: Any, rep: Reply) -> Reply:
+    """``rep`` if its fields have the types and values the env can use, else :class:`BadReply` naming the task."""
+    def bad(what: str) -> BadReply:
+        return BadReply(f"task {getattr(task, 'name', type(task).__name__)!r}: respond() returned {what}")
+
+    if rep.text is not None and not isinstance(rep.text, str):
+        raise bad(f"Reply(text={rep.text!r}): text must be a str (or None)")
+    if rep.ids is not None:
+        if isinstance(rep.ids, (str, bytes)) or not hasattr(rep.ids, "__iter__"):
+            raise bad(f"Reply(ids={rep.ids!r}): ids must be a sequence of integer token ids")
+        wrong = next((i for i in rep.ids if not _is_int(i)), None)
+        if wrong is not None:
+            raise bad(f"Reply(ids=[..., {wrong!r}, ...]): token ids must be integers")
+    if isinstance(rep.reward, bool) or not isinstance(rep.reward, numbers.Real):
+        raise bad(f"Reply(reward={rep.reward!r}): the turn reward must be a number")
+    if not math.isfinite(float(rep.reward)):
+        raise bad(f"Reply(reward={rep.reward!r}): the turn reward must be finite")
+    if not isinstance(rep.done, bool):
+        raise bad(f"Reply(done={rep.done!r}): done must be a bool")
+    return rep
+
+
+def _normalise(task: Any, out: Any) -> tuple[Reply, str | None]:
     """``(Reply, error kind or None)`` of what ``respond`` returned."""
     if out is None:
         return Reply(done=True), None
     if isinstance(out, str):
         return Reply(text=out), None
     if isinstance(out, Reply):
+        check_reply(task, out)
         if not out.done and out.text is None and out.ids is None:
             return Reply(text="error: the reply had no text"), "tool_errors"
         return out, None
@@ -64,18 +103,69 @@ def _normalise(out: Any) -> tuple[Reply, str | None]:
 
 
 def answer_one(task: Any, sample: dict, history: list[str]) -> tuple[Reply, str | None]:
-    """``task.respond(sample, history)`` as a :class:`Reply`, and the kind of error it was (``None`` if none)."""
+    """``task.respond(sample, history)`` as a :class:`Reply`, and the kind of error it was (``None`` if none).
+
+    A tool that raises, ``sys.exit`` included, is an observation for the agent, not a crash of the batch; a
+    :class:`Reply` of the wrong form is the task's bug and raises :class:`BadReply`."""
     try:
-        return _normalise(task.respond(sample, history))
-    except Exception as e:  # a tool that raises is an observation, not a crash of the batch
+        out = task.respond(sample, history)
+    except (Exception, SystemExit) as e:
         return Reply(text=f"error: {type(e).__name__}: {str(e)[:160]}"), "tool_errors"
+    return _normalise(task, out)
 
 
 def timed_out(task: Any) -> tuple[Reply, str]:
     return Reply(text=f"error: no reply within {task.reply_timeout:g} s"), "tool_timeouts"
 
 
-def ask_all(task: Any, pool: cf.ThreadPoolExecutor | None, jobs: list[tuple[dict, list[str]]]
+class DaemonPool:
+    """A small thread pool for tool replies whose workers are daemon threads. ``ThreadPoolExecutor`` joins its workers
+    when the interpreter exits, so one ``respond()`` that never returns (its timeout already turned into an error
+    message for the agent) would keep the finished run's process alive forever; a daemon worker cannot."""
+
+    def __init__(self, max_workers: int, name: str = "tokengym-reply"):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle = threading.Semaphore(0)
+        self._workers: list[threading.Thread] = []
+        self._max, self._name = max_workers, name
+
+    def submit(self, fn: Any, *args: Any) -> cf.Future:
+        future: cf.Future = cf.Future()
+        self._jobs.put((future, fn, args))
+        if not self._idle.acquire(blocking=False) and len(self._workers) < self._max:
+            worker = threading.Thread(target=self._work, name=f"{self._name}_{len(self._workers)}", daemon=True)
+            worker.start()
+            self._workers.append(worker)
+        return future
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, fn, args = job
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as e:  # handed to whoever waits on the future
+                    future.set_exception(e)
+            self._idle.release()
+
+    def shutdown(self, wait: bool = False, cancel_futures: bool = True) -> None:
+        """Stop the workers once their current job ends (a hung one never does: it is a daemon); ``cancel_futures``
+        cancels the jobs not started yet."""
+        while cancel_futures:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job[0].cancel()
+        for _ in self._workers:
+            self._jobs.put(None)
+        if wait:
+            for w in self._workers:
+                w.join()
+
+
+def ask_all(task: Any, pool: DaemonPool | None, jobs: list[tuple[dict, list[str]]]
             ) -> list[tuple[Reply, str | None]]:
     """``task.respond(sample, history)`` for every job, concurrently under ``task.reply_timeout`` seconds (inline when
     it is ``None``); returns each reply with the kind of error it is (``"tool_errors"``, ``"tool_timeouts"``, ``None``)."""
@@ -124,7 +214,7 @@ class MultiTurnMixin:
             if self._turn_steps:
                 self._score_turn_steps(rows, reward)
         if self._pool is None and self.task.reply_timeout is not None:
-            self._pool = cf.ThreadPoolExecutor(max_workers=min(32, self.num_envs), thread_name_prefix="tokengym-reply")
+            self._pool = DaemonPool(max_workers=min(32, self.num_envs))
         term, trunc = term_now.clone(), trunc_now.clone()
         if self.task.reply_grace is None or self._pool is None:  # every reply of this step, now
             answers = ask_all(self.task, self._pool, [(self.samples[s], self.history[s]) for s in rows])
@@ -237,8 +327,12 @@ class MultiTurnMixin:
                         raise ValueError(f"task {self.task.name!r} replied {text[:60]!r}, which contains the end-of-turn "
                                          f"marker {m!r}: the agent's next turn would look ended; escape or drop it in respond()")
                     text = text.replace(m, "")  # an error message quoting the agent
-            before, after = self._wrap
-            texts.append(before + text + after)
+            texts.append(text)
             out.append(None)
-        encoded = iter(self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else [])
-        return [ids if ids is not None else list(next(encoded)) for ids in out]
+        if not texts:
+            return out
+        # the env's own text (the chat template's role markers) may hold special tokens; the task's text never does:
+        # a tool echoing "<eos>" or a role marker appends those characters, not the tokens
+        before, after = (list(ids) for ids in self.tokenizer(list(self._wrap), add_special_tokens=False)["input_ids"])
+        encoded = iter(self.tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+        return [ids if ids is not None else before + list(next(encoded)) + after for ids in out]

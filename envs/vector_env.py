@@ -85,6 +85,10 @@ def _parse_mode(mode: Any) -> AutoresetMode:
     return by_name[key]
 
 
+MAX_COLUMNS = 2**20
+"""The largest buffer dimension an env accepts (rows, prompt or generation columns): beyond it, allocation fails."""
+
+
 class TokenVectorEnv(MultiTurnMixin, VectorEnv):
     """N token-generation episodes held as torch tensors on ``device``.
 
@@ -130,13 +134,13 @@ class TokenVectorEnv(MultiTurnMixin, VectorEnv):
         render_mode: str | None = None,
         **task_kwargs: Any,
     ):
-        if not isinstance(num_envs, int) or num_envs < 1:
-            raise ValueError(f"num_envs must be a positive int, got {num_envs!r}")
+        if not isinstance(num_envs, int) or isinstance(num_envs, bool) or not 1 <= num_envs <= MAX_COLUMNS:
+            raise ValueError(f"num_envs must be an int from 1 to {MAX_COLUMNS}, got {num_envs!r}")
         if not isinstance(group_size, int) or group_size < 1 or num_envs % group_size:
             raise ValueError(f"num_envs={num_envs} must be a positive multiple of group_size={group_size!r}")
         for name, v in (("max_new_tokens", max_new_tokens), ("max_prompt_len", max_prompt_len)):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1):
-                raise ValueError(f"{name} must be None (the task's default) or an int >= 1, got {v!r}")
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 1 <= v <= MAX_COLUMNS):
+                raise ValueError(f"{name} must be None (the task's default) or an int from 1 to {MAX_COLUMNS}, got {v!r}")
         if reward is not None:
             check_reward(reward, "reward")
         if process_reward is not None and not isinstance(process_reward, bool):

@@ -57,7 +57,7 @@ from tokengym.agents.runtime.config_io import (UsageError, apply_overrides, fiel
 __all__ = ["UsageError", "field_docs", "parse_value", "apply_overrides", "read_config_file", "read_data_file", "is_run_dir",
            "field_types", "write_json_atomic", "write_folder_atomic", "storage_errors", "run_path", "RunLock",
            "clean_stale_tmp", "save_checkpoint", "verify_checkpoint", "latest_intact_checkpoint", "latest_checkpoint",
-           "load_checkpoint", "truncate_metrics", "KeptMetrics", "metrics_damage", "read_metrics", "rng_state",
+           "load_checkpoint", "nonfinite_weights", "truncate_metrics", "KeptMetrics", "metrics_damage", "read_metrics", "rng_state",
            "set_rng_state", "kill_during_write"]
 
 CHECKPOINTS = "checkpoints"
@@ -481,9 +481,14 @@ def save_checkpoint(run_dir: str, step: int, modules: dict[str, torch.nn.Module]
 
 
 def _verify_legacy(path: str) -> str | None:
-    """A checkpoint without manifest.json: intact if trainer_state.pt loads and every module file opens."""
+    """A checkpoint without manifest.json: damaged when another checkpoint of the run has one (the manifest was lost,
+    so nothing vouches for its bytes); otherwise an old checkpoint, intact if trainer_state.pt loads and every
+    module file opens and holds only finite values."""
     from safetensors import safe_open
 
+    root = os.path.dirname(path)
+    if any(os.path.lexists(os.path.join(root, d, MANIFEST)) for d in _step_dirs(root).values()):
+        return f"{MANIFEST}: missing, though the run's other checkpoints have one"
     note = "(old checkpoint without manifest.json)"
     state_path = os.path.join(path, STATE_FILE)
     if not os.path.isfile(state_path):
@@ -496,20 +501,32 @@ def _verify_legacy(path: str) -> str | None:
         fname = f"{key}.safetensors"
         if not os.path.isfile(os.path.join(path, fname)):
             return f"{fname}: missing {note}"
-        try:  # checks the header and that the file is exactly as long as it says
+        try:  # the header, the file's length, and every value (no checksum vouches for them)
             with safe_open(os.path.join(path, fname), "pt") as f:
-                f.keys()
+                bad = next((k for k in f.keys() if not _finite(f.get_tensor(k))), None)
         except Exception as e:
             return f"{fname}: unreadable, {_short(e)} {note}"
+        if bad is not None:
+            return f"{fname}: {bad} holds NaN or inf {note}"
     return None
+
+
+def _finite(t: torch.Tensor) -> bool:
+    return not t.is_floating_point() or bool(torch.isfinite(t).all())
+
+
+def nonfinite_weights(module: torch.nn.Module) -> str | None:
+    """The name of the first parameter or buffer of ``module`` holding NaN or inf, else None."""
+    return next((k for k, v in module.state_dict().items() if not _finite(v)), None)
 
 
 def verify_checkpoint(path: str) -> str | None:
     """None when the checkpoint folder ``path`` is intact, else a short reason ("policy.safetensors: checksum mismatch").
 
-    Every file ``manifest.json`` lists must exist with its recorded size and SHA-256. A checkpoint written before
-    manifests existed (no manifest.json) cannot be checked byte for byte; it is accepted when trainer_state.pt
-    loads and every module file it lists opens as safetensors (so a missing, empty or cut-short file is still caught).
+    Every file ``manifest.json`` lists must exist with its recorded size and SHA-256. A checkpoint without
+    manifest.json is damaged when another checkpoint of the run has one; in a run written before manifests existed
+    it cannot be checked byte for byte, and is accepted when trainer_state.pt loads and every module file it lists
+    opens as safetensors with finite values (so a missing, empty, cut-short or NaN-filled file is still caught).
     """
     if not os.path.isdir(path):
         return "folder missing"
@@ -628,6 +645,9 @@ def load_checkpoint(path: str, modules: dict[str, torch.nn.Module], verify: bool
             raise UsageError(f"{file} does not fit this run's {key} ({_short(e)}): was it written with a different config?") from None
         except Exception as e:  # SafetensorError (truncated, empty, garbled header), OSError
             raise UsageError(f"{file} is damaged and cannot be loaded ({_short(e)})") from None
+        if (bad := nonfinite_weights(module)) is not None:  # weights with NaN/inf never load silently
+            raise UsageError(f"{file} holds NaN or inf in {bad}: the checkpoint cannot be resumed (diverged training, or "
+                             "damaged bytes); resume from an earlier one by removing this step folder")
     try:
         set_rng_state(state["rng"])
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:

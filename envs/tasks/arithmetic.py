@@ -104,7 +104,7 @@ class ArithmeticTask(Task):
 
     def __init__(self, n_operands: int | tuple[int, int] = (2, 3), digits: int | tuple[int, int] = 2, operators: str = "+",
                  seed: int | None = None, chat: bool = False, system_prompt: str | None = None):
-        self.n_operands = _int_range("n_operands", n_operands, 2)
+        self.n_operands = _int_range("n_operands", n_operands, 2, 64)
         self.digits = _int_range("digits", digits, 1, 18)
         if not isinstance(operators, str) or not operators:
             raise ValueError(f"operators must be a non-empty string of characters from {_OPERATORS!r}, got {operators!r}")

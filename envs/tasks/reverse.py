@@ -42,7 +42,7 @@ class ReverseTask(Task):
     step_delimiter = None
 
     def __init__(self, length: int | tuple[int, int] = (3, 8), alphabet: str = "abcdefghij", partial_credit: bool = False, seed: int | None = None):
-        self.length = _int_range("length", length, 1)
+        self.length = _int_range("length", length, 1, 4096)
         if not isinstance(alphabet, str) or not alphabet:
             raise ValueError(f"alphabet must be a non-empty string, got {alphabet!r}")
         if len(set(alphabet)) != len(alphabet):

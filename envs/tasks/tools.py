@@ -126,6 +126,10 @@ def calculate(expression: str) -> str:
         return "error"
 
 
+MAX_HIGH = 10**18
+MAX_TURNS = 1000
+
+
 @register_task(
     "guess_number", description="multi-turn: find a hidden number from the env's higher/lower replies",
     prompt_format="each turn: a number and '?', answered higher/lower/correct; reward 1 - 0.1 per extra guess when "
@@ -144,10 +148,10 @@ class GuessNumberTask(Task):
     turn_stop_strings = ("?",)
 
     def __init__(self, high: int = 100, max_turns: int = 8, chat: bool = False):
-        if not isinstance(high, int) or isinstance(high, bool) or high < 2:
-            raise ValueError(f"high must be an int >= 2, got {high!r}")
-        if not isinstance(max_turns, int) or isinstance(max_turns, bool) or max_turns < 1:
-            raise ValueError(f"max_turns must be an int >= 1, got {max_turns!r}")
+        if not isinstance(high, int) or isinstance(high, bool) or not 2 <= high <= MAX_HIGH:
+            raise ValueError(f"high must be an int from 2 to {MAX_HIGH:.0e} (numbers are drawn as int64), got {high!r}")
+        if not isinstance(max_turns, int) or isinstance(max_turns, bool) or not 1 <= max_turns <= MAX_TURNS:
+            raise ValueError(f"max_turns must be an int from 1 to {MAX_TURNS}, got {max_turns!r}")
         self.high, self.max_turns, self.chat = high, max_turns, bool(chat)
         self.question = f"I am thinking of a number from 1 to {high}. Guess it: reply with just a number, and I will say higher or lower."
         self.max_prompt_chars = len(self.question) if chat else len(f"guess 1-{high}\n")

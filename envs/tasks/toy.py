@@ -36,8 +36,10 @@ class TargetTask(Task):
     def __init__(self, target: str = "ok", n_prompts: int = 4, partial_credit: bool = False, max_new_tokens: int = 8):
         if not isinstance(target, str) or not target:
             raise ValueError(f"target must be a non-empty string, got {target!r}")
-        if not isinstance(n_prompts, int) or n_prompts < 1:
-            raise ValueError(f"n_prompts must be a positive int, got {n_prompts!r}")
+        if not isinstance(n_prompts, int) or isinstance(n_prompts, bool) or not 1 <= n_prompts <= 10**6:
+            raise ValueError(f"n_prompts must be an int from 1 to 1000000, got {n_prompts!r}")
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or not 1 <= max_new_tokens <= 4096:
+            raise ValueError(f"max_new_tokens must be an int from 1 to 4096, got {max_new_tokens!r}")
         if max_new_tokens < len(target):
             raise ValueError(f"max_new_tokens={max_new_tokens} cannot fit target {target!r}")
         self.target, self.n_prompts, self.partial_credit = target, n_prompts, partial_credit

@@ -38,8 +38,8 @@ def test_configs_refuse_bad_values_when_built(make, message):
 
 
 @pytest.mark.parametrize("kw, message", [
-    (dict(max_new_tokens=0), "max_new_tokens must be None (the task's default) or an int >= 1, got 0"),
-    (dict(max_new_tokens=2.7), "max_new_tokens must be None (the task's default) or an int >= 1, got 2.7"),
+    (dict(max_new_tokens=0), "max_new_tokens must be None (the task's default) or an int from 1 to 1048576, got 0"),
+    (dict(max_new_tokens=2.7), "max_new_tokens must be None (the task's default) or an int from 1 to 1048576, got 2.7"),
     (dict(max_prompt_len=True), "max_prompt_len must be None"),
 ])
 def test_env_budgets_are_positive_ints_not_silently_replaced(kw, message):

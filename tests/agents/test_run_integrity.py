@@ -162,6 +162,58 @@ def test_checkpoint_without_manifest_is_accepted_only_if_it_loads(tmp_path):
     assert path == ckpt(tmp_path, 2) and len(messages) == 1
 
 
+def _nan_bytes(path):
+    """Overwrite the first float32 value of the file's first tensor with NaN, in place (the header stays valid)."""
+    from safetensors import safe_open
+
+    with safe_open(path, "pt") as f:
+        key = next(iter(f.keys()))
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    start = 8 + n + header[key]["data_offsets"][0]
+    with open(path, "r+b") as f:
+        f.seek(start)
+        f.write(b"\x00\x00\xc0\x7f")  # float32 NaN
+
+
+def test_a_checkpoint_whose_manifest_was_deleted_is_damaged_when_the_run_has_manifests(tmp_path):
+    """A lost manifest leaves nothing vouching for the bytes: with NaN written into the weights, resuming from it
+    would train on (and end with) NaN. The run falls back to the newest checkpoint that has its manifest."""
+    saved = save(tmp_path, 2)
+    save(tmp_path, 4)
+    os.remove(os.path.join(ckpt(tmp_path, 4), R.MANIFEST))
+    _nan_bytes(os.path.join(ckpt(tmp_path, 4), "policy.safetensors"))
+    assert R.verify_checkpoint(ckpt(tmp_path, 4)) == f"{R.MANIFEST}: missing, though the run's other checkpoints have one"
+    path, messages = R.latest_intact_checkpoint(str(tmp_path))
+    assert path == ckpt(tmp_path, 2) and len(messages) == 1 and "step-00000004 is damaged" in messages[0]
+    fresh = modules(99)
+    R.load_checkpoint(path, fresh)
+    assert all(same_weights(fresh[k], saved[k]) for k in saved)
+
+
+def test_old_checkpoints_without_manifests_holding_nan_are_damaged(tmp_path):
+    save(tmp_path, 2)
+    save(tmp_path, 4)
+    for step in (2, 4):
+        os.remove(os.path.join(ckpt(tmp_path, step), R.MANIFEST))
+    _nan_bytes(os.path.join(ckpt(tmp_path, 4), "critic.safetensors"))
+    reason = R.verify_checkpoint(ckpt(tmp_path, 4))
+    assert reason.startswith("critic.safetensors:") and "NaN or inf" in reason and "without manifest.json" in reason
+    assert R.latest_intact_checkpoint(str(tmp_path))[0] == ckpt(tmp_path, 2)
+
+
+def test_weights_with_nan_never_load_silently(tmp_path):
+    """A checkpoint whose manifest vouches for NaN weights (a diverged run saved them) is refused in one line."""
+    mods = modules(0)
+    with torch.no_grad():
+        mods["critic"].weight[0, 0] = float("inf")
+    R.save_checkpoint(str(tmp_path), 2, mods, {"step": 2})
+    with pytest.raises(R.UsageError, match=r"critic.safetensors holds NaN or inf in weight") as e:
+        R.load_checkpoint(ckpt(tmp_path, 2), modules(1), verify=True)
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("pointer", [None, "", "step-00000004\x00garbage", "\xff\xfe"])
 def test_missing_or_garbled_latest_still_finds_the_checkpoints(tmp_path, pointer):
     save(tmp_path, 2)

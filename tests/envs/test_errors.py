@@ -2,6 +2,8 @@
 
 import math
 
+import gymnasium as gym
+
 import pytest
 import torch
 
@@ -106,3 +108,17 @@ def test_construction_errors():
         TokenEnv(TargetTask("ok"), num_envs=4)
     with pytest.raises(ValueError, match="unknown reset options"):
         TokenVectorEnv(1, TargetTask("ok")).reset(options={"prompt": "x"})
+
+
+@pytest.mark.parametrize("env_id, kwarg", [
+    ("tokengym/GuessNumber-v0", "high"), ("tokengym/GuessNumber-v0", "max_turns"), ("tokengym/Reverse-v0", "length"),
+    ("tokengym/Arithmetic-v0", "n_operands"), ("tokengym/Arithmetic-v0", "digits"), ("tokengym/Target-v0", "n_prompts"),
+    ("tokengym/Target-v0", "max_new_tokens"),
+])
+@pytest.mark.parametrize("value", [2**63, 10**30, -1, 2.5])
+def test_out_of_range_env_kwargs_fail_when_the_env_is_made(env_id, kwarg, value):
+    """Before any run folder exists (tokengym train makes the env first), not at the first reset (GuessNumber-v0's
+    high above int64 used to pass and then crash numpy's draw)."""
+    with pytest.raises(ValueError, match=rf"^{kwarg} ") as e:
+        gym.make(env_id, **{kwarg: value})
+    assert "\n" not in str(e.value)

@@ -116,7 +116,7 @@ def test_solution_bound_is_reasonably_tight():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(n_operands=1), r"n_operands must be >= 2, got 1"),
+        (dict(n_operands=1), r"n_operands must be >= 2 and <= 64, got 1"),
         (dict(n_operands=(3, 2)), r"n_operands range must have min <= max, got \(3, 2\)"),
         (dict(n_operands="3"), r"n_operands must be an int or an inclusive \(min, max\) pair of ints, got '3'"),
         (dict(n_operands=(2, 3, 4)), r"n_operands must be an int or an inclusive"),
@@ -170,7 +170,7 @@ def test_reverse_task_bounds_and_determinism(length, alphabet, seed):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(length=0), r"length must be >= 1, got 0"),
+        (dict(length=0), r"length must be >= 1 and <= 4096, got 0"),
         (dict(length=(5, 3)), r"length range must have min <= max"),
         (dict(alphabet=""), r"alphabet must be a non-empty string"),
         (dict(alphabet="aab"), r"alphabet must not repeat a character, got 'aab'"),
