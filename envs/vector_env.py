@@ -53,7 +53,7 @@ from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space
 
 from tokengym.envs.chat import check_chat_template, encode_prompts, end_of_turn_ids, is_messages, prompt_texts, template_overhead
-from tokengym.envs.multiturn import TURN_EVENTS, MultiTurnMixin, chat_reply_wrapper
+from tokengym.envs.multiturn import TURN_EVENTS, DaemonPool, MultiTurnMixin, chat_reply_wrapper
 from tokengym.envs.tasks.base import Task
 from tokengym.envs.tasks.registry import TASK_SPECS
 from tokengym.envs.tokenizer import load_tokenizer
@@ -183,7 +183,7 @@ class TokenVectorEnv(MultiTurnMixin, VectorEnv):
         self._markers = [*stops, *self.task.turn_stop_strings] if self.multi_turn else stops
         self._build_lookups(self._markers)
         self._wrap = chat_reply_wrapper(self.tokenizer, self.task.reply_role) if self.multi_turn and self.task.chat else ("", "")
-        self._pool: cf.ThreadPoolExecutor | None = None
+        self._pool: DaemonPool | None = None  # tool replies (multi-turn), started on the first one
         self._alloc()
 
     # ------------------------------------------------------------------ set-up
