@@ -1,6 +1,7 @@
 """``Policy``: a causal LM that acts on ``TokenVectorEnv`` observations with its own KV cache.
 
-Rollout API (what :func:`tokengym.agents.collect` uses; lockstep batches)::
+Rollout API (the :class:`~tokengym.agents.engine.sampler.Sampler` protocol that :func:`tokengym.agents.collect`
+drives; lockstep batches)::
 
     policy.begin_rollout()                                              # this rollout's sampling-stream key
     logits = policy.prefill(obs["tokens"][:, :P], obs["mask"][:, :P], max_new_tokens=M)  # prompts, once

@@ -1,4 +1,5 @@
-"""The rollout engine: drive a ``TokenVectorEnv`` with a policy and collect a ``Rollout``.
+"""The rollout engine: drive a ``TokenVectorEnv`` with a policy (any :class:`~tokengym.agents.engine.sampler.Sampler`,
+whose declared capabilities decide which of the tricks below run) and collect a ``Rollout``.
 
 ``collect`` resets the env (``DISABLED`` autoreset: one batch of episodes), prefills the prompts once (a GRPO group's
 shared prompt once for its G rows), then samples and decodes one token per step until every slot is done, dropping

@@ -6,7 +6,7 @@ import torch
 
 from tokengym.agents import Sampler
 from tokengym.agents.engine.policy import Policy, position_ids, right_aligned, row_uniforms, sample_logits
-from tokengym.agents.engine.rollout import collect, collect_episodes
+from tokengym.agents.engine.rollout import collect, collect_episodes, heldout_samples
 from tokengym.agents.engine.sampler import SamplerCapabilities, capabilities_of, check_sampler
 from tokengym.envs import TokenVectorEnv
 from tokengym.envs.tasks import ReverseTask
@@ -140,6 +140,17 @@ def test_conformance_on_a_long_tailed_batch(reverse_policy, greedy):
     _seeded(reverse_policy, plain)
     calls = check_sampler(plain, reverse_policy, env, atol=LP_TOL, seed=3, greedy=greedy)
     assert calls["compact"] == 0 and calls["decode"] > 10 and calls["begin_rollout"] == (0 if greedy else 1)
+
+
+def test_conformance_with_continuous_batching(reverse_policy):
+    """collect_episodes (a next_step env) runs through check_sampler too: refill is declared and used."""
+    tok = reverse_policy.tokenizer
+    twin = Policy(reverse_policy.model, tok)
+    samples = heldout_samples(_reverse(1, tok).task, 8)
+    _seeded(reverse_policy, twin)
+    calls = check_sampler(reverse_policy, twin, _reverse(3, tok, autoreset_mode="next_step"), atol=0.0, seed=1,
+                          samples=samples)
+    assert calls["refill"] > 0
 
 
 def test_conformance_of_the_generic_transformers_path(reverse_policy):
