@@ -17,6 +17,7 @@ from .algorithms.ppo import PPOAgent, PPOConfig
 from .algorithms.reinforce_pp import ReinforcePPAgent, ReinforcePPConfig
 from .algorithms.rloo import RLOOAgent, RLOOConfig
 from .engine.rollout import Rollout, collect, evaluate, heldout_samples
+from .engine.sampler import Sampler
 from .algorithms.sft import SFTConfig, evaluate_policy, train_sft
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "Rollout",
     "SFTConfig",
     "SPINConfig",
+    "Sampler",
     "arithmetic_pairs",
     "build_preset",
     "collect",

@@ -1,6 +1,7 @@
 """``Policy``: a causal LM that acts on ``TokenVectorEnv`` observations with its own KV cache.
 
-Rollout API (what :func:`tokengym.agents.collect` uses; lockstep batches)::
+Rollout API (the :class:`~tokengym.agents.engine.sampler.Sampler` protocol that :func:`tokengym.agents.collect`
+drives; lockstep batches)::
 
     policy.begin_rollout()                                              # this rollout's sampling-stream key
     logits = policy.prefill(obs["tokens"][:, :P], obs["mask"][:, :P], max_new_tokens=M)  # prompts, once
@@ -40,6 +41,7 @@ from torch import nn
 from tokengym.agents import functional as Fn
 from tokengym.agents.engine.fast_decode import StaticDecoder, unsupported_reason
 from tokengym.agents.engine.models import load_model, use_tokengym_attention
+from tokengym.agents.engine.sampler import SamplerCapabilities
 from tokengym.rewards.common import quiet_transformers
 
 __all__ = ["Policy", "AdapterDisabledReference", "make_reference", "position_ids", "row_uniforms", "sample_logits"]
@@ -131,6 +133,9 @@ def sample_logits(
 class Policy(nn.Module):
     """A ``transformers`` causal LM + tokenizer that acts on token environments.
 
+    It implements :class:`~tokengym.agents.engine.sampler.Sampler` (what ``collect`` drives): per-row streams,
+    ``extend`` always; shared prefixes, ``compact`` and ``refill`` on the fast decode path (see :meth:`capabilities`).
+
     Args:
         model: any ``transformers`` causal LM (a preset, a local checkpoint, an in-memory model).
         tokenizer: its tokenizer (needs EOS and pad tokens).
@@ -207,6 +212,29 @@ class Policy(nn.Module):
         if not self.fast_decode:
             return "fast_decode=False"
         return unsupported_reason(self.model, width)
+
+    def capabilities(self, width: int | None = None) -> SamplerCapabilities:
+        """The :class:`~tokengym.agents.engine.sampler.Sampler` capabilities for a prefill of ``width`` columns.
+
+        Shared prefixes, compaction and refill need the fast decode path (:meth:`fast_path_reason`); the generic
+        path re-encodes for ``extend``. A subclass whose ``sample(self, logits, greedy=False)`` override predates the
+        per-row streams keeps its own sampling: no ``row_streams``, hence no compaction.
+        """
+        why = self.fast_path_reason(width)
+        try:
+            params = inspect.signature(self.sample).parameters
+            streams = "ids" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+        except (TypeError, ValueError):
+            streams = False
+        fast = why is None
+        return SamplerCapabilities(row_streams=streams, shared_prefix=fast, extend=True, compact=fast and streams,
+                                   refill=fast, why_not=None if fast else f"the fast decode path is off: {why}")
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        """The trainer's new weights: ``None`` (the trainer updates this very module; the fast decoder rebuilds its
+        fused weights at every prefill, so there is nothing to do) or a state dict to load into the model."""
+        if state_dict is not None:
+            self.model.load_state_dict(state_dict)
 
     @property
     def fast_path_active(self) -> bool:

@@ -1,4 +1,5 @@
-"""The rollout engine: drive a ``TokenVectorEnv`` with a policy and collect a ``Rollout``.
+"""The rollout engine: drive a ``TokenVectorEnv`` with a policy (any :class:`~tokengym.agents.engine.sampler.Sampler`,
+whose declared capabilities decide which of the tricks below run) and collect a ``Rollout``.
 
 ``collect`` resets the env (``DISABLED`` autoreset: one batch of episodes), prefills the prompts once (a GRPO group's
 shared prompt once for its G rows), then samples and decodes one token per step until every slot is done, dropping
@@ -12,13 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 import torch
 
 from tokengym.agents.engine.resources import check_fits
+from tokengym.agents.engine.sampler import SamplerCapabilities, capabilities_of
 
 __all__ = ["Rollout", "collect", "collect_episodes", "evaluate", "heldout_samples", "turn_metrics", "used_columns", "used_slice", "trimmed_logprobs"]
 
@@ -178,18 +179,19 @@ def collect(env, policy, critic=None, *, greedy: bool = False, seed: int | None 
 
     Args:
         env: a :class:`~tokengym.envs.TokenVectorEnv` in ``DISABLED`` autoreset mode.
-        policy: a :class:`~tokengym.agents.Policy` (or anything with ``prefill``/``decode``/``sample``).
+        policy: a :class:`~tokengym.agents.Policy` or any other :class:`~tokengym.agents.engine.sampler.Sampler`.
         critic: optional :class:`~tokengym.agents.Critic`; its values are computed in one pass at the end.
         greedy: argmax decoding (evaluation).
         seed: passed to ``env.reset``.
         samples: explicit prompts for ``env.reset(options={"samples": ...})`` (one per group).
         compact: every :data:`COMPACT_EVERY` steps, drop finished rows from the policy's cache
-            (``Policy.compact``), so a long-tailed batch pays only for its live rows. Each row samples from its own
-            stream (``Policy.sample(ids=, steps=)``), so the tokens do not change; log-probs agree to float rounding
-            (a matrix product's rounding can depend on its row count).
-        share_prefix: encode each group's prompt once for its G rows (``Policy.prefill(copies=G)``). ``None``: when
-            ``group_size > 1`` and every group's rows hold the same prompt (always, for prompts the env draws);
-            ``True`` with rows of a group holding different prompts is an error.
+            (``Policy.compact``; samplers with the ``compact`` capability), so a long-tailed batch pays only for its
+            live rows. Each row samples from its own stream (``Policy.sample(ids=, steps=)``), so the tokens do not
+            change; log-probs agree to float rounding (a matrix product's rounding can depend on its row count).
+        share_prefix: encode each group's prompt once for its G rows (``Policy.prefill(copies=G)``; samplers with
+            the ``shared_prefix`` capability, the others encode every row). ``None``: when ``group_size > 1`` and
+            every group's rows hold the same prompt (always, for prompts the env draws); ``True`` with rows of a
+            group holding different prompts is an error.
     """
     if env.autoreset_mode.name != "DISABLED":
         raise ValueError("collect() runs lockstep batches: create the env with autoreset_mode='disabled'")
@@ -255,29 +257,26 @@ def _prefix_copies(env, tokens: torch.Tensor, mask: torch.Tensor, share_prefix: 
     return 1
 
 
-def _row_streams(policy) -> bool:
-    """Whether ``policy`` samples from per-row streams (a :class:`Policy` whose ``sample`` takes ``ids``/``steps``;
-    a subclass that overrides ``sample`` with the older ``(logits, greedy)`` signature keeps its own sampling)."""
-    if not hasattr(policy, "begin_rollout"):
-        return False
-    try:
-        params = inspect.signature(policy.sample).parameters
-    except (TypeError, ValueError):
-        return False
-    return "ids" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+def _capabilities(env, policy, width: int) -> SamplerCapabilities:
+    """``policy``'s sampler capabilities for a prefill of ``width`` columns; a multi-turn env needs ``extend``."""
+    caps = capabilities_of(policy, width)
+    if getattr(env, "multi_turn", False) and not caps.extend:
+        raise ValueError(f"{type(policy).__name__} has no 'extend' capability (appending an env's reply tokens to a "
+                         "row), so it cannot run a multi-turn env")
+    return caps
 
 
 @contextlib.contextmanager
-def _rollout(policy, greedy: bool) -> Iterator[None]:
-    """A rollout's span: its sampling-stream key is drawn at the start (not for greedy decoding, which draws nothing,
-    so evaluating leaves the training stream alone) and the policy's cache is freed at the end."""
+def _rollout(policy, caps: SamplerCapabilities, greedy: bool) -> Iterator[None]:
+    """A rollout's span: its sampling-stream key is drawn at the start (only for per-row streams, and not for greedy
+    decoding, which draws nothing, so evaluating leaves the training stream alone); the policy's cache is freed at
+    the end."""
     try:
-        if not greedy and _row_streams(policy):
+        if not greedy and caps.row_streams:
             policy.begin_rollout()
         yield
     finally:
-        if hasattr(policy, "end_rollout"):
-            policy.end_rollout()
+        policy.end_rollout()
 
 
 def _run_episodes(env, policy, greedy: bool, seed: int | None, samples: list | None, compact: bool = True,
@@ -286,29 +285,30 @@ def _run_episodes(env, policy, greedy: bool, seed: int | None, samples: list | N
     obs, _ = env.reset(seed=seed, options={"samples": samples} if samples is not None else None)
     P, M = env.max_prompt_len, env.max_new_tokens
     lead = P - max(int(obs["mask"][:, :P].sum(1).max()), 1)  # prompt columns that are padding in every row
-    with _rollout(policy, greedy):
+    caps = _capabilities(env, policy, P - lead + M)
+    with _rollout(policy, caps, greedy):
         tokens, mask = obs["tokens"][:, lead:P], obs["mask"][:, lead:P]
         copies = _prefix_copies(env, tokens, mask, share_prefix)
-        logits = (policy.prefill(tokens, mask, max_new_tokens=M, copies=copies) if copies > 1
+        logits = (policy.prefill(tokens, mask, max_new_tokens=M, copies=copies) if copies > 1 and caps.shared_prefix
                   else policy.prefill(tokens, mask, max_new_tokens=M))
         # every live row writes a column per step (or waits for a slow reply: bounded by its timeout)
-        return _decode_loop(env, policy, logits, greedy, compact, M + 1000)
+        return _decode_loop(env, policy, caps, logits, greedy, compact, M + 1000)
 
 
-def _decode_loop(env, policy, logits: torch.Tensor, greedy: bool, compact: bool, limit: int, on_ended=None) -> torch.Tensor:
+def _decode_loop(env, policy, caps: SamplerCapabilities, logits: torch.Tensor, greedy: bool, compact: bool, limit: int,
+                 on_ended=None) -> torch.Tensor:
     """Sample, step ``env`` and decode until every slot has finished (at most ``limit`` steps); return the sampled
     tokens' log-probs ``[N, M]`` (of each slot's current episode).
 
     ``rows`` are the env slots the policy's cache holds, in cache order (all of them until finished rows are
-    compacted away); the policy samples and decodes those rows only, and the env's other slots get a pad action,
-    which it ignores. Slots the env restarts with a new episode (next-step mode) get their prompt encoded into
-    their cache rows, and ``on_ended(slots, logps)`` sees the slots whose episode ended in a step, before a restart
-    overwrites them.
+    compacted away, where ``caps.compact``); the policy samples and decodes those rows only, and the env's other slots
+    get a pad action, which it ignores. Slots the env restarts with a new episode (next-step mode) get their prompt
+    encoded into their cache rows, and ``on_ended(slots, logps)`` sees the slots whose episode ended in a step, before
+    a restart overwrites them.
     """
     P, M, N = env.max_prompt_len, env.max_new_tokens, env.num_envs
     multi_turn = getattr(env, "multi_turn", False)
-    streams = _row_streams(policy)
-    compact = compact and streams and hasattr(policy, "compact")
+    streams, compact = caps.row_streams, compact and caps.compact
     logps = torch.zeros((N, M + 1), dtype=torch.float32, device=env.device)  # column M: finished rows' samples
     rows = torch.arange(N, device=env.device)
     actions = torch.full((N,), env.pad_id, dtype=torch.long, device=env.device)
@@ -371,19 +371,20 @@ def collect_episodes(env, policy, samples: Sequence[Any] | None = None, n: int |
         raise ValueError("give collect_episodes() either samples or n (the task's next n prompts), not both")
     check_fits(policy, env)
     episodes = list(samples) if samples is not None else int(n)
-    why = policy.fast_path_reason(env.seq_len) if hasattr(policy, "fast_path_reason") else "not a Policy"
-    if why is not None:
-        raise ValueError(f"continuous batching needs the policy's fast decode path ({why}); use collect() on a "
-                         "'disabled' env instead")
+    caps = _capabilities(env, policy, env.seq_len)
+    if not caps.refill:
+        raise ValueError(f"continuous batching needs a sampler with the 'refill' capability "
+                         f"({caps.why_not or type(policy).__name__}); use collect() on a 'disabled' env instead")
     parts: list[tuple[list[int], Rollout]] = []
     with torch.inference_mode():
-        _run_continuous(env, policy, episodes, greedy, seed, parts)
+        _run_continuous(env, policy, caps, episodes, greedy, seed, parts)
     order = [e for ids, _ in parts for e in ids]
     # concatenated outside inference mode: fresh tensors that autograd accepts
     return concat_rollouts([p for _, p in parts]).select(sorted(range(len(order)), key=order.__getitem__))
 
 
-def _run_continuous(env, policy, episodes: list | int, greedy: bool, seed: int | None, parts: list) -> None:
+def _run_continuous(env, policy, caps: SamplerCapabilities, episodes: list | int, greedy: bool, seed: int | None,
+                    parts: list) -> None:
     """:func:`collect_episodes`' loop: appends ``(episode ids, Rollout of them)`` to ``parts`` as episodes end."""
     obs, _ = env.reset(seed=seed, options={"episodes": episodes})
     n = episodes if isinstance(episodes, int) else len(episodes)
@@ -392,9 +393,9 @@ def _run_continuous(env, policy, episodes: list | int, greedy: bool, seed: int |
     def ended(slots: list[int], logps: torch.Tensor) -> None:
         parts.append((env.episode_id[slots].tolist(), _snapshot(env, logps, slots)))
 
-    with _rollout(policy, greedy):
+    with _rollout(policy, caps, greedy):
         logits = policy.prefill(obs["tokens"][:, :P], obs["mask"][:, :P], max_new_tokens=M)  # full width: refills
-        _decode_loop(env, policy, logits, greedy, True, n * (M + 1000), on_ended=ended)
+        _decode_loop(env, policy, caps, logits, greedy, True, n * (M + 1000), on_ended=ended)
 
 
 def _extend_replies(env, policy, logits: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
