@@ -147,7 +147,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
         load_model(policy.model, os.path.join(checkpoint, "policy.safetensors"))
     # continuous batching (same results) where the fast decode path runs the model: a finished slot takes the next prompt
-    mode = "next_step" if policy.fast_path_reason() is None else "disabled"
+    mode = "next_step" if policy.capabilities().refill else "disabled"
     env = make_env(run, min(args.prompts, 256), tokenizer=policy.tokenizer, autoreset_mode=mode)
     samples = heldout_samples(env.task, args.prompts)
     policy.eval()
