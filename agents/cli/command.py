@@ -106,7 +106,6 @@ def _cmd_sample(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    import json
     import os
 
     from tokengym.agents.runtime import runs as R
@@ -119,10 +118,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         raise R.UsageError("pass --run RUN_DIR or --model MODEL")
     checkpoint = None
     if args.run is not None:
-        if not R.is_run_dir(args.run):
-            raise R.UsageError(f"{args.run!r} is not a run folder (no config.json); runs are created by `tokengym train`")
-        with open(os.path.join(args.run, "config.json")) as f:
-            R.apply_overrides({"run": run}, json.load(f)["run"], f"{args.run}/config.json")
+        R.apply_overrides({"run": run}, R.read_run_config(args.run)["run"], f"{args.run}/config.json")
         if model is None and os.path.isdir(os.path.join(args.run, "model")):
             model = os.path.join(args.run, "model")
         elif model is None:

@@ -147,7 +147,7 @@ def load_policy(run: RunConfig, seed: int):
     assert run.model is not None  # resolve() fills the algorithm's default
     try:
         return Policy.from_pretrained(run.model, device=run.device, temperature=run.temperature, seed=seed)
-    except (FileNotFoundError, ValueError, OSError, ImportError) as e:
+    except Exception as e:  # a missing folder, a damaged or truncated weights file (safetensors' own error), ...
         raise R.UsageError(f"cannot load model {run.model!r}: {first_line(e)}") from None
 
 

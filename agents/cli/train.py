@@ -46,19 +46,8 @@ def _new_run_dir(run: RunConfig, algo: str) -> str:
 
 
 def _saved_config(resume_dir: str, algo: str) -> dict[str, Any]:
-    """The ``config.json`` of a run folder, checked for the parts resume needs (one-line errors otherwise)."""
-    import json
-
-    if not R.is_run_dir(resume_dir):
-        raise R.UsageError(f"{resume_dir!r} is not a run folder (no config.json); runs are created by `tokengym train`")
-    path = os.path.join(resume_dir, "config.json")
-    try:
-        with open(path) as f:
-            saved = json.load(f)
-    except (OSError, ValueError) as e:
-        raise R.UsageError(f"cannot read {path}: {first_line(e)}") from None
-    if not isinstance(saved, dict) or not all(isinstance(saved.get(k), dict) for k in ("run", "config")):
-        raise R.UsageError(f"{path} is damaged: it needs an 'algorithm' name and 'run' and 'config' sections")
+    """The ``config.json`` of the run to resume, which must be an ``algo`` run (one-line errors otherwise)."""
+    saved = R.read_run_config(resume_dir)
     if saved.get("algorithm") != algo:
         raise R.UsageError(f"{resume_dir} is a {saved.get('algorithm')!r} run; resume it with `tokengym train {saved.get('algorithm')}`")
     return saved

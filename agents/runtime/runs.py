@@ -54,7 +54,7 @@ import torch
 from tokengym.agents.runtime.config_io import (UsageError, apply_overrides, field_docs, field_types, first_line, parse_value,
                                                read_config_file)
 
-__all__ = ["UsageError", "field_docs", "parse_value", "apply_overrides", "read_config_file", "read_data_file", "is_run_dir",
+__all__ = ["UsageError", "read_run_config", "field_docs", "parse_value", "apply_overrides", "read_config_file", "read_data_file", "is_run_dir",
            "field_types", "write_json_atomic", "write_folder_atomic", "storage_errors", "run_path", "RunLock",
            "clean_stale_tmp", "save_checkpoint", "verify_checkpoint", "latest_intact_checkpoint", "latest_checkpoint",
            "load_checkpoint", "nonfinite_weights", "truncate_metrics", "KeptMetrics", "metrics_damage", "read_metrics", "rng_state",
@@ -260,6 +260,22 @@ def write_folder_atomic(path: str, write: Callable[[str], None], what: str = "mo
 
 def is_run_dir(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "config.json"))
+
+
+def read_run_config(run_dir: str) -> dict[str, Any]:
+    """A run folder's ``config.json`` (algorithm, ``run`` and ``config`` sections), or a one-line :class:`UsageError`
+    saying why it cannot be used (no such run folder, unreadable, not JSON, a section missing)."""
+    if not is_run_dir(run_dir):
+        raise UsageError(f"{run_dir!r} is not a run folder (no config.json); runs are created by `tokengym train`")
+    path = os.path.join(run_dir, "config.json")
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"cannot read {path}: {first_line(e)}") from None
+    if not isinstance(saved, dict) or not all(isinstance(saved.get(k), dict) for k in ("run", "config")):
+        raise UsageError(f"{path} is damaged: it needs an 'algorithm' name and 'run' and 'config' sections")
+    return saved
 
 
 def run_path(runs_dir: str, name: str) -> str:

@@ -83,3 +83,31 @@ def test_kill_while_writing_the_model_leaves_no_half_made_model(tmp_path, capsys
     code = main(["train", "grpo", "--steps", "1", "--eval-prompts", "0", flag, str(run / "model"), "--runs-dir",
                  str(tmp_path), "--name", "next", "--advantage", "process"])
     assert code == 2 and "is not a folder" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A finished run folder: config.json and model/ as tokengym train writes them (1 step)."""
+    root = tmp_path_factory.mktemp("runs")
+    assert main(["train", "grpo", "--steps", "1", "--prompts", "2", "--group-size", "2", "--eval-prompts", "0",
+                 "--threads", "1", "--progress", "false", "--runs-dir", str(root), "--name", "done"]) == 0
+    return root / "done"
+
+
+@pytest.mark.parametrize("damage, says", [
+    (lambda run: (run / "config.json").write_text("{bad"), r"cannot read .*config\.json: Expecting property name"),
+    (lambda run: (run / "config.json").write_text('{"algorithm": "grpo"}'), r"config\.json is damaged: it needs"),
+    (lambda run: (run / "config.json").write_text("[1, 2]"), r"config\.json is damaged: it needs"),
+    (lambda run: (run / "model" / "model.safetensors").write_bytes(
+        (run / "model" / "model.safetensors").read_bytes()[:1000]), r"cannot load model .*model'"),
+])
+def test_eval_of_a_damaged_run_folder_is_one_line(finished_run, tmp_path, capsys, damage, says):
+    import re
+    import shutil
+
+    run = tmp_path / "copy"
+    shutil.copytree(finished_run, run)
+    damage(run)
+    assert main(["eval", "--run", str(run), "--prompts", "4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and re.search(says, err), err
