@@ -1,8 +1,8 @@
 """A lean, static-KV-cache decode step for Llama-family causal LMs (``Policy``'s rollout fast path).
 
 A ``transformers`` forward call costs far more than its arithmetic for a small model: building masks
-and position embeddings, growing the cache with ``torch.cat``, module hooks and output objects add
-about a millisecond per decode step. :class:`StaticDecoder` runs the same maths directly against the
+and position embeddings, growing the cache with ``torch.cat``, module hooks and output objects dominate
+a decode step (figures in ``bench/RESULTS.md``). :class:`StaticDecoder` runs the same maths directly against the
 model's own weights, with everything that does not change from step to step prepared once:
 
 * **Static KV cache laid out like the env buffer.** Per layer, keys ``[N * Hkv, hd, P + M]`` (stored
@@ -25,9 +25,9 @@ model's own weights, with everything that does not change from step to step prep
 * **Prepacked GEMMs on CPU.** Where PyTorch's oneDNN linear kernels are available (and pass a
   one-time check against ``torch.mm``), the fused matrices are reordered once per prefill into
   oneDNN's blocked layout and multiplied with ``torch.ops.mkldnn._linear_pointwise`` (the residual
-  add fused in): for the few-row GEMMs of a decode step that is ~1.3x faster than ``torch.mm`` (MKL)
-  on the AVX-512 CPU measured here, for matrices of at least ``_PACK_MIN_NUMEL`` entries (smaller
-  ones, e.g. all of the ``tiny`` preset's, are faster with ``torch.mm``). Elsewhere (GPU, other builds) the matrices are plain
+  add fused in): for the few-row GEMMs of a decode step that beats ``torch.mm`` (MKL) on matrices of
+  at least ``_PACK_MIN_NUMEL`` entries; smaller ones (e.g. all of the ``tiny`` preset's) stay on
+  ``torch.mm`` (measurements in ``bench/RESULTS.md``). Elsewhere (GPU, other builds) the matrices are plain
   ``[in, out]`` tensors for ``torch.mm``.
 * **bf16 weights under autocast.** A prefill inside ``torch.autocast(device, dtype=torch.bfloat16)``
   (what ``GRPOConfig(bf16=True)`` wraps its rollout in) keeps the fused matrices in bf16 and multiplies
@@ -38,8 +38,8 @@ model's own weights, with everything that does not change from step to step prep
   batching), and ``prefill(copies=G)`` encodes a group's shared prompt once for its G rows.
 * **No host sync** and no Python-side work that depends on the data.
 
-Numerics follow the ``transformers`` implementation (fp32 maths agrees with a full forward to ~1e-6;
-under bf16 autocast it agrees with an autocast forward to bf16 rounding).
+Numerics follow the ``transformers`` implementation (fp32 maths agrees with a full forward to float
+rounding; under bf16 autocast it agrees with an autocast forward to bf16 rounding).
 Supported: ``LlamaForCausalLM``, ``MistralForCausalLM`` and ``Qwen2ForCausalLM`` (q/k/v biases,
 grouped-query attention, explicit ``head_dim``, tied embeddings, static RoPE variants; sliding windows
 only when wider than the cache). :func:`unsupported_reason` says why a model is not; ``Policy`` then
@@ -58,7 +58,7 @@ from torch import nn
 __all__ = ["StaticDecoder", "unsupported_reason"]
 
 _PACK_MIN_NUMEL = 1 << 17
-"""Smaller matrices stay on ``torch.mm``: below ~256 x 512 oneDNN's per-call cost outweighs its faster GEMM."""
+"""Smaller matrices stay on ``torch.mm``: below 2^17 entries oneDNN's per-call cost outweighs its faster GEMM."""
 _ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
 _STATIC_ROPE = {"default", "linear", "llama3", "yarn"}  # inverse frequencies do not depend on the length
 _LAYER_MODULES = ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
