@@ -253,16 +253,17 @@ def test_command_line_trains_saves_and_evaluates(tmp_path, capsys, one_thread):
     """``tokengym train sft`` trains a preset on a task given by --env-kwargs, saves the model with its settings,
     and ``tokengym eval --model`` scores the saved folder as the run's own final evaluation did."""
     kwargs = {"n_operands": 2, "digits": 1}
-    assert tokengym(["train", "sft", "--model", "tiny", "--env-kwargs", json.dumps(kwargs), "--steps", "3",
+    assert tokengym(["train", "sft", "--model", "tiny", "--env-kwargs", json.dumps(kwargs), "--steps", "30",
                      "--batch-size", "8", "--warmup", "1", "--eval-prompts", "8", "--log-every", "0", "--threads", "1",
                      "--progress", "false", "--runs-dir", str(tmp_path), "--name", "sft"]) == 0
     run, out = tmp_path / "sft", tmp_path / "sft" / "model"
     assert (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
     config = json.loads((run / "config.json").read_text())  # how the model was made
-    assert config["algorithm"] == "sft" and config["config"]["steps"] == 3 and config["run"]["model"] == "tiny"
+    assert config["algorithm"] == "sft" and config["config"]["steps"] == 30 and config["run"]["model"] == "tiny"
     assert config["run"]["env_kwargs"] == kwargs
-    final = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][-1]
-    assert final["step"] == 3
+    first, *_, final = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert final["step"] == 30
+    assert final["eval/mean_length"] != first["eval/mean_length"]  # trained: the eval below can tell the models apart
     capsys.readouterr()
     assert tokengym(["eval", "--model", str(out), "--env-kwargs", json.dumps(kwargs), "--prompts", "8", "--samples", "0"]) == 0
     greedy = next(line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("greedy"))
