@@ -1,8 +1,7 @@
 """Run one bench contender in a fresh Python process.
 
-In one process, whichever trainer runs after another inherits its heap, imports and allocator state:
-measured 2026-12-03, tokengym's GRPO step on the small preset took 1.85-1.93 s before a TRL run in the
-same process and 2.10 s after it. So the speed benches run every contender as ``python <bench> --one ...``.
+In one process, whichever trainer runs after another inherits its heap, imports and allocator state, which
+slows it measurably (``bench/RESULTS.md``). So the speed benches run every contender as ``python <bench> --one ...``.
 """
 
 from __future__ import annotations

@@ -262,19 +262,16 @@ class LikelihoodRewardModel(RewardModel):
     The score sums the LM's log-probabilities of the completion's tokens and the closing EOS (same layout
     as :class:`RewardModel`), so a Bradley-Terry fit (:func:`train_reward_model` accepts this object in
     place of a classifier) starts from what the LM already knows: how likely each next token is. A
-    sequence head on the same trunk has to learn that from scratch; on Arithmetic from the shipped
-    ``tiny-arithmetic`` warm start it ranked the policy's own correct samples above its wrong ones only
-    0.58 of the time after 15k pairs, the LM's likelihood 0.84 before any training (see
-    ``tests/agents/test_rlhf_pipeline.py``).
+    sequence head on the same trunk has to learn that from scratch, and on Arithmetic it ranks the
+    policy's own right and wrong samples far worse (``bench/RESULTS.md``, ``tests/agents/test_rlhf_pipeline.py``).
 
     With ``reference`` (a frozen copy of the starting LM, e.g. ``frozen_copy(model)``), the score is
     ``beta * (log p - log p_ref)``: DPO's implicit reward (Rafailov et al. 2023; as a reward model for RL,
     PRIME, Cui et al. 2025), which scores 0 everywhere before training, so BT training moves only what
     the pairs tell it. As PPO's reward it is exploitable: its maximum lies wherever the trained LM moved
-    most from the reference (on Arithmetic, PPO with kl_coef 0.05 took the verifier's accuracy 0.655 ->
-    0.72 in 5 steps, then down to 0.535 by step 30). Scoring the trained LM *without* the reference
-    (``LikelihoodRewardModel(rm.model, rm.tokenizer, beta=rm.beta)``) keeps PPO on what that LM finds
-    likely, and is what raised the verifier's accuracy there (``tests/agents/test_rlhf_pipeline.py``).
+    most from the reference, so the verifier's accuracy rises, then falls. Scoring the trained LM *without*
+    the reference (``LikelihoodRewardModel(rm.model, rm.tokenizer, beta=rm.beta)``) keeps PPO on what that LM
+    finds likely, and is what raised the verifier's accuracy on Arithmetic (``bench/RESULTS.md``).
 
     Args:
         model: a ``transformers`` causal LM (``model(input_ids=..., attention_mask=...).logits`` is ``[N, L, V]``).

@@ -29,12 +29,9 @@ The loss math is :func:`tokengym.agents.functional.dpo_loss`; this file only fee
   plain DPO tends to lower the chosen completion's likelihood too and move probability onto other
   tokens ("likelihood displacement"). ``dpop_lambda`` (DPO-Positive, Pal et al. 2024) penalises a
   chosen log-prob below the reference's; ``nll_coef`` adds an NLL term on the chosen completion (RPO,
-  Pang et al. 2024). On the tiny arithmetic warm start's bundled pairs (greedy accuracy 0.645), plain
-  DPO at lr 1e-4 reaches > 0.95 held-out preference accuracy but leaves greedy accuracy flat
-  (0.61-0.66); at lr 3e-5 it raises it to 0.68-0.71, and ``dpop_lambda=5`` does so at lr 1e-4 (see the
-  tests). Using the model's own wrong answers as rejected completions instead of one-digit
-  corruptions does not help plain DPO: at lr 1e-4 greedy accuracy collapses (0.12-0.26), and it needs
-  lr 5e-6 to gain (0.69-0.70).
+  Pang et al. 2024). On arithmetic pairs, plain DPO gains greedy accuracy only at a smaller learning
+  rate, or with ``dpop_lambda``; with the model's own wrong answers as rejected completions it needs a
+  smaller one still (measurements: ``bench/RESULTS.md``, ``tests/agents/test_dpo_learner.py``).
 
 Example:
     >>> from tokengym.agents.engine.policy import Policy

@@ -125,7 +125,7 @@ class SPINConfig(DPOConfig):
     """:class:`~tokengym.agents.algorithms.dpo.DPOConfig` plus SPIN's rounds, with DPO defaults that suit SPIN's pairs.
 
     The rejected completions are the policy's own samples, mostly wrong in one place: plain DPO at the
-    offline default lr 1e-4 collapses on such pairs (see ``DPOConfig``), so SPIN takes a smaller step.
+    offline default lr 1e-4 collapses on such pairs (``bench/RESULTS.md``), so SPIN takes a smaller step.
     """
 
     lr: float = 1e-5

@@ -10,8 +10,7 @@ Truncated rows: a tokengym env scores a completion cut at the token budget like 
 episode's return is complete and GAE ends it at 0, as for terminated rows. Bootstrapping from V(s_M)
 on top of that paid reward (``bootstrap_truncated=True``) is only right for envs whose rewards go on
 past the budget: the critic is never regressed on s_M, so with gamma = 1 it chases its own bootstrap
-(V -> r + V; on Target-v0, where every episode is truncated, the values rose by about the mean reward
-per update, explained variance stayed near 0 and the policy stalled at half the target).
+(V -> r + V at every update; what that did on Target-v0 is in ``bench/RESULTS.md``).
 
 Under ``torchrun`` (``self.dp``, set by :func:`~tokengym.agents.runtime.distributed.prepare`) each rank rolls out
 its rows of the global batch and scores them with the critic and the reference, the ranks gather the
@@ -40,10 +39,9 @@ __all__ = ["PPOConfig", "PPOAgent", "AdaptiveKLController", "ppo_rewards"]
 class PPOConfig:
     """Hyper-parameters of :class:`PPOAgent`.
 
-    The defaults are a first try for fine-tuning a warm-started policy: from the shipped ``tiny-arithmetic``
-    checkpoint (64 rollouts per update) they raise held-out greedy accuracy from 65.5% to 73.5% in 40
-    updates (seeds 0 and 1), where lr 1e-4 already stalls and 3e-4 makes it worse. They also learn ``Target-v0`` from a
-    random tiny model, slowly (score > 0.9 after about 130 updates; lr 1e-4 gets there in about 60).
+    The defaults are a first try for fine-tuning a warm-started policy (the shipped ``tiny-arithmetic``
+    checkpoint, 64 rollouts per update): a small learning rate, since larger ones stall or hurt there. They
+    also learn ``Target-v0`` from a random tiny model, slowly. Measurements: ``bench/RESULTS.md``.
     """
 
     lr: float = 3e-5
@@ -306,5 +304,5 @@ def global_stats(dp, stats: dict[str, Any], pshare: float, tshare: float, values
 
 register("ppo", PPOConfig, "PPO with a critic and GAE (optionally against a learned reward model)", agent=PPOAgent,
          rollout=(64, 1), data_parallel=True)
-"""64 episodes per step, as GRPO's 8 x 8: PPO with 8 rollouts per update against the learned RM fell from 64.5% to
-60.9% held-out greedy; with 64 it rose to 71.1%."""
+"""64 episodes per step, as GRPO's 8 x 8: with 8 rollouts per update PPO against the learned RM lowered held-out
+greedy accuracy, with 64 it raised it (``bench/RESULTS.md``)."""

@@ -1,6 +1,6 @@
 """Supervised warm start (SFT): teach a policy a task's reference solutions before RL.
 
-Reads top to bottom: config -> data -> loss -> loop -> eval -> command line.
+Reads top to bottom: config -> data -> loss -> loop -> eval.
 
 * **Data.** A seeded stream of task samples becomes teacher-forced batches laid out exactly like a
   :class:`~tokengym.envs.TokenVectorEnv` buffer: the prompt (with ``<bos>``) left-padded into ``P``
@@ -24,21 +24,14 @@ Example:
     >>> len(hist["loss"]), 0.0 <= hist["eval"][-1]["accuracy"] <= 1.0
     (3, True)
 
-Command line (trains, saves with ``save_pretrained`` and writes ``sft_metrics.json`` next to the weights)::
-
-    python -m tokengym.agents.algorithms.sft --model tiny --n-operands 2 3 --digits 2 --operators + \\
-        --steps 800 --seed 0 --out runs/sft-tiny
-    python -m tokengym.agents.algorithms.sft --model runs/sft-tiny --eval-only --n-operands 2 3 --digits 2 --operators +
+Command line: ``tokengym train sft`` (task settings through ``--env-kwargs``; the run folder holds the
+config, metrics and the trained model), then ``tokengym eval --run runs/NAME`` for held-out accuracy.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import math
-import os
-import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -55,7 +48,7 @@ from tokengym.envs.chat import encode_prompts
 from tokengym.envs.tasks.base import fresh_samples
 from tokengym.agents.algorithms.registry import register
 
-__all__ = ["SFTConfig", "SFTBatch", "make_batch", "batches", "sft_loss", "lr_factor", "SFTLearner", "train_sft", "evaluate_policy", "main"]
+__all__ = ["SFTConfig", "SFTBatch", "make_batch", "batches", "sft_loss", "lr_factor", "SFTLearner", "train_sft", "evaluate_policy"]
 
 
 # ====================================================================== config
@@ -68,7 +61,7 @@ class SFTConfig:
     batch_size: int = 64
     """Training sequences per optimizer step."""
     steps: int = 800
-    """Optimizer steps (``tiny`` on 2-3 operand 2-digit addition: ~94% after 800, a late jump from ~10% near 400-600)."""
+    """Optimizer steps (enough for ``tiny`` to learn the default 2-3 operand 2-digit addition)."""
     warmup: int = 100
     """Steps of linear learning-rate warmup from 0 to ``lr``."""
     schedule: str = "cosine"
@@ -402,99 +395,6 @@ def evaluate_policy(policy: Any, task: Any, n: int = 256, num_envs: int = 256, p
     return evaluate(policy, env, heldout_samples(task, n), greedy=True)
 
 
-# ====================================================================== command line
-def _parser() -> argparse.ArgumentParser:
-    d = SFTConfig()
-    p = argparse.ArgumentParser(prog="python -m tokengym.agents.algorithms.sft", description="Supervised warm start on a task's reference solutions.")
-    p.add_argument("--model", "--preset", dest="model", default="tiny", help="preset name (tiny, small) or a local save_pretrained folder")
-    p.add_argument("--task", default="arithmetic", help="task name (its samples need a 'solution')")
-    p.add_argument("--n-operands", type=int, nargs="+", default=[2, 3], help="arithmetic: operand count or MIN MAX")
-    p.add_argument("--digits", type=int, nargs="+", default=[2], help="arithmetic: digits per operand or MIN MAX")
-    p.add_argument("--operators", default="+", help="arithmetic: operators to draw from")
-    p.add_argument("--steps", type=int, default=d.steps)
-    p.add_argument("--batch-size", type=int, default=d.batch_size)
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--warmup", type=int, default=d.warmup)
-    p.add_argument("--schedule", default=d.schedule, choices=sorted(LR_SCHEDULES))
-    p.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio)
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    p.add_argument("--grad-clip", type=float, default=d.grad_clip, help="global gradient-norm clip (0: off)")
-    p.add_argument("--seed", type=int, default=d.seed, help="data-stream seed")
-    p.add_argument("--init-seed", type=int, default=0, help="initialisation seed of a preset model")
-    p.add_argument("--bf16", action="store_true", help="bf16 autocast")
-    p.add_argument("--eval-every", type=int, default=d.eval_every)
-    p.add_argument("--eval-prompts", type=int, default=d.eval_prompts)
-    p.add_argument("--stop-at-accuracy", type=float, default=None)
-    p.add_argument("--log-every", type=int, default=d.log_every)
-    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--run-dir", default=None, help="write metrics.jsonl and TensorBoard events here")
-    p.add_argument("--out", default=None, help="save the trained policy (safetensors + tokenizer) and sft_metrics.json here")
-    p.add_argument("--eval-only", action="store_true", help="only report held-out greedy accuracy of --model")
-    return p
-
-
-def _task_from_args(a: argparse.Namespace) -> Any:
-    from tokengym.envs.vector_env import resolve_task
-
-    if a.task != "arithmetic":
-        return resolve_task(a.task)
-
-    def rng(v: list[int]) -> int | tuple[int, int]:
-        if len(v) not in (1, 2):
-            raise SystemExit("--n-operands/--digits take one value or MIN MAX")
-        return v[0] if len(v) == 1 else (v[0], v[1])
-
-    return resolve_task("arithmetic", n_operands=rng(a.n_operands), digits=rng(a.digits), operators=a.operators)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    from tokengym.agents.engine.models import build_preset, PRESETS
-    from tokengym.agents.engine.policy import Policy
-
-    a = _parser().parse_args(argv)
-    torch.set_num_threads(a.threads)
-    task = _task_from_args(a)
-    if a.model in PRESETS:
-        model, tok = build_preset(a.model, seed=a.init_seed)
-        policy = Policy(model.to(a.device), tok)
-    else:
-        policy = Policy.from_pretrained(a.model, device=a.device)
-    if a.eval_only:
-        t0 = time.perf_counter()
-        res = evaluate_policy(policy, task, a.eval_prompts)
-        print(json.dumps({"model": a.model, "task": repr(task), "eval_prompts": a.eval_prompts, **res,
-                          "wall_s": round(time.perf_counter() - t0, 2)}, indent=2))
-        return 0
-    cfg = SFTConfig(lr=a.lr, batch_size=a.batch_size, steps=a.steps, warmup=a.warmup, schedule=a.schedule,
-                    min_lr_ratio=a.min_lr_ratio, weight_decay=a.weight_decay, grad_clip=a.grad_clip or None, seed=a.seed,
-                    bf16=a.bf16, eval_every=a.eval_every, eval_prompts=a.eval_prompts,
-                    stop_at_accuracy=a.stop_at_accuracy, log_every=a.log_every, run_dir=a.run_dir)
-    if a.run_dir:  # the settings next to the metrics (``tokengym train sft`` writes its own config.json)
-        from tokengym.agents.runtime.runs import write_json_atomic
-
-        os.makedirs(a.run_dir, exist_ok=True)
-        write_json_atomic(os.path.join(a.run_dir, "config.json"), dataclasses.asdict(cfg))
-    hist = train_sft(policy, task, cfg)
-    final = hist["eval"][-1]
-    print(f"done: {hist['steps_done']} steps in {hist['wall_s']:.1f}s, held-out greedy accuracy {final['accuracy']:.3f}", flush=True)
-    if a.out:
-        policy.save_pretrained(a.out)
-        meta = {"command": "python -m tokengym.agents.algorithms.sft " + " ".join(sys.argv[1:] if argv is None else argv),
-                "task": repr(task), "model": a.model, "init_seed": a.init_seed, "torch": torch.__version__,
-                "threads": a.threads, **{k: hist[k] for k in ("steps_done", "wall_s", "eval", "config")},
-                "loss_every_50": hist["loss"][49::50]}
-        with open(os.path.join(a.out, "sft_metrics.json"), "w") as f:
-            json.dump(meta, f, indent=2)
-        print(f"saved to {a.out}", flush=True)
-    return 0
-
-
-
 register("sft", SFTConfig, "supervised fine-tuning on the task's reference solutions",
          run_fields=frozenset({"save_every", "keep_checkpoints"}), default_model="tiny", data_parallel=True)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
 

@@ -1,8 +1,8 @@
 """A lean, static-KV-cache decode step for Llama-family causal LMs (``Policy``'s rollout fast path).
 
 A ``transformers`` forward call costs far more than its arithmetic for a small model: building masks
-and position embeddings, growing the cache with ``torch.cat``, module hooks and output objects add
-about a millisecond per decode step. :class:`StaticDecoder` runs the same maths directly against the
+and position embeddings, growing the cache with ``torch.cat``, module hooks and output objects dominate
+a decode step (figures in ``bench/RESULTS.md``). :class:`StaticDecoder` runs the same maths directly against the
 model's own weights, with everything that does not change from step to step prepared once:
 
 * **Static KV cache laid out like the env buffer.** Per layer, keys ``[N * Hkv, hd, P + M]`` (stored
@@ -25,9 +25,9 @@ model's own weights, with everything that does not change from step to step prep
 * **Prepacked GEMMs on CPU.** Where PyTorch's oneDNN linear kernels are available (and pass a
   one-time check against ``torch.mm``), the fused matrices are reordered once per prefill into
   oneDNN's blocked layout and multiplied with ``torch.ops.mkldnn._linear_pointwise`` (the residual
-  add fused in): for the few-row GEMMs of a decode step that is ~1.3x faster than ``torch.mm`` (MKL)
-  on the AVX-512 CPU measured here, for matrices of at least ``_PACK_MIN_NUMEL`` entries (smaller
-  ones, e.g. all of the ``tiny`` preset's, are faster with ``torch.mm``). Elsewhere (GPU, other builds) the matrices are plain
+  add fused in): for the few-row GEMMs of a decode step that beats ``torch.mm`` (MKL) on matrices of
+  at least ``_PACK_MIN_NUMEL`` entries; smaller ones (e.g. all of the ``tiny`` preset's) stay on
+  ``torch.mm`` (measurements in ``bench/RESULTS.md``). Elsewhere (GPU, other builds) the matrices are plain
   ``[in, out]`` tensors for ``torch.mm``.
 * **bf16 weights under autocast.** A prefill inside ``torch.autocast(device, dtype=torch.bfloat16)``
   (what ``GRPOConfig(bf16=True)`` wraps its rollout in) keeps the fused matrices in bf16 and multiplies
@@ -38,8 +38,8 @@ model's own weights, with everything that does not change from step to step prep
   batching), and ``prefill(copies=G)`` encodes a group's shared prompt once for its G rows.
 * **No host sync** and no Python-side work that depends on the data.
 
-Numerics follow the ``transformers`` implementation (fp32 maths agrees with a full forward to ~1e-6;
-under bf16 autocast it agrees with an autocast forward to bf16 rounding).
+Numerics follow the ``transformers`` implementation (fp32 maths agrees with a full forward to float
+rounding; under bf16 autocast it agrees with an autocast forward to bf16 rounding).
 Supported: ``LlamaForCausalLM``, ``MistralForCausalLM`` and ``Qwen2ForCausalLM`` (q/k/v biases,
 grouped-query attention, explicit ``head_dim``, tied embeddings, static RoPE variants; sliding windows
 only when wider than the cache). :func:`unsupported_reason` says why a model is not; ``Policy`` then
@@ -58,7 +58,7 @@ from torch import nn
 __all__ = ["StaticDecoder", "unsupported_reason"]
 
 _PACK_MIN_NUMEL = 1 << 17
-"""Smaller matrices stay on ``torch.mm``: below ~256 x 512 oneDNN's per-call cost outweighs its faster GEMM."""
+"""Smaller matrices stay on ``torch.mm``: below 2^17 entries oneDNN's per-call cost outweighs its faster GEMM."""
 _ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
 _STATIC_ROPE = {"default", "linear", "llama3", "yarn"}  # inverse frequencies do not depend on the length
 _LAYER_MODULES = ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
@@ -381,10 +381,8 @@ class StaticDecoder:
         causal = torch.ones(P, P, dtype=torch.bool, device=device).tril()
         allowed = causal & (mask[:, None, :] | torch.eye(P, dtype=torch.bool, device=device))
         bias = torch.zeros(N, 1, 1, P, P, dtype=dtype, device=device).masked_fill_(~allowed[:, None, None], float("-inf"))
-        x = F.embedding(tokens, self._embed)  # [N, P, D]
-        for li, (w_in, eps_in, w_qkv, b_qkv, w_o, b_o, w_post, eps_post, w_gu, b_gu, I, w_d, b_d) in enumerate(self._layers):
-            h = F.rms_norm(x, (x.shape[-1],), w_in, eps_in)
-            qkv = _lin(h, w_qkv, b_qkv).view(N, P, G, rep + 2, hd)
+
+        def attend(li: int, qkv: torch.Tensor) -> torch.Tensor:  # qkv [N, P, G, rep + 2, hd]
             qk = qkv[:, :, :, : rep + 1]
             qk = qk * cos + _rotate_half(qk) * sin  # HF's apply_rotary_pos_emb
             q, k, v = qk[:, :, :, :rep], qk[:, :, :, rep], qkv[:, :, :, rep + 1]
@@ -393,13 +391,31 @@ class StaticDecoder:
             kh = k.permute(0, 2, 1, 3)[:, :, None]  # [N, G, 1, P, hd]
             vh = v.permute(0, 2, 1, 3)[:, :, None]
             att = torch.softmax((qh @ kh.transpose(-1, -2)) * self.scaling + bias, -1, dtype=torch.float32).to(dtype)
-            o = (att @ vh).permute(0, 3, 1, 2, 4).reshape(N, P, H * hd)
-            x = x + _lin(o, w_o, b_o)
-            h = F.rms_norm(x, (x.shape[-1],), w_post, eps_post)
+            return (att @ vh).permute(0, 3, 1, 2, 4).reshape(N, P, H * hd)
+
+        return self._head(self._run_layers(F.embedding(tokens, self._embed), attend)[:, -1])
+
+    def _run_layers(self, x: torch.Tensor, attend) -> torch.Tensor:
+        """The decoder layers on the residual stream ``x[..., D]``: per layer ``x += o_proj(attend(layer, qkv))`` with
+        ``qkv[..., G, rep + 2, hd]`` the fused projection of ``norm(x)``, then ``x += MLP(norm(x))``. ``attend``
+        (rotary embedding, cache writes, attention) is where prefill, decode and extend differ; this body is
+        shared so that every path computes a layer the same way."""
+        G, rep, hd, act = self.n_kv, self.rep, self.head_dim, self.act
+        D = x.shape[-1]
+        for li, (w_in, eps_in, w_qkv, b_qkv, w_o, b_o, w_post, eps_post, w_gu, b_gu, I, w_d, b_d) in enumerate(self._layers):
+            h = F.rms_norm(x, (D,), w_in, eps_in)
+            qkv = _lin(h, w_qkv, b_qkv).view(*x.shape[:-1], G, rep + 2, hd)
+            x = _lin_add(x, attend(li, qkv), w_o, b_o)
+            h = F.rms_norm(x, (D,), w_post, eps_post)
             gu = _lin(h, w_gu, b_gu)
-            x = x + _lin(self.act(gu[..., :I]) * gu[..., I:], w_d, b_d)
-        h = F.rms_norm(x[:, -1], (x.shape[-1],), self._norm_w, self._norm_eps)
-        return _lin(h, self._head_t)
+            a = act(gu[..., :I])
+            a.mul_(gu[..., I:])
+            x = _lin_add(x, a, w_d, b_d)
+        return x
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits (in the matrices' dtype) of final hidden states ``x[..., D]``: the final norm, then the LM head."""
+        return _lin(F.rms_norm(x, (x.shape[-1],), self._norm_w, self._norm_eps), self._head_t)
 
     def refill(self, rows: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Start new episodes in cache rows ``rows[R]``: encode their left-padded prompts ``tokens[R, P]`` (the width
@@ -451,37 +467,16 @@ class StaticDecoder:
             raise RuntimeError(
                 f"decode step {t + 1} exceeds max_new_tokens={self._capacity} given to prefill(); prefill again with a larger budget"
             )
-        N, G, rep, hd = self._N, self.n_kv, self.rep, self.head_dim
+        N = self._N
         if tokens.shape != (N,):
             raise ValueError(f"decode() takes one token per slot, shape ({N},); got {tuple(tokens.shape)}")
         col = self._P + t
-        T = col + 1
         cs = self._rope_signed.index_select(0, self._pos[t])  # this step's [N, 2, hd], broadcast over heads
-        cos, sin = cs[:, 0, None, None], cs[:, 1, None, None]
-        bias = self._bias[:, :, :T]
-        scale = self.scaling
-        act = self.act
-        x = F.embedding(tokens, self._embed)  # [N, D]
-        D = x.shape[-1]
-        for (k_t, v_c), (w_in, eps_in, w_qkv, b_qkv, w_o, b_o, w_post, eps_post, w_gu, b_gu, I, w_d, b_d) in zip(self._cache, self._layers):
-            h = F.rms_norm(x, (D,), w_in, eps_in)
-            qkv = _lin(h, w_qkv, b_qkv).view(N, G, rep + 2, hd)
-            qk = qkv[:, :, : rep + 1]
-            r = torch.addcmul(qk * cos, qk.view(N, G, rep + 1, 2, hd // 2).flip(3).view(N, G, rep + 1, hd), sin)  # [N, G, rep+1, hd]
-            k_t[:, :, col].copy_(r[:, :, rep].view(N * G, hd))
-            v_c[:, col].copy_(qkv[:, :, rep + 1].view(N * G, hd))
-            s = torch.baddbmm(bias, r[:, :, :rep].view(N * G, rep, hd), k_t[:, :, :T], alpha=scale)
-            o = torch.bmm(torch.softmax(s, -1), v_c[:, :T]).view(N, -1)
-            x = _lin_add(x, o, w_o, b_o)
-            h = F.rms_norm(x, (D,), w_post, eps_post)
-            gu = _lin(h, w_gu, b_gu)
-            a = act(gu[:, :I])
-            a.mul_(gu[:, I:])
-            x = _lin_add(x, a, w_d, b_d)
+        attend = self._one_token_attention(cs[:, 0, None, None], cs[:, 1, None, None], self._bias[:, :, : col + 1], col)
+        x = self._run_layers(F.embedding(tokens, self._embed), attend)  # [N, D]
         self._step = t + 1
         self._hi = col
-        h = F.rms_norm(x, (D,), self._norm_w, self._norm_eps)
-        return _lin(h, self._head_t).float()
+        return self._head(x).float()
 
     def compact(self, keep: torch.Tensor) -> None:
         """Keep only rows ``keep`` (ascending indices into the current rows) in the cache and the per-row decode state:
@@ -513,7 +508,7 @@ class StaticDecoder:
     def _decode_ragged(self, tokens: torch.Tensor, hold: torch.Tensor | None = None) -> torch.Tensor:
         """:meth:`decode` with each row's token at its own column ``P + cur`` (rows past the budget are finished
         episodes whose tokens are never read: they write into the last column)."""
-        N, G, rep, hd, P = self._N, self.n_kv, self.rep, self.head_dim, self._P
+        N, G, P = self._N, self.n_kv, self._P
         if tokens.shape != (N,):
             raise ValueError(f"decode() takes one token per slot, shape ({N},); got {tuple(tokens.shape)}")
         W = self._bias.shape[-1]
@@ -522,31 +517,35 @@ class StaticDecoder:
         rowg = self._arange_ng
         self._bias[rowg, 0, colg] = 0.0
         cs = self._rope_signed.index_select(0, self._n_prompt + cur)
-        cos, sin = cs[:, 0, None, None], cs[:, 1, None, None]
         T = min(self._hi + 2, W)  # every row writes at most one column past the highest so far
-        bias = self._bias[:, :, :T]
-        x = F.embedding(tokens, self._embed)
-        D = x.shape[-1]
-        for (k_t, v_c), (w_in, eps_in, w_qkv, b_qkv, w_o, b_o, w_post, eps_post, w_gu, b_gu, I, w_d, b_d) in zip(self._cache, self._layers):
-            h = F.rms_norm(x, (D,), w_in, eps_in)
-            qkv = _lin(h, w_qkv, b_qkv).view(N, G, rep + 2, hd)
-            qk = qkv[:, :, : rep + 1]
-            r = torch.addcmul(qk * cos, qk.view(N, G, rep + 1, 2, hd // 2).flip(3).view(N, G, rep + 1, hd), sin)
-            k_t[rowg, :, colg] = r[:, :, rep].reshape(N * G, hd)
-            v_c[rowg, colg] = qkv[:, :, rep + 1].reshape(N * G, hd)
-            s = torch.baddbmm(bias, r[:, :, :rep].reshape(N * G, rep, hd), k_t[:, :, :T], alpha=self.scaling)
-            o = torch.bmm(torch.softmax(s, -1), v_c[:, :T]).view(N, -1)
-            x = _lin_add(x, o, w_o, b_o)
-            h = F.rms_norm(x, (D,), w_post, eps_post)
-            gu = _lin(h, w_gu, b_gu)
-            a = self.act(gu[:, :I])
-            a.mul_(gu[:, I:])
-            x = _lin_add(x, a, w_d, b_d)
+        attend = self._one_token_attention(cs[:, 0, None, None], cs[:, 1, None, None], self._bias[:, :, :T], (rowg, colg))
+        x = self._run_layers(F.embedding(tokens, self._embed), attend)
         self._step += 1
         self._cur = cur + 1 if hold is None else cur + (~hold.to(cur.device)).long()
         self._hi = T - 1
-        h = F.rms_norm(x, (D,), self._norm_w, self._norm_eps)
-        return _lin(h, self._head_t).float()
+        return self._head(x).float()
+
+    def _one_token_attention(self, cos: torch.Tensor, sin: torch.Tensor, bias: torch.Tensor, col):
+        """``attend`` for :meth:`_run_layers` on one new token per row (``qkv[N, G, rep + 2, hd]``): rotate its
+        query and key, write key and value at column ``col`` of every row (an int), or at ``col = (cache rows,
+        columns)`` (rows at their own columns), and attend over the first ``bias.shape[-1]`` columns."""
+        N, G, rep, hd, scale = self._N, self.n_kv, self.rep, self.head_dim, self.scaling
+        T = bias.shape[-1]
+
+        def attend(li: int, qkv: torch.Tensor) -> torch.Tensor:
+            k_t, v_c = self._cache[li]
+            qk = qkv[:, :, : rep + 1]
+            r = torch.addcmul(qk * cos, _swap_halves(qk), sin)  # [N, G, rep+1, hd]
+            if isinstance(col, int):
+                k_t[:, :, col].copy_(r[:, :, rep].view(N * G, hd))
+                v_c[:, col].copy_(qkv[:, :, rep + 1].view(N * G, hd))
+            else:
+                k_t[col[0], :, col[1]] = r[:, :, rep].view(N * G, hd)
+                v_c[col] = qkv[:, :, rep + 1].view(N * G, hd)
+            s = torch.baddbmm(bias, r[:, :, :rep].view(N * G, rep, hd), k_t[:, :, :T], alpha=scale)
+            return torch.bmm(torch.softmax(s, -1), v_c[:, :T]).view(N, -1)
+
+        return attend
 
     def extend(self, rows: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Append ``lengths[r]`` tokens of ``tokens[R, K]`` (right-padded) to each row ``rows[r]``'s cache, at its own
@@ -585,28 +584,22 @@ class StaticDecoder:
         att_bias = torch.zeros(R, 1, 1, K, T, dtype=dtype, device=device).masked_fill_(~allowed[:, None, None], float("-inf"))
         cs = self._rope_signed[(self._n_prompt[rows][:, None] + cols - P).clamp(max=W - 1)]  # [R, K, 2, hd]
         cos, sin = cs[:, :, 0, None, None], cs[:, :, 1, None, None]
-        x = F.embedding(tokens, self._embed)  # [R, K, D]
-        D = x.shape[-1]
-        for (k_t, v_c), (w_in, eps_in, w_qkv, b_qkv, w_o, b_o, w_post, eps_post, w_gu, b_gu, I, w_d, b_d) in zip(self._cache, self._layers):
-            h = F.rms_norm(x, (D,), w_in, eps_in)
-            qkv = _lin(h, w_qkv, b_qkv).view(R, K, G, rep + 2, hd)
+
+        def attend(li: int, qkv: torch.Tensor) -> torch.Tensor:  # qkv [R, K, G, rep + 2, hd]
+            k_t, v_c = self._cache[li]
             qk = qkv[:, :, :, : rep + 1]
-            r = torch.addcmul(qk * cos, qk.reshape(R, K, G, rep + 1, 2, hd // 2).flip(4).view(R, K, G, rep + 1, hd), sin)
+            r = torch.addcmul(qk * cos, _swap_halves(qk), sin)
             k_t[rg, :, cg] = r[vr, vk, :, rep].reshape(-1, hd)
             v_c[rg, cg] = qkv[vr, vk, :, rep + 1].reshape(-1, hd)
             keys = k_t[rows_g, :, :T].view(R, G, 1, hd, T)
             vals = v_c[rows_g, :T].view(R, G, 1, T, hd)
             q = r[:, :, :, :rep].permute(0, 2, 3, 1, 4)  # [R, G, rep, K, hd]
             att = torch.softmax((q @ keys) * self.scaling + att_bias, -1)
-            o = (att @ vals).permute(0, 3, 1, 2, 4).reshape(R, K, H * hd)
-            x = x + _lin(o, w_o, b_o)
-            h = F.rms_norm(x, (D,), w_post, eps_post)
-            gu = _lin(h, w_gu, b_gu)
-            x = x + _lin(self.act(gu[..., :I]) * gu[..., I:], w_d, b_d)
+            return (att @ vals).permute(0, 3, 1, 2, 4).reshape(R, K, H * hd)
+
+        x = self._run_layers(F.embedding(tokens, self._embed), attend)  # [R, K, D]
         self._cur[rows] = cur + lengths
-        last = x[torch.arange(R, device=device), (lengths - 1).clamp(min=0)]
-        h = F.rms_norm(last, (D,), self._norm_w, self._norm_eps)
-        return _lin(h, self._head_t).float()
+        return self._head(x[torch.arange(R, device=device), (lengths - 1).clamp(min=0)]).float()
 
 
 def _lin(a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -623,8 +616,9 @@ def _lin(a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> tor
 
 
 def _lin_add(x: torch.Tensor, a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """``x + a @ W^T (+ b)``, the residual add fused into the GEMM when all dtypes agree (decode steps)."""
-    if w.dtype != x.dtype or a.dtype != x.dtype:
+    """``x + a @ W^T (+ b)``, the residual add fused into the GEMM for a decode step's ``[N, D]`` rows when all
+    dtypes agree; otherwise (prefill's and extend's ``[N, K, D]``, or autocast) a separate add."""
+    if x.dim() != 2 or w.dtype != x.dtype or a.dtype != x.dtype:
         return x + _lin(a, w, b)
     if w.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise.binary(a, x, w, b, "add")
@@ -660,6 +654,12 @@ def _version(t: torch.Tensor) -> int | None:
         return t._version
     except RuntimeError:
         return None
+
+
+def _swap_halves(x: torch.Tensor) -> torch.Tensor:
+    """``x``'s last dimension with its two halves swapped (``rotate_half`` without the sign, which the decode
+    paths fold into their sin table); a new tensor."""
+    return x.reshape(*x.shape[:-1], 2, x.shape[-1] // 2).flip(-2).view(x.shape)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

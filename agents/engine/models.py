@@ -181,9 +181,8 @@ def load_classifier(name_or_path: str, head: str = "sequence", num_labels: int |
 ATTENTION = "tokengym_sdpa"
 """The attention implementation :func:`use_tokengym_attention` gives ``sdpa`` models: ``transformers``' SDPA,
 except that on CPU half-precision queries, keys and values are attended in fp32. Under bf16 autocast the
-CPU flash-attention kernel's backward is several times slower in bf16 than in fp32 (on the small preset,
-16 x 44 tokens: 265 ms against 57 ms per policy + critic backward, 15% of the step), and fp32 attention is
-also the more accurate. Results equal ``sdpa``'s in fp32; the name is not saved with the model."""
+CPU flash-attention kernel's backward is much slower in bf16 than in fp32 (``bench/RESULTS.md``), and fp32
+attention is also the more accurate. Results equal ``sdpa``'s in fp32; the name is not saved with the model."""
 
 
 @functools.cache

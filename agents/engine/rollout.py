@@ -142,8 +142,7 @@ def used_columns(action_mask: torch.Tensor) -> int:
     """Generated columns up to the end of the longest row of ``action_mask[N, M]`` (at least 1). Later
     columns are padding in every row and no real token attends to them, so a full pass over the batch
     (reference, pi_old, a minibatch update) can skip them. That pays when the token budget is generous
-    for the task; on default Arithmetic-v0 the longest of 64 completions is close to the 31-token budget
-    and ``tokengym train grpo`` took the same 19-23 s with and without it."""
+    for the task, not when the longest completion nearly fills it (default Arithmetic-v0: ``bench/RESULTS.md``)."""
     return max(int(action_mask.sum(1).max()), 1) if action_mask.numel() else 1
 
 

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 from tokengym.agents.engine.models import build_preset
 from tokengym.agents.engine.policy import Policy
-from tokengym.agents.algorithms.sft import SFTBatch, SFTConfig, SFTLearner, batches, evaluate_policy, lr_factor, main, make_batch, sft_loss, train_sft
+from tokengym.agents.algorithms.sft import SFTBatch, SFTConfig, SFTLearner, batches, evaluate_policy, lr_factor, make_batch, sft_loss, train_sft
+from tokengym.agents.cli import main as tokengym
 from tokengym.envs import TokenVectorEnv
 from tokengym.envs.tasks import ArithmeticTask
 
@@ -249,17 +250,25 @@ def test_stop_at_accuracy_ends_early(one_thread):
 
 
 def test_command_line_trains_saves_and_evaluates(tmp_path, capsys, one_thread):
-    out = tmp_path / "ckpt"
-    args = ["--model", "tiny", "--n-operands", "2", "--digits", "1", "--steps", "3", "--batch-size", "8",
-            "--warmup", "1", "--eval-prompts", "8", "--log-every", "0", "--threads", "1", "--out", str(out)]
-    assert main(args) == 0
+    """``tokengym train sft`` trains a preset on a task given by --env-kwargs, saves the model with its settings,
+    and ``tokengym eval --model`` scores the saved folder as the run's own final evaluation did."""
+    kwargs = {"n_operands": 2, "digits": 1}
+    assert tokengym(["train", "sft", "--model", "tiny", "--env-kwargs", json.dumps(kwargs), "--steps", "30",
+                     "--batch-size", "8", "--warmup", "1", "--eval-prompts", "8", "--log-every", "0", "--threads", "1",
+                     "--progress", "false", "--runs-dir", str(tmp_path), "--name", "sft"]) == 0
+    run, out = tmp_path / "sft", tmp_path / "sft" / "model"
     assert (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
-    meta = json.loads((out / "sft_metrics.json").read_text())
-    assert meta["steps_done"] == 3 and meta["command"].endswith(" ".join(args))
+    config = json.loads((run / "config.json").read_text())  # how the model was made
+    assert config["algorithm"] == "sft" and config["config"]["steps"] == 30 and config["run"]["model"] == "tiny"
+    assert config["run"]["env_kwargs"] == kwargs
+    first, *_, final = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert final["step"] == 30
+    assert final["eval/mean_length"] != first["eval/mean_length"]  # trained: the eval below can tell the models apart
     capsys.readouterr()
-    assert main(["--model", str(out), "--eval-only", "--n-operands", "2", "--digits", "1", "--eval-prompts", "8", "--threads", "1"]) == 0
-    res = json.loads(capsys.readouterr().out)
-    assert res["accuracy"] == pytest.approx(meta["eval"][-1]["accuracy"])
+    assert tokengym(["eval", "--model", str(out), "--env-kwargs", json.dumps(kwargs), "--prompts", "8", "--samples", "0"]) == 0
+    greedy = next(line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("greedy"))
+    assert float(greedy[1].rstrip("%")) == pytest.approx(100 * final["eval/accuracy"], abs=0.05)
+    assert float(greedy[3]) == pytest.approx(final["eval/mean_length"], abs=0.05)  # the same completions, not only the same score
 
 
 # ------------------------------------------------------------------ shipped checkpoint
