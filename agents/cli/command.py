@@ -111,7 +111,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from tokengym.agents.runtime import runs as R
     from tokengym.agents.engine.resources import check_device
     from tokengym.agents.engine.rollout import evaluate, heldout_samples
-    from tokengym.agents.cli.runner import RunConfig, load_policy, make_env
+    from tokengym.agents.cli.runner import RunConfig, checked_env, load_policy
 
     run, model = RunConfig(), args.model
     if args.run is None and args.model is None:
@@ -144,7 +144,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         load_model(policy.model, os.path.join(checkpoint, "policy.safetensors"))
     # continuous batching (same results) where the fast decode path runs the model: a finished slot takes the next prompt
     mode = "next_step" if policy.capabilities().refill else "disabled"
-    env = make_env(run, min(args.prompts, 256), tokenizer=policy.tokenizer, autoreset_mode=mode)
+    env = checked_env(run, policy, min(args.prompts, 256), autoreset_mode=mode)  # positions checked: one line
     samples = heldout_samples(env.task, args.prompts)
     policy.eval()
     rows = [("greedy", evaluate(policy, env, samples, greedy=True))]
@@ -162,14 +162,12 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     import time
 
     from tokengym.agents.runtime import runs as R
-    from tokengym.agents.engine.convert import SHIPPED_GGUF, convert_gguf, describe, find_gguf, gguf_folder
+    from tokengym.agents.engine.convert import convert_gguf, describe, gguf_folder, gguf_path
 
     t0 = time.perf_counter()
     try:
         if args.out:
-            source = find_gguf(args.source) if args.source in SHIPPED_GGUF else args.source
-            if not os.path.isfile(source):
-                raise FileNotFoundError(f"GGUF file {source!r} does not exist")
+            source = gguf_path(args.source)
             R.write_folder_atomic(args.out, lambda tmp: convert_gguf(source, tmp), what="converted model")
             folder = args.out
         else:

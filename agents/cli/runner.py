@@ -129,6 +129,10 @@ def checked_env(run: RunConfig, policy: Any, num_envs: int, group_size: int = 1,
 
     if update_rows is not None:  # before the env allocates its [num_envs, P + M] buffers
         probe = make_env(run, group_size, group_size, tokenizer=policy.tokenizer, **extra)
+        try:  # the position limit first: a prompt the model cannot hold is no memory problem
+            check_fits(policy, probe)
+        except ValueError as e:
+            raise R.UsageError(f"{run.env}: {e}") from None
         try:
             check_memory(policy.model, num_envs, probe.seq_len, update_rows, run.device, f"a batch of {num_envs} episodes")
         except ValueError as e:

@@ -48,15 +48,24 @@ def find_gguf(name: str) -> str:
     return path
 
 
+def gguf_path(source: str) -> str:
+    """The GGUF file ``source`` names (a path, or a :data:`SHIPPED_GGUF` name); FileNotFoundError saying what is there
+    instead when it is not a file."""
+    path = find_gguf(source) if source in SHIPPED_GGUF else source
+    if os.path.isdir(path):
+        raise FileNotFoundError(f"{path!r} is a folder, not a GGUF file: convert takes a .gguf file (a model folder "
+                                "written by save_pretrained needs no conversion: pass it as --model)")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file {path!r} does not exist")
+    return path
+
+
 def gguf_folder(path: str) -> str:
     """The cached ``save_pretrained`` folder of the GGUF file ``path`` (or a :data:`SHIPPED_GGUF` name), converting
     it on first use. Safe when several processes convert the same file at once (the first rename wins)."""
     from tokengym.agents.runtime.runs import UsageError, file_sha256, write_folder_atomic
 
-    if path in SHIPPED_GGUF:
-        path = find_gguf(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"GGUF file {path!r} does not exist")
+    path = gguf_path(path)
     folder = os.path.join(cache_dir(), f"gguf{FORMAT}-{file_sha256(path)[:20]}")
     if os.path.isfile(os.path.join(folder, "config.json")):
         return folder

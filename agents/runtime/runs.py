@@ -46,6 +46,7 @@ import shutil
 import signal
 import sys
 import time
+import unicodedata
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -291,16 +292,26 @@ def run_path(runs_dir: str, name: str) -> str:
     """
     if os.path.exists(runs_dir) and not os.path.isdir(runs_dir):
         raise UsageError(f"--runs-dir {runs_dir} is a file, not a folder")
+    real = os.path.realpath(runs_dir)
+    if any(real == v or real.startswith(v + os.sep) for v in ("/proc", "/sys", "/dev")):
+        raise UsageError(f"--runs-dir {runs_dir} is on a virtual filesystem ({real}); pick a folder on a disk")
     seps = {"/", "\\", os.sep} | ({os.altsep} if os.altsep else set())
+    control = next((c for c in name if unicodedata.category(c) in ("Cc", "Cf")), None)
     problem = ("is empty" if not name.strip() else
                "is an absolute path" if os.path.isabs(name) or name[0] in seps else
                "contains a path separator" if any(s in name for s in seps) else
                "contains '..'" if ".." in name else
                "starts with '.'" if name.startswith(".") else
-               "contains a NUL character" if "\0" in name else None)
+               "starts with '-' (it would read as a command-line flag)" if name.startswith("-") else
+               f"contains the control character U+{ord(control):04X}" if control is not None else
+               f"is {len(name.encode())} bytes long, over the filesystem's 255" if len(name.encode()) > 255 else None)
     if problem:
         raise UsageError(f"run name {name!r} {problem}; use a plain folder name such as 'grpo-arith-1'")
-    return os.path.join(runs_dir, name)
+    path = os.path.join(runs_dir, name)
+    if os.path.islink(path):
+        raise UsageError(f"{path} is a symbolic link (to {os.readlink(path)}); a run is written only inside --runs-dir, "
+                         "pick another --name")
+    return path
 
 
 # ---------------------------------------------------------------------------------------------- run lock
@@ -327,7 +338,12 @@ class RunLock:
         if not self.create and not os.path.isdir(self.run_dir):
             raise UsageError(f"{self.run_dir} does not exist or is not a folder")
         with storage_errors(self.path, "the run lock"):
-            os.makedirs(self.run_dir, exist_ok=True)
+            try:
+                os.makedirs(self.run_dir, exist_ok=True)
+            except OSError as e:
+                if storage_error(e, self.path, "the run lock") is None:  # not a full or read-only disk: say what failed
+                    raise UsageError(f"cannot create the run folder {self.run_dir}: {e.strerror or e}") from None
+                raise
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by exec'd children
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

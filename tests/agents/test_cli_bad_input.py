@@ -40,7 +40,10 @@ def _files(root):
     with open(os.path.join(root, "a_file"), "w") as f:
         f.write("not a folder\n")
     os.makedirs(os.path.join(root, "a_folder"), exist_ok=True)
+    os.symlink(os.path.dirname(root), os.path.join(root, "a_link"))  # points out of the runs folder {root}
 
+
+NAMED = ["train", "grpo", *B, "--runs-dir", "{root}/../runs"]  # the run name comes next
 
 CASES = {  # id -> (argv, a piece of the one-line message); {root} is a folder of input files beside the runs folder
     # bad values the configs themselves refuse
@@ -88,12 +91,24 @@ CASES = {  # id -> (argv, a piece of the one-line message); {root} is a folder o
     "step labels missing": (["train", "prm", *F, "--step-labels", "{root}/nope.jsonl"], "does not exist"),
     "step labels out of range": (["train", "prm", *F, "--step-labels", "{root}/bad_labels.jsonl"], "labels must be numbers"),
     # paths
-    "name leaves the runs folder": (["train", "grpo", *B, "--runs-dir", "{root}/../runs", "--name", "../../escape"],
+    "name leaves the runs folder": ([*NAMED, "--name", "../../escape"],
                                     "path separator"),
     "runs dir is a file": (["train", "grpo", *B, "--runs-dir", "{root}/a_file"], "is a file"),
     "config is a list": (["train", "grpo", *B, "--config", "{root}/list.json"], "holds a list"),
     "config is a folder": (["train", "grpo", *B, "--config", "{root}/a_folder"], "is a folder"),
     "eval on a missing gpu": (["eval", "--model", "tiny", "--device", "cuda:7", "--prompts", "4"], "not available"),
+    "name too long": ([*NAMED, "--name", "a" * 300], "300 bytes long, over the filesystem's 255"),
+    "name with a newline": ([*NAMED, "--name", "a\nb"], "control character U+000A"),
+    "name with a right-to-left override": ([*NAMED, "--name", "a\u202eb"], "control character U+202E"),
+    "name like a flag": ([*NAMED, "--name=-x"], "starts with '-'"),
+    "name is a link out of the runs folder": (["train", "grpo", *B, "--runs-dir", "{root}", "--name", "a_link"],
+                                              "is a symbolic link"),
+    "runs dir in /proc": (["train", "grpo", *B, "--runs-dir", "/proc/self", "--name", "p"], "virtual filesystem"),
+    "train prompt over the positions": (["train", "grpo", *B, "--env", "tokengym/Reverse-v0", "--env-kwargs",
+                                         '{"length": 3000}'], "max_position_embeddings"),
+    "eval prompt over the positions": (["eval", "--model", "tiny-arithmetic", "--env", "tokengym/Reverse-v0",
+                                        "--env-kwargs", '{"length": 3000}', "--prompts", "2"], "max_position_embeddings"),
+    "convert a folder": (["convert", "{root}/a_folder"], "is a folder, not a GGUF file"),
 }
 
 
