@@ -10,11 +10,27 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-__all__ = ["is_messages", "user_prompt", "prompt_chars", "encode_prompts", "prompt_texts", "end_of_turn_ids",
+__all__ = ["is_messages", "CHAT_ROLES", "check_roles", "unknown_role", "user_prompt", "prompt_chars", "encode_prompts", "prompt_texts", "end_of_turn_ids",
            "check_chat_template", "template_overhead"]
 
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|endoftext|>")
 """Special tokens with which common chat templates end a turn; those in a tokenizer's vocabulary stop episodes."""
+
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+"""The message roles chat templates render (TRL's conversational format); any other is a typo, refused."""
+
+
+def unknown_role(messages: Sequence[Mapping[str, Any]]) -> str | None:
+    """The first role of ``messages`` outside :data:`CHAT_ROLES` (None if all are known)."""
+    return next((m["role"] for m in messages if m.get("role") not in CHAT_ROLES), None)
+
+
+def check_roles(messages: Any, where: str) -> None:
+    """ValueError naming ``where`` when chat ``messages`` use a role outside :data:`CHAT_ROLES` (a template would
+    render it silently as whatever it does with unknown roles, or drop it)."""
+    if is_messages(messages) and (role := unknown_role(messages)) is not None:
+        raise ValueError(f"{where}: unknown chat role {role!r} (roles: {', '.join(CHAT_ROLES)})")
 
 
 def is_messages(value: Any) -> bool:

@@ -52,7 +52,7 @@ from gymnasium import spaces
 from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space
 
-from tokengym.envs.chat import check_chat_template, encode_prompts, end_of_turn_ids, is_messages, prompt_texts, template_overhead
+from tokengym.envs.chat import check_chat_template, check_roles, encode_prompts, end_of_turn_ids, is_messages, prompt_texts, template_overhead
 from tokengym.envs.multiturn import TURN_EVENTS, DaemonPool, MultiTurnMixin, chat_reply_wrapper
 from tokengym.envs.tasks.base import Task
 from tokengym.envs.tasks.registry import TASK_SPECS
@@ -365,6 +365,7 @@ class TokenVectorEnv(MultiTurnMixin, VectorEnv):
         for s in samples:
             if not (isinstance(s.get("prompt"), str) or is_messages(s.get("prompt"))):
                 raise ValueError(f"each sample needs a 'prompt' string or list of chat messages, got {s!r:.80}")
+            check_roles(s["prompt"], "a sample's prompt")
         enc = encode_prompts(self.tokenizer, [s["prompt"] for s in samples])
         longest = max(len(ids) for ids in enc)
         if longest > P:

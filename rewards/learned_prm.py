@@ -147,11 +147,12 @@ class LearnedPRM:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, tokenizer: Any = None, device: str | torch.device = "cpu",
-                        trust_remote_code: bool = False, **kwargs: Any) -> "LearnedPRM":
-        """Load a local folder (safetensors only, nothing downloaded); ``kwargs`` override the saved settings."""
+                        **kwargs: Any) -> "LearnedPRM":
+        """Load a local folder (safetensors only, nothing downloaded, never the folder's own code); ``kwargs``
+        override the saved settings."""
         from transformers import AutoModelForTokenClassification
 
-        model, tok, settings = _load(AutoModelForTokenClassification, path, tokenizer, device, trust_remote_code, "learned_prm.json")
+        model, tok, settings = _load(AutoModelForTokenClassification, path, tokenizer, device, "learned_prm.json", kwargs)
         return cls(model, tok, **{**settings, **kwargs})
 
     def __repr__(self) -> str:

@@ -232,18 +232,18 @@ class RewardModel:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, tokenizer: Any = None, device: str | torch.device = "cpu",
-                        trust_remote_code: bool = False, **kwargs: Any) -> "RewardModel":
+                        **kwargs: Any) -> "RewardModel":
         """Load a local folder (written by :meth:`save_pretrained` or any sequence classifier with ``num_labels=1``).
 
         A folder written by :class:`LikelihoodRewardModel` loads as one (a causal LM read as a sequence
-        classifier would get a new, random head). Safetensors weights only, nothing downloaded,
-        ``trust_remote_code`` off unless asked for; ``kwargs`` override the saved wrapper settings.
+        classifier would get a new, random head). Safetensors weights only, nothing downloaded, and never the
+        folder's own code (``trust_remote_code`` stays off); ``kwargs`` override the saved wrapper settings.
         """
         from transformers import AutoModelForSequenceClassification
 
         if cls is RewardModel and os.path.isfile(os.path.join(os.fspath(path), LikelihoodRewardModel.SETTINGS_FILE)):
-            return LikelihoodRewardModel.from_pretrained(path, tokenizer, device, trust_remote_code, **kwargs)
-        model, tok, settings = _load(AutoModelForSequenceClassification, path, tokenizer, device, trust_remote_code, cls.SETTINGS_FILE)
+            return LikelihoodRewardModel.from_pretrained(path, tokenizer, device, **kwargs)
+        model, tok, settings = _load(AutoModelForSequenceClassification, path, tokenizer, device, cls.SETTINGS_FILE, kwargs)
         return cls(model, tok, **{**settings, **kwargs})
 
     def __repr__(self) -> str:
@@ -339,11 +339,11 @@ class LikelihoodRewardModel(RewardModel):
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, tokenizer: Any = None, device: str | torch.device = "cpu",
-                        trust_remote_code: bool = False, **kwargs: Any) -> "LikelihoodRewardModel":
+                        **kwargs: Any) -> "LikelihoodRewardModel":
         """Load a local folder holding a causal LM (e.g. written by :meth:`save_pretrained`); ``kwargs`` override saved settings."""
         from transformers import AutoModelForCausalLM
 
-        model, tok, settings = _load(AutoModelForCausalLM, path, tokenizer, device, trust_remote_code, cls.SETTINGS_FILE)
+        model, tok, settings = _load(AutoModelForCausalLM, path, tokenizer, device, cls.SETTINGS_FILE, kwargs)
         return cls(model, tok, **{**settings, **kwargs})
 
     def __repr__(self) -> str:
@@ -360,18 +360,23 @@ def _save(model: torch.nn.Module, tokenizer: Any, path: str | os.PathLike, setti
         json.dump(settings, f, indent=1)
 
 
-def _load(auto_cls: Any, path: str | os.PathLike, tokenizer: Any, device: Any, trust_remote_code: bool, settings_file: str):
+def _load(auto_cls: Any, path: str | os.PathLike, tokenizer: Any, device: Any, settings_file: str, kwargs: dict[str, Any]):
+    """``(model, tokenizer, saved settings)`` of a local folder; ``kwargs`` are the caller's setting overrides, checked
+    here for ``trust_remote_code``, which tokengym never turns on (a model folder's own code is never run)."""
     from transformers import AutoTokenizer
 
+    if "trust_remote_code" in kwargs:
+        raise ValueError("trust_remote_code: tokengym never runs a model folder's own Python code; load models whose "
+                         "architecture transformers ships (convert others to one first)")
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path!r} is not a local folder (nothing is downloaded); pass a folder written by save_pretrained")
     with quiet_transformers():
-        model = auto_cls.from_pretrained(path, local_files_only=True, use_safetensors=True, trust_remote_code=trust_remote_code)
+        model = auto_cls.from_pretrained(path, local_files_only=True, use_safetensors=True, trust_remote_code=False)
     if tokenizer is None:
         if not any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
             raise ValueError(f"{path!r} holds no tokenizer files; pass tokenizer=")
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     settings_path = os.path.join(path, settings_file)
     settings = {}
     if os.path.exists(settings_path):

@@ -39,6 +39,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
+from tokengym.envs.chat import check_roles
 from tokengym.envs.tasks import arithmetic_data as _arithmetic_data
 from tokengym.envs.tasks.dataset import read_jsonl
 from tokengym.rewards.common import TokengymWarning
@@ -121,6 +122,7 @@ def load_pairs(source: Any, columns: Mapping[str, str] | None = None, limit: int
             v = rec[name] = rest.pop(src)
             if not (isinstance(v, str) or _is_messages(v)):
                 raise ValueError(f"pair {i}: {name!r} must be a string or a non-empty list of chat messages, got {type(v).__name__}: {v!r:.60}")
+            check_roles(v, f"pair {i}: {name!r}")
         rec.update(rest)  # other columns are kept as metadata
         out.append(rec)
     return out

@@ -13,7 +13,7 @@ import numpy as np
 
 from tokengym.rewards import answer_match
 
-from ..chat import is_messages, prompt_chars
+from ..chat import check_roles, is_messages, prompt_chars
 from .arithmetic import _check_seed
 from .base import Task
 from .registry import register_task
@@ -160,6 +160,7 @@ class DatasetTask(Task):
             if not (is_messages(p) if self.chat else isinstance(p, str)):
                 kind = "list of chat messages, like row 0's" if self.chat else "string, like row 0's"
                 raise ValueError(f"row {i}: the prompt ({prompt_key!r}) must be a {kind}, got {type(p).__name__}: {p!r:.80}")
+            check_roles(p, f"row {i}")
 
         self._rows = rows
         self._len = len(prompts)

@@ -88,3 +88,15 @@ def test_chat_prompts_need_a_chat_template():
 def test_number_match_reads_free_form_answers():
     replies = ["17 + 25 = 42", "The answer is **42**.", "so \\boxed{42}", "42", "17 + 25 = 32", "", "Answer: 4,2"]
     assert number_match([""] * 7, replies, answer=[42] * 7) == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
+
+
+def test_an_unknown_chat_role_is_refused_naming_it():
+    """A typo'd role ('usr') would be rendered however the template treats unknown roles, or dropped: refuse it."""
+    from tokengym.envs.tasks import DatasetTask
+    from tokengym.envs.chat import CHAT_ROLES
+
+    bad = [{"role": "user", "content": "1+2?"}, {"role": "usr", "content": "and 3?"}]
+    with pytest.raises(ValueError, match=r"^row 1: unknown chat role 'usr' \(roles: system, user, assistant, tool\)$"):
+        DatasetTask([{"prompt": [{"role": "user", "content": "hi"}], "answer": "1"}, {"prompt": bad, "answer": "2"}])
+    for role in CHAT_ROLES:  # every known role is accepted
+        DatasetTask([{"prompt": [{"role": role, "content": "hi"}], "answer": "1"}])

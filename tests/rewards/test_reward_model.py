@@ -229,3 +229,12 @@ def test_likelihood_rm_scores_the_completion_given_the_prompt_and_trains_as_a_re
     torch.testing.assert_close(generic(prompts, comps), loaded(prompts, comps))
     with pytest.raises(ValueError, match="beta"):
         LikelihoodRewardModel(lm, tok, beta=0.0)
+
+
+@pytest.mark.parametrize("loader", ["RewardModel", "LikelihoodRewardModel", "LearnedPRM"])
+def test_trust_remote_code_cannot_be_turned_on(tmp_path, loader):
+    """The README says trust_remote_code is never on: the loaders take no such switch."""
+    import tokengym.rewards as R
+
+    with pytest.raises(ValueError, match="^trust_remote_code: tokengym never runs a model folder's own Python code"):
+        getattr(R, loader).from_pretrained(str(tmp_path), trust_remote_code=True)
