@@ -324,6 +324,9 @@ class TokenVectorEnv(MultiTurnMixin, VectorEnv):
         samples = options.get("samples")
         if samples is None:
             samples = self.task.batch(self.np_random, len(groups))
+        elif isinstance(samples, (str, bytes, dict)) or not hasattr(samples, "__len__"):
+            raise ValueError(f"options['samples'] must be a list of prompts or sample dicts (one per group), got "
+                             f"{type(samples).__name__}: {samples!r:.60}")
         elif len(samples) != len(groups):
             raise ValueError(f"options['samples'] has {len(samples)} prompts for {len(groups)} groups being reset")
         samples = [s if isinstance(s, dict) else {"prompt": s} for s in samples]

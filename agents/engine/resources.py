@@ -34,11 +34,17 @@ def _max_positions(model: Any) -> int | None:
 
 
 def check_fits(policy: Any, env: Any) -> None:
-    """Refuse an env whose rows (prompt buffer ``P`` + budget ``M``) exceed the model's position limit.
+    """Refuse an env whose token ids exceed the model's vocabulary, or whose rows (prompt buffer ``P`` + budget ``M``)
+    exceed the model's position limit.
 
     Past ``max_position_embeddings`` a model's outputs are garbage (or an index error), silently.
     """
-    limit = _max_positions(getattr(policy, "model", policy))
+    model = getattr(policy, "model", policy)
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if isinstance(vocab, int) and env.vocab_size > vocab:  # an id past the embedding: an IndexError mid-rollout
+        raise ValueError(f"the env's tokenizer has {env.vocab_size} token ids but the model's vocabulary has {vocab}: "
+                         "give the env the policy's own tokenizer (tokenizer=policy.tokenizer)")
+    limit = _max_positions(model)
     need = env.max_prompt_len + env.max_new_tokens
     if limit is not None and need > limit:
         raise ValueError(

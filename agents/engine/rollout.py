@@ -192,6 +192,7 @@ def collect(env, policy, critic=None, *, greedy: bool = False, seed: int | None 
             every group's rows hold the same prompt (always, for prompts the env draws); ``True`` with rows of a
             group holding different prompts is an error.
     """
+    _check_call("collect", env, greedy)
     if env.autoreset_mode.name != "DISABLED":
         raise ValueError("collect() runs lockstep batches: create the env with autoreset_mode='disabled'")
     check_fits(policy, env)
@@ -206,6 +207,15 @@ def collect(env, policy, critic=None, *, greedy: bool = False, seed: int | None 
         after = v.gather(1, ro.episode_lengths[:, None])[:, 0]  # V after the last token (M unless a reply overflowed)
         ro.last_values = torch.where(ro.truncated, after, torch.zeros_like(after))
     return ro
+
+
+def _check_call(fn: str, env: Any, greedy: Any) -> None:
+    """TypeError in one line for arguments of the wrong kind (a string where the env goes, ``greedy="yes"``)."""
+    if not all(hasattr(env, a) for a in ("reset", "step", "autoreset_mode", "max_new_tokens", "vocab_size")):
+        raise TypeError(f"{fn}() needs a tokengym vector env (TokenVectorEnv, or gymnasium.make_vec(env_id, num_envs=N, "
+                        f"vectorization_mode='vector_entry_point')), got {type(env).__name__}: {env!r:.60}")
+    if not isinstance(greedy, bool):
+        raise TypeError(f"{fn}(greedy=...) must be True or False, got {greedy!r}")
 
 
 def _snapshot(env, logps: torch.Tensor, slots: list[int] | None = None) -> Rollout:
@@ -360,6 +370,7 @@ def collect_episodes(env, policy, samples: Sequence[Any] | None = None, n: int |
     every average towards them. Each episode samples from its own stream (keyed by its index in the list), so the
     tokens do not depend on which slot ran it or on the batch size.
     """
+    _check_call("collect_episodes", env, greedy)
     if env.autoreset_mode.name != "NEXT_STEP":
         raise ValueError("collect_episodes() refills finished slots through next-step autoresets: create the env with "
                          "autoreset_mode='next_step' (collect() runs lockstep batches)")

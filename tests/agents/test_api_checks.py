@@ -121,3 +121,30 @@ def test_grpo_from_a_model_that_never_succeeds_says_so():
     with pytest.warns(TokengymWarning, match=r"no learning signal.*SFT first"):
         history = agent.learn(env)
     assert all(r["reward/mean"] == 0 for r in history)
+
+
+@pytest.fixture(scope="module")
+def tiny_policy():
+    return Policy.from_pretrained("tiny-arithmetic")
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda p: collect("tokengym/Arithmetic-v0", p), TypeError, "collect() needs a tokengym vector env"),
+    (lambda p: collect(vec(), None), TypeError, "a rollout needs a Sampler"),
+    (lambda p: collect(vec(), p, greedy="yes"), TypeError, "collect(greedy=...) must be True or False, got 'yes'"),
+    (lambda p: collect(vec(), p, samples="1+2\n"), ValueError, "options['samples'] must be a list of prompts"),
+    (lambda p: collect(vec(), p, samples=[{"question": "1+2\n"}] * 2), ValueError, "each sample needs a 'prompt'"),
+    (lambda p: collect(vec(tokenizer=_big_tokenizer()), p), ValueError,
+     "the env's tokenizer has 1101 token ids but the model's vocabulary has 101"),
+])
+def test_collect_refuses_arguments_of_the_wrong_kind_in_one_line(tiny_policy, call, error, message):
+    with pytest.raises(error) as e:
+        call(tiny_policy)
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def _big_tokenizer():
+    """The char tokenizer with 1000 more tokens than the tiny model's 101 logits."""
+    tok = tokengym.envs.char_tokenizer()
+    tok.add_tokens([f"<x{i}>" for i in range(1000)])
+    return tok
