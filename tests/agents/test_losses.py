@@ -7,6 +7,7 @@ import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
+from tokengym.agents import functional as F
 from tokengym.agents.functional import (
     AGGREGATIONS,
     kl_penalty,
@@ -365,3 +366,32 @@ def test_value_loss_degenerate_and_errors():
         value_loss(v, v, torch.zeros(1, 2), torch.ones(1, 3))
     with pytest.raises(ValueError, match="clip_eps"):
         value_loss(v, v, v, torch.ones(1, 3), clip_eps=0.0)
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_policy_loss_sends_no_gradient_to_old_logp_advantages_or_weights(aggregation):
+    """pi_old, the advantages and the correction weights are constants of the surrogate: if any were left attached,
+    backward would push the behaviour policy (or the critic, through the advantages) as if it were being trained."""
+    g = torch.Generator().manual_seed(0)
+    logp = (torch.randn(3, 4, generator=g, dtype=F64) - 1).requires_grad_()
+    old = (logp.detach() + 0.1 * torch.randn(3, 4, generator=g, dtype=F64)).requires_grad_()
+    adv = torch.randn(3, 4, generator=g, dtype=F64).requires_grad_()
+    w = torch.rand(3, 4, generator=g, dtype=F64).requires_grad_()
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    loss, _ = F.policy_loss(logp, old, adv, mask, aggregation=aggregation, weights=w)
+    loss.backward()
+    assert logp.grad is not None and bool(logp.grad.abs().sum() > 0)
+    assert old.grad is None and adv.grad is None and w.grad is None
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge", "robust"])
+def test_dpo_loss_sends_no_gradient_to_the_reference(loss_type):
+    """The reference model is frozen: its log-probs must not receive a gradient through the loss."""
+    pc, pr = (torch.tensor([-3.0, -5.0], dtype=F64, requires_grad=True) for _ in range(2))
+    rc, rr = (torch.tensor([-4.0, -4.5], dtype=F64, requires_grad=True) for _ in range(2))
+    losses, chosen, rejected = F.dpo_loss(pc, pr, rc, rr, beta=0.1, loss_type=loss_type,
+                                          label_smoothing=0.1 if loss_type in ("sigmoid", "robust") else 0.0)
+    losses.sum().backward()
+    assert pc.grad is not None and pr.grad is not None
+    assert rc.grad is None and rr.grad is None
+    assert not chosen.requires_grad and not rejected.requires_grad
