@@ -138,3 +138,24 @@ def test_used_slice_drops_only_columns_that_are_padding_in_every_row():
     rows = torch.tensor([0])
     t0, m0, p0, n0 = used_slice(ro, rows)
     assert p0 == int(ro.attention_mask[0, :20].sum()) and n0 == int(ro.lengths[0])
+
+
+def test_last_values_bootstrap_truncated_rows_only():
+    """``last_values`` is V(s_end) for rows cut at the budget and exactly 0 for rows that terminated (EOS): a rollout
+    that bootstrapped terminated rows would add value after the episode's end to every PPO return."""
+    from tokengym.agents import Critic
+    from tokengym.envs import TokenVectorEnv
+
+    policy = Policy.from_pretrained("tiny-arithmetic", seed=0)
+    critic = Critic.from_policy(policy, seed=0)
+    with torch.no_grad():  # a critic whose values are far from 0 everywhere, so a bootstrap cannot hide
+        critic.value_head.bias.fill_(3.0)
+    env = TokenVectorEnv(32, "arithmetic", max_new_tokens=20)  # about half the rows end before the budget
+    ro = collect(env, policy, critic, seed=1)
+    assert bool(ro.terminated.any()) and bool(ro.truncated.any())  # both kinds of rows in this batch
+    P = env.max_prompt_len
+    with torch.no_grad():
+        v = critic(ro.tokens, ro.attention_mask, P)
+    after = v.gather(1, ro.episode_lengths[:, None])[:, 0]
+    assert torch.equal(ro.last_values[ro.terminated], torch.zeros(int(ro.terminated.sum())))
+    assert torch.equal(ro.last_values[ro.truncated], after[ro.truncated]) and bool((after[ro.truncated].abs() > 0.5).all())
