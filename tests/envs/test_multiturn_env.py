@@ -336,3 +336,19 @@ def test_a_tool_that_never_returns_does_not_keep_the_process_alive():
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "no reply within 0.2 s" in out.stdout
+
+
+def test_every_turn_reward_lies_on_the_agent_token_that_ended_the_turn():
+    """A turn reward placed one column later (the reply's first token) would be credited to env text, which no
+    action produced; each must sit on an action column, the last agent token of its turn."""
+    env = TokenVectorEnv(2, Scripted(lambda h: Reply(text="ok\n", reward=0.25 * len(h))))
+    env.reset(seed=0)
+    feed(env, ["1?2?", "12?"])
+    P = env.max_prompt_len
+    for row in range(2):
+        r, act, turn = env.rewards[row], env.action_mask[row, P:], env.turn_rewards[row]  # [M] generation columns
+        nonzero = turn.nonzero().flatten().tolist()
+        assert nonzero, "the script ends turns, so some turn reward is paid"
+        assert all(bool(act[c]) for c in nonzero), (nonzero, act.tolist())
+        assert all(not bool(act[c + 1]) for c in nonzero)  # the last agent token of its turn: env text follows
+        assert all(bool(act[c]) for c in r.nonzero().flatten().tolist())
