@@ -75,6 +75,35 @@ def check_prm(out: str) -> None:
     assert acc >= 60.0, acc  # README: 66.4% (the majority label alone: about 55%)
 
 
+_PRINT_CLAIM = re.compile(r"^print\((?P<args>.*)\)\s+# (?P<claim>.+)$", re.M)
+_LITERAL_START = re.compile(r"""^(["'\[({]|-?\d|torch\.|tensor\()""")
+
+
+def printed_claims(code: str) -> list[str]:
+    """What a block's top-level ``print(...)  # <output>`` comments say it prints: comments that read as output
+    (a literal, a number, a tensor, or the print's own leading string followed by a value), not prose."""
+    import ast
+
+    out = []
+    for m in _PRINT_CLAIM.finditer(code):
+        claim, args = m["claim"].strip(), m["args"]
+        lead = re.match(r"""^(["'])(\w+)\1,""", args)
+        if _LITERAL_START.match(claim) or (lead and claim.startswith(lead[2] + " ")):
+            out.append(repr(ast.literal_eval(claim)) if claim[0] in "\"'" else claim)
+    return out
+
+
+def check_printed_claims(code: str, stdout: str) -> None:
+    """Every claim of :func:`printed_claims` is an output line of the block (a quoted claim: the text printed)."""
+    import ast
+
+    lines = [ln.rstrip() for ln in stdout.splitlines()]
+    for claim in printed_claims(code):
+        text = ast.literal_eval(claim) if claim[0] in "\"'" else claim
+        found = text in stdout if claim[0] in "\"'" else text in lines
+        assert found, f"the README says this block prints {claim}, but it printed:\n{stdout[-2000:]}"
+
+
 CHECKS = {"tool_env": check_tool_env, "calculator": check_calculator, "first-run": check_first_run, "recipes": check_recipes, "agents": check_agents, "prm": check_prm}
 
 
@@ -131,3 +160,14 @@ def test_readme_block(workdir, lang, tag, code):
     assert "Traceback" not in out, out[-4000:]
     if tag.startswith("check="):
         CHECKS[tag.split("=", 1)[1]](out)
+    elif lang == "python":  # a block without its own check: what its comments say it prints, it prints
+        check_printed_claims(code, proc.stdout)
+
+
+def test_printed_claims_read_the_comments_that_show_output():
+    code = ('print(x.shape)  # torch.Size([64, 45])\nprint("before", a)  # before 0.5\nprint(p)  # "63+1\\n"\n'
+            'print(r)  # one total reward per episode\n    print(y)  # [1]\n')
+    assert printed_claims(code) == ["torch.Size([64, 45])", "before 0.5", "'63+1\\n'"]
+    check_printed_claims(code, "torch.Size([64, 45])\nbefore 0.5\n63+1\n\n")
+    with pytest.raises(AssertionError, match=r"prints torch.Size\(\[64, 45\]\)"):
+        check_printed_claims(code, "torch.Size([64, 42])\nbefore 0.5\n63+1\n\n")
