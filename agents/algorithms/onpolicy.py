@@ -55,7 +55,8 @@ class OnPolicyAgent:
     """Rollout, update, log and resume; subclasses supply ``prepare`` and ``loss`` (see the module docstring).
 
     Class attributes a subclass sets: ``config_cls`` (its config dataclass) and, when it keeps more than the
-    policy's optimiser, ``optimizer_names`` (checkpoint keys, in step order). Config fields read here: ``lr``,
+    policy's optimiser, ``optimizer_names`` (checkpoint keys, in step order) and ``grad_norm_names`` (their logged
+    norms); ``optim`` (:class:`~tokengym.agents.runtime.optim.OptimizerStep`) steps them all. Config fields read here: ``lr``,
     ``steps``, ``mu``, ``minibatches``, ``max_grad_norm``, ``bf16``, ``gradient_checkpointing``, ``eval_every``,
     ``seed``, and where present ``weight_decay``, ``iterations``, ``reset_ref``, ``lr_schedule``,
     ``recompute_old_logprobs``.
