@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from .common import check_config, quiet_transformers
+from .training import OptimizerStep
 
 __all__ = ["RewardModel", "LikelihoodRewardModel", "RewardModelConfig", "train_reward_model", "load_rows", "split_rows"]
 
@@ -499,7 +500,7 @@ def fit(model: torch.nn.Module, n: int, step_loss: Callable[[list[int]], tuple[t
     ``train/<key>``); ``evaluate()`` the held-out statistics (logged as ``eval/<key>``).
     """
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    opt = OptimizerStep.adamw(params, cfg.lr, cfg.weight_decay, fused=False, max_grad_norm=cfg.max_grad_norm)
     gen = torch.Generator().manual_seed(cfg.seed)
     history: list[dict[str, float]] = []
     step, evaluated_at = 0, -1
@@ -518,10 +519,9 @@ def fit(model: torch.nn.Module, n: int, step_loss: Callable[[list[int]], tuple[t
         for epoch in range(cfg.epochs):
             for batch in torch.randperm(n, generator=gen).split(cfg.batch_size):
                 loss, s = step_loss(batch.tolist())
-                opt.zero_grad(set_to_none=True)
+                opt.zero_grad()
                 loss.backward()
-                norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf)
-                opt.step()
+                norm = opt.step()["grad_norm"]
                 step += 1
                 if not log({"step": step, "epoch": epoch, **{f"train/{k}": v for k, v in s.items()}, "train/grad_norm": float(norm)}):
                     return history

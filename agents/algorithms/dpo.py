@@ -60,7 +60,7 @@ from tokengym.agents.runtime.logger import RunLogger
 from tokengym.agents.runtime.config import check_config
 from tokengym.agents.runtime.distributed import LOCAL
 from tokengym.agents.engine.models import frozen_copy
-from tokengym.agents.runtime.optim import LR_SCHEDULES, adamw, lr_factor
+from tokengym.agents.runtime.optim import LR_SCHEDULES, OptimizerStep
 from tokengym.agents.engine.policy import AdapterDisabledReference, make_reference
 from tokengym.agents.data.pairs import PairBatch, PairData, SharedPrefixBatch
 from tokengym.agents.engine.rollout import evaluate
@@ -205,7 +205,9 @@ class DPOLearner:
         self.policy = policy
         self.config = cfg = config or DPOConfig()
         self.logger = RunLogger(run_dir)
-        self.optimizer = adamw(policy.parameters(), cfg.lr, cfg.weight_decay)
+        self.optim = OptimizerStep.adamw(policy.parameters(), cfg.lr, cfg.weight_decay, schedule=cfg.schedule,
+                                         warmup=cfg.warmup_steps, max_grad_norm=cfg.max_grad_norm,
+                                         sync=lambda params: self.dp.sync_gradients(params))
         if isinstance(ref, AdapterDisabledReference):
             self.ref = ref
         elif ref is not None:
@@ -245,7 +247,7 @@ class DPOLearner:
         fit = None
         if self._fit is not None:
             fit = {**self._fit, "window": dict(self._fit["window"])}
-        return {"global_step": self.global_step, "epoch": self.epoch, "optimizer": self.optimizer.state_dict(),
+        return {"global_step": self.global_step, "epoch": self.epoch, **self.optim.state_dict(),
                 "shuffle_rng": self._shuffle.get_state(), "policy_rng": self.policy.generator.get_state(),
                 "fit": fit, "round": self._round}
 
@@ -253,7 +255,7 @@ class DPOLearner:
         """Restore :meth:`state_dict`: the next ``fit`` on the same pairs runs the rest of the interrupted one
         (nothing if it had finished), and the next online_dpo round loop the remaining rounds."""
         self.global_step, self.epoch = int(state["global_step"]), int(state["epoch"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.optim.load_state_dict(state)
         self._shuffle.set_state(state["shuffle_rng"])
         self.policy.generator.set_state(state["policy_rng"])
         self._fit = self._resume_fit = state["fit"]
@@ -388,10 +390,6 @@ class DPOLearner:
             stats["nll"] = nll.detach()
         return loss, stats
 
-    def _lr(self, step: int, total: int) -> float:
-        cfg = self.config
-        return cfg.lr * lr_factor(step, total, cfg.schedule, cfg.warmup_steps)
-
     # ------------------------------------------------------------------ loop
     def _start_fit(self, data: PairData, eval_data: PairData | None) -> dict[str, Any]:
         """The position of a new fit over ``data``, or of the interrupted one that ``load_state_dict`` restored."""
@@ -461,15 +459,12 @@ class DPOLearner:
             t0 = time.perf_counter()
             idx, share = self.dp.shard(run["order"][run["pos"] * bs:(run["pos"] + 1) * bs])  # share = 1 in one process
             batch = self._batch(data, idx)
-            for g in self.optimizer.param_groups:
-                g["lr"] = self._lr(run["step"], total)
+            self.optim.set_lr(run["step"], total)
             ref_seq = self._ref_batch(batch, run["ref_cache"])
             loss, stats = self._loss(batch, ref_seq)
-            self.optimizer.zero_grad(set_to_none=True)
+            self.optim.zero_grad()
             (loss * share).backward()
-            self.dp.sync_gradients(self.policy.parameters())
-            norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf)
-            self.optimizer.step()
+            norm = self.optim.step()["grad_norm"]  # summed over ranks, clipped, stepped
             stats = self.dp.weighted(stats, share)  # global means of the batch's statistics
             run["pos"] += 1
             run["step"] += 1
@@ -486,7 +481,7 @@ class DPOLearner:
             if run["count"] == cfg.log_every or run["step"] == total:
                 count = run["count"]
                 metrics = {(k if "/" in k else f"train/{k}"): v / count for k, v in window.items()}
-                metrics.update({"train/lr": self.optimizer.param_groups[0]["lr"], "epoch": self.epoch - 1 + run["pos"] / per_epoch,
+                metrics.update({"train/lr": self.optim.lr, "epoch": self.epoch - 1 + run["pos"] / per_epoch,
                                 "perf/tokens_per_s": tok_window / max(t_window, 1e-9),
                                 "perf/pairs_per_s": pairs_window / max(t_window, 1e-9)})
                 run["window"], run["count"] = {}, 0

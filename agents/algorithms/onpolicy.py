@@ -11,7 +11,6 @@ An algorithm is a config dataclass, ``prepare`` and ``loss``; ``agents/algorithm
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
@@ -22,7 +21,7 @@ from tokengym.agents import variants as V
 from tokengym.agents.runtime.distributed import LOCAL, aggregation_weights
 from tokengym.agents.runtime.logger import RunLogger
 from tokengym.agents.engine.models import enable_checkpointing
-from tokengym.agents.runtime.optim import LR_SCHEDULES, adamw
+from tokengym.agents.runtime.optim import OptimizerStep, adamw
 from tokengym.agents.engine.policy import make_reference
 from tokengym.agents.engine.resources import check_fits
 from tokengym.agents.engine.rollout import Rollout, collect, evaluate, trimmed_logprobs, used_slice
@@ -56,7 +55,8 @@ class OnPolicyAgent:
     """Rollout, update, log and resume; subclasses supply ``prepare`` and ``loss`` (see the module docstring).
 
     Class attributes a subclass sets: ``config_cls`` (its config dataclass) and, when it keeps more than the
-    policy's optimiser, ``optimizer_names`` (checkpoint keys, in step order). Config fields read here: ``lr``,
+    policy's optimiser, ``optimizer_names`` (checkpoint keys, in step order) and ``grad_norm_names`` (their logged
+    norms); ``optim`` (:class:`~tokengym.agents.runtime.optim.OptimizerStep`) steps them all. Config fields read here: ``lr``,
     ``steps``, ``mu``, ``minibatches``, ``max_grad_norm``, ``bf16``, ``gradient_checkpointing``, ``eval_every``,
     ``seed``, and where present ``weight_decay``, ``iterations``, ``reset_ref``, ``lr_schedule``,
     ``recompute_old_logprobs``.
@@ -72,7 +72,9 @@ class OnPolicyAgent:
         self.policy = policy
         self.config = cfg = config if config is not None else self.config_cls()
         self.logger = RunLogger(run_dir)
-        self.optimizers = self.make_optimizers()
+        self.optim = OptimizerStep(self.make_optimizers(), cfg.lr, schedule=getattr(cfg, "lr_schedule", "constant"),
+                                   max_grad_norm=cfg.max_grad_norm, sync=lambda params: self.dp.sync_gradients(params),
+                                   names=self.optimizer_names, norm_names=self.grad_norm_names)
         if cfg.gradient_checkpointing:
             enable_checkpointing(*self.checkpointed_modules())
         self.ref = make_reference(policy) if self.uses_reference() else None  # no KL: no reference at all
@@ -95,6 +97,11 @@ class OnPolicyAgent:
         """One optimiser per name in ``optimizer_names``; the first one's learning rate follows the schedule."""
         cfg = self.config
         return [adamw(self.policy.parameters(), lr=cfg.lr, weight_decay=getattr(cfg, "weight_decay", 0.0))]
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimisers of :attr:`optim` (the one step: sync, clip, step), in ``optimizer_names`` order."""
+        return self.optim.optimizers
 
     def checkpointed_modules(self) -> tuple[torch.nn.Module, ...]:
         """Modules that recompute activations in backward under ``gradient_checkpointing``."""
@@ -152,8 +159,7 @@ class OnPolicyAgent:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything but module weights needed to continue exactly (``torch.load(weights_only=True)``-safe)."""
-        opts = {name: opt.state_dict() for name, opt in zip(self.optimizer_names, self.optimizers)}
-        return {"global_step": self.global_step, **opts, **self.extra_state(),
+        return {"global_step": self.global_step, **self.optim.state_dict(), **self.extra_state(),
                 "shuffle_rng": self._shuffle.get_state(), "policy_rng": self.policy.generator.get_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -162,8 +168,7 @@ class OnPolicyAgent:
         if missing:
             raise ValueError(f"{type(self).__name__} state is missing {missing}; pass what {type(self).__name__}.state_dict() returned")
         self.global_step = int(state["global_step"])
-        for name, opt in zip(self.optimizer_names, self.optimizers):
-            opt.load_state_dict(state[name])
+        self.optim.load_state_dict(state)
         self.load_extra_state(state)
         self._shuffle.set_state(state["shuffle_rng"])
         self.policy.generator.set_state(state["policy_rng"])
@@ -190,15 +195,6 @@ class OnPolicyAgent:
         with self._autocast(ro.tokens.device):
             return trimmed_logprobs(fn, ro)
 
-    def _schedule_lr(self) -> float:
-        """Set the coming step's learning rate from ``global_step`` (so a resumed run continues the schedule)."""
-        cfg = self.config
-        progress = min(self.global_step / max(self.total_steps, 1), 1.0)
-        lr = cfg.lr * LR_SCHEDULES[getattr(cfg, "lr_schedule", "constant")](progress)
-        for group in self.optimizers[0].param_groups:
-            group["lr"] = lr
-        return lr
-
     @property
     def total_steps(self) -> int:
         return getattr(self.config, "iterations", 1) * self.config.steps
@@ -218,16 +214,11 @@ class OnPolicyAgent:
             extra = self.forward_extra(tokens, mask, p, m)
         return Minibatch(rows, m, ro.action_mask[rows, :m], logp, ent, extra)
 
-    def _params(self) -> list[list[torch.nn.Parameter]]:
-        return [opt.param_groups[0]["params"] for opt in self.optimizers]
-
     def _update(self, ro: Rollout, batch: dict[str, torch.Tensor], kinds: list[str], measure_mismatch: bool) -> dict[str, float]:
         """``mu`` epochs of minibatch steps. ``measure_mismatch``: log the rollout's log-probs against the trainer's
         from the first minibatch's forward, which runs at pi_old's weights."""
         cfg, dp = self.config, self.dp
         self.train_mode(True)
-        params = self._params()
-        flat = [p for group in params for p in group]
         # Data parallel: each loss term is weighted by this rank's share of its aggregation's denominator (1 alone).
         weights = {kind: aggregation_weights(ro.action_mask, kind) for kind in kinds}
         sums: dict[str, float] = {}
@@ -250,19 +241,14 @@ class OnPolicyAgent:
                 loss = terms[0][0] * shares[terms[0][1]]
                 for term, kind in terms[1:]:
                     loss = loss + term * shares[kind]
-                for opt in self.optimizers:
-                    opt.zero_grad(set_to_none=True)
+                self.optim.zero_grad()
                 if n_live:
                     loss.backward()
                 else:  # every row is inert: the gradient is exactly 0, and AdamW still takes its (momentum) step
-                    for p in flat:
+                    for p in self.optim.params:
                         p.grad = torch.zeros_like(p)
-                dp.sync_gradients(flat)  # one flat all-reduce: every rank clips and steps alike
-                max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf
-                for name, group in zip(self.grad_norm_names, params):
-                    stats[name] = torch.nn.utils.clip_grad_norm_(group, max_norm)
-                for opt in self.optimizers:
-                    opt.step()
+                report = self.optim.step()  # one flat all-reduce of every optimiser's gradients, clip each, step each
+                stats.update((name, report[name]) for name in self.grad_norm_names)
                 total = terms[0][0].detach()
                 for term, _ in terms[1:]:
                     total = total + term.detach()
@@ -291,7 +277,7 @@ class OnPolicyAgent:
         if recompute:  # the sampler's log-probs against the trainer's pi_old, over the whole batch
             stats.update({f"mismatch/{k}": v for k, v in V.logprob_mismatch(ro.logprobs, old_logp, ro.action_mask).items()})
         t_up = time.perf_counter()
-        lr = self._schedule_lr()
+        lr = self.optim.set_lr(self.global_step, self.total_steps)  # from global_step: a resumed run continues it
         metrics = self._update(ro, batch, self.loss_kinds(), measure_mismatch=not recompute)
         metrics["train/lr"] = lr
         timing["time/update"] = time.perf_counter() - t_up

@@ -42,7 +42,7 @@ import torch
 
 from tokengym.agents.runtime.distributed import LOCAL
 from tokengym.agents.runtime.logger import RunLogger
-from tokengym.agents.runtime.optim import LR_SCHEDULES, lr_factor as schedule_factor
+from tokengym.agents.runtime.optim import LR_SCHEDULES, OptimizerStep, lr_factor as schedule_factor
 from tokengym.agents.engine.rollout import evaluate, heldout_samples
 from tokengym.envs.chat import encode_prompts
 from tokengym.envs.tasks.base import fresh_samples
@@ -255,7 +255,11 @@ class SFTLearner:
         self._rng = np.random.default_rng(cfg.seed)  # the data stream's only state (saved in checkpoints)
         exclude = {s["prompt"] for s in self.heldout} if cfg.exclude_heldout else None
         self._stream = batches(task, policy.tokenizer, cfg.batch_size, P, exclude=exclude, rng=self._rng)
-        self.optimizer = torch.optim.AdamW(_param_groups(policy.model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas)
+        # plain (unfused) AdamW, no weight decay on norms and biases; clipped in the model's parameter order
+        self.optim = OptimizerStep.adamw(_param_groups(policy.model, cfg.weight_decay), cfg.lr, fused=False, betas=cfg.betas,
+                                         schedule=cfg.schedule, warmup=cfg.warmup, min_ratio=cfg.min_lr_ratio,
+                                         max_grad_norm=cfg.grad_clip, sync=lambda params: self.dp.sync_gradients(params),
+                                         clip_params=[list(policy.model.parameters())])
         self.logger = RunLogger(cfg.run_dir)
         self.global_step = 0
         self.dp = LOCAL
@@ -269,13 +273,13 @@ class SFTLearner:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything but the weights needed to continue exactly: step, optimiser, generators, history."""
-        return {"global_step": self.global_step, "optimizer": self.optimizer.state_dict(),
+        return {"global_step": self.global_step, **self.optim.state_dict(),
                 "data_rng": self._rng.bit_generator.state, "policy_rng": self.policy.generator.get_state(),
                 "history": {k: self.hist[k] for k in ("step", "loss", "lr", "eval")}, "elapsed": self._wall()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.global_step = int(state["global_step"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.optim.load_state_dict(state)
         self._rng.bit_generator.state = state["data_rng"]
         self.policy.generator.set_state(state["policy_rng"])
         self.hist.update({k: list(v) for k, v in state["history"].items()})
@@ -320,16 +324,12 @@ class SFTLearner:
             batch = next(self._stream)  # the global batch (every rank draws it alike)
             rows, share = self.dp.shard(torch.arange(len(batch.tokens)), batch.loss_mask.sum(1))
             batch = (batch.select(rows) if self.dp.distributed else batch).to(self.policy.device)
-            lr = cfg.lr * lr_factor(self.global_step, cfg)
-            for g in self.optimizer.param_groups:
-                g["lr"] = lr
+            lr = self.optim.set_lr(self.global_step, cfg.warmup + cfg.decay_steps)
             with autocast:
                 loss, stats = sft_loss(self.policy, batch)
-            self.optimizer.zero_grad(set_to_none=True)
+            self.optim.zero_grad()
             (loss * share).backward()  # share = 1 in one process
-            self.dp.sync_gradients(model.parameters())
-            gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip is not None else float("inf"))
-            self.optimizer.step()
+            gnorm = self.optim.step()["grad_norm"]  # summed over ranks, clipped, stepped
             stats = self.dp.weighted({"loss": stats["loss"]}, share)  # the global batch's token mean
             self.global_step = step = self.global_step + 1
             hist["step"].append(step)
