@@ -206,9 +206,10 @@ def learned_rewards(run: RunConfig, process: bool) -> dict[str, Any]:
 
 
 class Progress:
-    """A tqdm bar on a terminal, else a plain line every ~10% of the run; shows the key live metrics."""
+    """A tqdm bar on a terminal, else a plain line every ~10% of the run; shows the key metrics, each the latest
+    logged (``eval_acc`` is the last held-out evaluation, not a live figure), with 3 significant digits."""
 
-    KEYS = {"reward/mean": "reward", "objective/score": "score", "eval/accuracy": "acc", "train/kl": "kl",
+    KEYS = {"reward/mean": "reward", "objective/score": "score", "eval/accuracy": "eval_acc", "train/kl": "kl",
             "objective/kl": "kl", "train/loss": "loss", "rewards/accuracies": "pref_acc", "loss": "loss"}
 
     def __init__(self, total: int, initial: int, enabled: bool, desc: str):
@@ -225,7 +226,7 @@ class Progress:
             if record.get(k) is not None:
                 self.live[short] = record[k]
         step = int(record.get("step", self.n))
-        text = " ".join(f"{k}={round(v, 6) + 0.0:.3g}" for k, v in self.live.items())  # -1e-8 shows as 0
+        text = " ".join(f"{k}={v:.3g}" for k, v in self.live.items())  # a loss of -3.7e-09 shows as such, not 0
         if self.bar is not None:
             self.bar.update(max(0, step - self.n))
             self.bar.set_postfix_str(text, refresh=True)

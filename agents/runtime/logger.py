@@ -83,8 +83,13 @@ class SignalWatch:
             return
         self.warned = True
         mean = record.get("reward/mean", record.get("objective/score", float("nan")))
+        if record.get("reward/accuracy") == 1.0:  # every episode right: nothing left to learn, not a dead signal
+            warnings.warn(f"solved: every episode was correct for {self.flat} steps in a row (mean reward {mean:.3g}), so "
+                          "every group's rewards are equal and the policy gradient is 0; make the task harder (--env-kwargs) "
+                          "or stop here", TokengymWarning, stacklevel=3)
+            return
         what = "every group's rewards were equal" if frac is not None else "every episode got the same reward"
         warnings.warn(f"no learning signal: {what} for {self.flat} steps in a row (mean reward {mean:.3g}), so the policy "
                       "gradient is 0. If the model always fails, start from one that sometimes succeeds: SFT first "
-                      "(tokengym train sft with the same --env), a bigger model, or an easier task setting; if it always "
-                      "succeeds, the task is solved at this setting", TokengymWarning, stacklevel=3)
+                      "(tokengym train sft with the same --env), a bigger model, or an easier task setting",
+                      TokengymWarning, stacklevel=3)

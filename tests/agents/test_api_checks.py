@@ -97,6 +97,29 @@ def test_devices_and_memory_are_checked_before_allocating():
         check_memory(model, 10**9, 45, 10**9, "cpu", "a batch")
 
 
+def test_a_solved_task_says_solved_not_no_signal():
+    """Every group scoring 1 is equal rewards too, but the advice for a dead signal (SFT first...) would mislead."""
+    import warnings
+
+    watch = SignalWatch(patience=3)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            watch.update({"reward/frac_zero_std_groups": 1.0, "reward/mean": 1.0, "reward/accuracy": 1.0})
+    assert len(seen) == 1 and str(seen[0].message).startswith("solved: every episode was correct for 3 steps")
+    assert "SFT first" not in str(seen[0].message)
+
+
+def test_progress_lines_keep_significant_digits_and_label_the_evaluation(capsys):
+    from tokengym.agents.cli.runner import Progress
+
+    p = Progress(total=10, initial=0, enabled=True, desc="run")
+    p.update({"step": 0, "eval/accuracy": 0.625})
+    p.update({"step": 10, "reward/mean": 0.40625, "train/loss": -3.725290298461914e-09})
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line == "run step 10/10 eval_acc=0.625 reward=0.406 loss=-3.73e-09", line
+
+
 def test_no_learning_signal_warns_once_after_five_flat_steps():
     watch = SignalWatch(patience=5)
     with pytest.warns(TokengymWarning, match="no learning signal: every group's rewards were equal for 5 steps"):
