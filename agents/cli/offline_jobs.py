@@ -13,7 +13,7 @@ import numpy as np
 
 from tokengym.agents.runtime import runs as R
 from tokengym.agents.cli.runner import (Job, Progress, RunConfig, Trainer, eval_setup, first_line, initial_eval, load_policy,
-                                        make_agent, make_env, save_model, summary)
+                                        make_agent, make_env, phase_progress, save_model, summary)
 
 
 def heldout_prompts(run: RunConfig, task: Any) -> set[str]:
@@ -49,8 +49,8 @@ def on_policy(run: RunConfig, task: Any, exclude: set[str]) -> list[dict[str, An
 
     if not task.has_bundled_data("preference_pairs"):
         raise R.UsageError(f"--pairs {ON_POLICY} needs a task with a verifier and reference solutions (Arithmetic), not {run.env}")
-    pairs = on_policy_pairs(load_policy(run, 0), task, run.num_pairs, seed=0,
-                            exclude_prompts=exclude)
+    pairs = on_policy_pairs(load_policy(run, 0), task, run.num_pairs, seed=0, exclude_prompts=exclude,
+                            progress=phase_progress(run, "mining on-policy pairs", "prompts sampled"))
     if len(pairs) < 2:
         raise R.UsageError(f"the model's samples of {run.num_pairs} prompts gave {len(pairs)} pairs; raise --num-pairs")
     return pairs

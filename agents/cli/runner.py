@@ -21,7 +21,7 @@ from tokengym.agents.runtime import runs as R
 from tokengym.agents.algorithms.registry import algorithms
 
 __all__ = ["RunConfig", "Job", "Trainer", "Progress", "algorithms", "make_env", "checked_env",
-           "load_policy", "eval_setup", "learned_rewards", "save_model", "initial_eval", "summary", "make_agent",
+           "load_policy", "eval_setup", "learned_rewards", "phase_progress", "save_model", "initial_eval", "summary", "make_agent",
            "build_on_policy", "run_fields", "run_fields_for", "first_line"]
 
 
@@ -237,6 +237,20 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def phase_progress(run: RunConfig, label: str, unit: str) -> Callable[[int, int], None]:
+    """``update(done, total)`` for a phase before training (data mining, reference passes) that can take minutes: a
+    line on stderr about every 10% of it (none with ``--progress false``), so no long phase is silent."""
+    shown = [-1]
+
+    def update(done: int, total: int) -> None:
+        tenth = done * 10 // max(total, 1)
+        if run.progress and (tenth > shown[0] or done == total):
+            shown[0] = tenth
+            print(f"{label}: {done}/{total} {unit}", file=sys.stderr, flush=True)
+
+    return update
 
 
 class Trainer:

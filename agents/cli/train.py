@@ -130,6 +130,20 @@ def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
 
 
+def warn_if_busy(threads: int) -> None:
+    """A warning when other processes already keep the cores busy: torch's threads then wait on each other, and a
+    run can be many times slower than with ``--threads 1`` (seen 10x on a loaded 2-core machine). The default stays
+    torch's, so that results do not depend on the load at start (a thread count changes float rounding)."""
+    import warnings
+
+    from tokengym.rewards.common import TokengymWarning
+
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    if threads > 1 and load >= cores:
+        warnings.warn(f"the machine is busy (load {load:.1f} on {cores} cores) and torch will use {threads} threads: "
+                      "--threads 1 can be several times faster here", TokengymWarning, stacklevel=2)
+
+
 def train(algo: str, values_file: dict[str, Any], values_flags: dict[str, Any], resume_dir: str | None = None,
           preset: str | None = None) -> int:
     """Run ``tokengym train <algo>``; return the exit code (bad input raises :class:`UsageError`).
@@ -141,6 +155,8 @@ def train(algo: str, values_file: dict[str, Any], values_flags: dict[str, Any], 
     run, cfg, run_dir = resolve(algo, values_file, values_flags, resume_dir, preset)
     if run.threads:
         torch.set_num_threads(run.threads)
+    else:
+        warn_if_busy(torch.get_num_threads())
     dp, device = distributed.init(run.device)
     try:
         return _train(algo, run, cfg, run_dir, resume_dir is not None, dp, device, preset)

@@ -15,7 +15,7 @@ Data that needs neither (reference vs corrupted pairs and step labels) is the ta
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -88,7 +88,8 @@ def sampled_pairs(policy: Any, task: Any, n: int, seed: int = 0, exclude_prompts
 
 
 def on_policy_pairs(policy: Any, task: Any, n_prompts: int, group_size: int = 8, pairs_per_prompt: int = 4, seed: int = 0,
-                    exclude_prompts: Iterable[str] = (), num_envs: int = 256) -> list[dict[str, Any]]:
+                    exclude_prompts: Iterable[str] = (), num_envs: int = 256,
+                    progress: Callable[[int, int], None] | None = None) -> list[dict[str, Any]]:
     """Pairs of the policy's own samples of one prompt: a verifier-correct one (chosen) vs a wrong one (rejected).
 
     ``n_prompts`` fresh prompts (none from ``exclude_prompts``) are each sampled ``group_size`` times
@@ -102,7 +103,8 @@ def on_policy_pairs(policy: Any, task: Any, n_prompts: int, group_size: int = 8,
     warm start's RM could not turn into a ranking of its samples (see ``tests/agents/test_rlhf_pipeline.py``).
 
     Sampling uses the policy's own settings, is seeded by ``seed`` (which also draws the prompts) and
-    restores the policy's generator state afterwards. Records carry ``prompt``, ``chosen``, ``rejected``,
+    restores the policy's generator state afterwards. ``progress(done, n_prompts)`` is called after each rollout
+    batch (the mining takes minutes on a large ``n_prompts``). Records carry ``prompt``, ``chosen``, ``rejected``,
     ``answer``, ``kind="on_policy"`` and ``chosen_source`` (``"sample"`` or ``"reference"``), in prompt order.
 
     Example:
@@ -122,6 +124,8 @@ def on_policy_pairs(policy: Any, task: Any, n_prompts: int, group_size: int = 8,
     state = policy.generator.get_state()
     policy.seed(seed)
     pairs: list[dict[str, Any]] = []
+    if progress is not None:
+        progress(0, n_prompts)
     try:
         for start in range(0, n_prompts, per_batch):
             chunk = prompts[start : start + per_batch]
@@ -139,6 +143,8 @@ def on_policy_pairs(policy: Any, task: Any, n_prompts: int, group_size: int = 8,
                 for k in rng.permutation(len(combos))[:pairs_per_prompt]:
                     pairs.append({"prompt": s["prompt"], "chosen": combos[k][0], "rejected": combos[k][1],
                                   "answer": s.get("answer"), "kind": "on_policy", "chosen_source": source})
+            if progress is not None:
+                progress(min(start + per_batch, n_prompts), n_prompts)
     finally:
         policy.generator.set_state(state)
     return pairs

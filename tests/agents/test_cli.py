@@ -2,6 +2,8 @@
 
 import re
 
+import pytest
+
 from tokengym.agents.cli import main
 
 
@@ -51,3 +53,20 @@ def test_ppo_and_grpo_default_to_64_episodes_per_step_and_an_explicit_prompts_wi
     assert T.rollout_batch(T.RunConfig(), "ppo") == (64, 1)
     assert T.rollout_batch(T.RunConfig(prompts=4), "ppo") == (4, 1)
     assert T.rollout_batch(T.RunConfig(prompts=4, group_size=2), "grpo") == (8, 2)
+
+
+def test_a_busy_machine_gets_a_threads_warning(monkeypatch):
+    import warnings
+
+    from tokengym.agents.cli.train import warn_if_busy
+    from tokengym.rewards.common import TokengymWarning
+
+    monkeypatch.setattr("os.getloadavg", lambda: (4.0, 4.0, 4.0))
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    with pytest.warns(TokengymWarning, match=r"busy \(load 4.0 on 2 cores\) and torch will use 2 threads: --threads 1"):
+        warn_if_busy(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_if_busy(1)  # one thread: nothing to say
+        monkeypatch.setattr("os.getloadavg", lambda: (0.5, 0.5, 0.5))
+        warn_if_busy(2)  # an idle machine: nothing to say

@@ -30,3 +30,17 @@ def test_on_policy_pairs_rank_a_correct_sample_above_a_wrong_one_of_the_same_pro
             steps, answer = solve_expression(p["prompt"].strip())
             assert p["chosen"] == "\n".join([*steps, f"A: {answer}"])
     assert all(p["kind"] == "on_policy" for p in pairs)
+
+
+def test_on_policy_pair_mining_reports_its_progress(capsys):
+    """Mining runs before training and can take minutes: it says how far it is (the CLI prints these calls)."""
+    from tokengym.agents.cli.runner import RunConfig, phase_progress
+
+    calls = []
+    on_policy_pairs(Policy.from_pretrained("tiny"), ArithmeticTask(), 10, group_size=4, num_envs=16,
+                    progress=lambda done, total: calls.append((done, total)))
+    assert calls == [(0, 10), (4, 10), (8, 10), (10, 10)]
+    show = phase_progress(RunConfig(progress=True), "mining on-policy pairs", "prompts sampled")
+    for done, total in calls:
+        show(done, total)
+    assert capsys.readouterr().err.splitlines()[-1] == "mining on-policy pairs: 10/10 prompts sampled"
