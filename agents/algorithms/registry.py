@@ -21,8 +21,6 @@ ON_POLICY_RUN_FIELDS = frozenset({"prompts", "group_size", "temperature", "rewar
                                   "keep_checkpoints"})
 """The :class:`~tokengym.agents.cli.runner.RunConfig` fields an on-policy algorithm takes beyond the common ones."""
 
-BUILTIN_MODULES = ("grpo", "ppo", "reinforce_pp", "rloo", "dpo", "online_dpo", "sft", "reward_models")
-"""Modules of :mod:`tokengym.agents.algorithms` whose import registers the bundled algorithms."""
 ORDER = ("grpo", "ppo", "reinforce-pp", "rloo", "dpo", "spin", "sft", "rm", "prm")
 """``tokengym train``'s order of the bundled algorithms (others follow in registration order)."""
 
@@ -68,8 +66,12 @@ def register(name: str, config_cls: type, help: str, **kwargs: Any) -> Algorithm
 
 
 def algorithms() -> dict[str, Algorithm]:
-    """Every registered algorithm by name (importing the bundled ones first)."""
-    for module in BUILTIN_MODULES:
-        importlib.import_module(f"tokengym.agents.algorithms.{module}")
+    """Every registered algorithm by name, after importing every module of :mod:`tokengym.agents.algorithms` (so a
+    new algorithm is one file there, registering itself at its end)."""
+    import pkgutil
+
+    package = importlib.import_module("tokengym.agents.algorithms")
+    for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda i: i.name):
+        importlib.import_module(f"{package.__name__}.{info.name}")
     rank = {name: i for i, name in enumerate(ORDER)}
     return dict(sorted(_REGISTRY.items(), key=lambda kv: rank.get(kv[0], len(ORDER))))
