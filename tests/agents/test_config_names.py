@@ -197,3 +197,21 @@ def test_a_killed_sft_run_saved_with_old_keys_resumes(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert "resuming" in out and "at step 2 of" in out and (tmp_path / "r" / "model").is_dir()
     assert "config.json: 'grad_clip' is renamed 'max_grad_norm'" in err
+
+
+@pytest.mark.parametrize("in_reward", [True, False])
+def test_reinforce_pp_beta_goes_to_the_reward_or_to_the_loss(in_reward):
+    import gymnasium as gym
+    import torch
+
+    import tokengym.envs  # noqa: F401
+    from tokengym.agents import Policy, ReinforcePPAgent, collect
+
+    agent = ReinforcePPAgent(Policy.from_pretrained("tiny"), ReinforcePPConfig(beta=0.1, kl_in_reward=in_reward))
+    env = gym.make_vec("tokengym/Target-v0", num_envs=8, vectorization_mode="vector_entry_point", partial_credit=True,
+                       target="ok", max_new_tokens=2)
+    ro = collect(env, agent.policy, seed=0)
+    assert agent.ref is not None
+    batch, _ = agent.prepare(ro, ro.logprobs, ro.logprobs - 0.5)  # a reference 0.5 nats below: k1 KL 0.5 per token
+    assert ("ref_logp" in batch) is not in_reward  # the loss's KL term reads it
+    assert (not torch.allclose(batch["adv"], agent.advantages(ro, None))) is in_reward
