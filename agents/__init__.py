@@ -7,11 +7,13 @@ The pure advantage/loss math lives in :mod:`tokengym.agents.functional` and :mod
 from . import functional, variants
 from .engine.critic import Critic
 from .algorithms.dpo import DPOConfig, DPOLearner
-from .algorithms.grpo import CriticFreeConfig, GRPOAgent, GRPOConfig
+from .algorithms.critic_free import CriticFreeConfig
+from .algorithms.grpo import GRPOAgent, GRPOConfig
 from .engine.models import PRESETS, build_preset, load_classifier, load_model
 from .algorithms.online_dpo import SPINConfig, iterative_dpo, spin, spin_pairs
 from .data.pairs import PairData, arithmetic_pairs, load_pairs, mine_pairs, split_pairs
 from .algorithms.onpolicy import OnPolicyAgent
+from .algorithms.onpolicy_config import OnPolicyConfig
 from .engine.policy import Policy
 from .algorithms.ppo import PPOAgent, PPOConfig
 from .algorithms.reinforce_pp import ReinforcePPAgent, ReinforcePPConfig
@@ -28,6 +30,7 @@ __all__ = [
     "GRPOAgent",
     "GRPOConfig",
     "OnPolicyAgent",
+    "OnPolicyConfig",
     "PPOAgent",
     "PPOConfig",
     "PRESETS",

@@ -25,7 +25,7 @@ over its own schedule:
 
 * TRL as the issue describes it: G=8, 2 prompts per step, lr 1e-4, ``loss_type="grpo"``, and TRL's
   default linear decay over ``max_steps`` (3,200 steps, 6,400 prompts).
-* tokengym with :data:`RACE_TOKENGYM`: G=8, 32 prompts per step, lr 2e-4, ``lr_schedule="cosine"`` over
+* tokengym with :data:`RACE_TOKENGYM`: G=8, 32 prompts per step, lr 2e-4, ``lr_scheduler_type="cosine"`` over
   300 steps (9,600 prompts); the best of the settings below.
 
 What was found (2026-12-02/03, tiny, 1 thread): from this checkpoint, greedy held-out accuracy under a
@@ -69,7 +69,7 @@ from tokengym.envs.tasks import ArithmeticTask
 from tokengym.rewards import arithmetic_correct
 
 G, PROMPTS_PER_STEP, LR = 8, 2, 1e-4
-RACE_TOKENGYM = {"prompts": 32, "lr": 2e-4, "lr_schedule": "cosine"}
+RACE_TOKENGYM = {"prompts": 32, "lr": 2e-4, "lr_scheduler_type": "cosine"}
 """tokengym's race settings (prompts per step and GRPOConfig fields; G = 8): see the module docstring."""
 RACE_TOKENGYM_STEPS = 300
 """tokengym's sampling steps in the race (the cosine schedule's length)."""

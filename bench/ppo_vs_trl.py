@@ -73,7 +73,7 @@ def models(preset: str):
 def tokengym_run(preset: str, steps: int, rollouts: int, length: int, bf16: bool = False) -> list[float]:
     model, rm, tok = models(preset)
     env = TokenVectorEnv(rollouts, make_task(), tokenizer=tok, reward=RewardModel(rm, tok), max_new_tokens=length)
-    cfg = PPOConfig(steps=steps, lr=LR, mu=EPOCHS, minibatches=1, kl_coef=KL_COEF, value_clip=VALUE_CLIP,
+    cfg = PPOConfig(steps=steps, lr=LR, mu=EPOCHS, minibatches=1, beta=KL_COEF, value_clip=VALUE_CLIP,
                     bf16=bf16, seed=0)
     agent = PPOAgent(Policy(model, tok), cfg)
     marks = [time.perf_counter()]

@@ -221,7 +221,7 @@ def dpo_and_ppo() -> dict:
     records = DPOLearner(policy, DPOConfig(batch_size=8, steps=8, chat_template=True, lr=1e-6)).fit(pairs)
     rates = [r["perf/pairs_per_s"] for r in records if "perf/pairs_per_s" in r][1:]
     env = TokenVectorEnv(16, task(), tokenizer=policy.tokenizer, max_new_tokens=32)
-    history = PPOAgent(policy, PPOConfig(steps=3, mu=1, kl_coef=0.05)).learn(env)
+    history = PPOAgent(policy, PPOConfig(steps=3, mu=1, beta=0.05)).learn(env)
     return {"dpo_pairs_per_s": statistics.median(rates), "ppo_update_s": statistics.median(r["time/update"] for r in history[1:]),
             "ppo_rollout_s": statistics.median(r["time/rollout"] for r in history[1:])}
 

@@ -90,7 +90,7 @@ def main() -> None:
     for s, mine in zip(prompts, own):
         turns = calculator_turns(s["prompt"]) if rng.random() < args.tool_rate else [mine]
         rows.append({"prompt": s["prompt"], "answer": s["answer"], "solution": "".join(turns), "solution_turns": turns})
-    cfg = SFTConfig(steps=args.steps, lr=args.lr, warmup=10, schedule="cosine", eval_every=0, eval_prompts=64, log_every=0,
+    cfg = SFTConfig(steps=args.steps, lr=args.lr, warmup_steps=10, lr_scheduler_type="cosine", eval_every=0, eval_prompts=64, log_every=0,
                     exclude_heldout=False, seed=0)
     train_sft(policy, Pool(rows), cfg)
     after = report(policy)

@@ -1,5 +1,5 @@
-"""What every tokengym package uses: config checks and the warning category (the lowest package, so
-``envs`` and ``agents`` may import it too)."""
+"""What every tokengym package uses: config checks, renamed config fields and the warning categories (the lowest
+package, so ``envs`` and ``agents`` may import it too)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,104 @@ import dataclasses
 import math
 import types
 import typing
-from typing import Any, Iterable, Iterator, Mapping
+import warnings
+from typing import Any, Callable, ClassVar, Iterable, Iterator, Mapping, NamedTuple
 
-__all__ = ["TokengymWarning", "check_config", "check_field_types", "quiet_transformers"]
+__all__ = ["TokengymWarning", "TokengymDeprecationWarning", "check_config", "check_field_types", "quiet_transformers",
+           "Rename", "Renamed", "renamed_keys"]
 
 
 class TokengymWarning(UserWarning):
     """A warning about a run or its data (the ``tokengym`` command prints it as ``tokengym: warning: ...``)."""
+
+
+class TokengymDeprecationWarning(TokengymWarning, DeprecationWarning):
+    """An old name that still works for one release (a ``DeprecationWarning``; the command prints it on one line)."""
+
+
+# ---------------------------------------------------------------------------------------------- renamed fields
+class Rename(NamedTuple):
+    """Where an old config field went: its ``new`` name and, when the old value meant something else, ``convert``."""
+
+    new: str
+    convert: Callable[[Any], Any] | None = None
+
+
+def renamed_keys(cls: type, values: Mapping[str, Any], where: str, name: Callable[[str], str] = repr,
+                 stacklevel: int = 2) -> dict[str, Any]:
+    """``values`` with the old field names of ``cls`` (a :class:`Renamed` config) replaced by the new ones.
+
+    Each old name warns once (:class:`TokengymDeprecationWarning`, ``"<where>: 'old' is renamed 'new' ..."``;
+    ``name`` formats a key, e.g. as a flag). Any other class, or values without old names, come back unchanged.
+
+    Raises:
+        ValueError: an old name and its new one are both given (the message names both).
+    """
+    renames: Mapping[str, Rename] = getattr(cls, "renames", {})
+    if not any(k in renames for k in values):
+        return dict(values)
+    values = cls.legacy_values(dict(values))
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        rename = renames.get(key)
+        if rename is None:
+            out[key] = value
+            continue
+        if rename.new in values:
+            raise ValueError(f"{where}: {name(key)} and {name(rename.new)} are the same setting ({name(key)} is its "
+                             f"old name); give only {name(rename.new)}")
+        _warn_renamed(where, name(key), name(rename.new), stacklevel)
+        out[rename.new] = rename.convert(value) if rename.convert is not None else value
+    return out
+
+
+class _RenamedMeta(type):
+    """Renames a call's old keywords before ``__init__``: a dataclass subclass gets a fresh ``__init__`` that knows
+    nothing of them, and the metaclass is inherited where a decorator would not be."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        return super().__call__(*args, **renamed_keys(cls, kwargs, cls.__name__, stacklevel=3))
+
+
+class Renamed(metaclass=_RenamedMeta):
+    """Base of a config dataclass whose fields were renamed: ``class C(Renamed, renames={"old": "new"})``.
+
+    For one release an old name works as a keyword (``C(old=1)``) and as an attribute (``c.old``, ``c.old = 1``),
+    each time with a :class:`TokengymDeprecationWarning` naming the new one; reading it gives the new field's value.
+    ``renames`` (values: a new name or a :class:`Rename`) add up along subclasses.
+    """
+
+    renames: ClassVar[Mapping[str, Rename]] = {}
+
+    def __init_subclass__(cls, renames: Mapping[str, str | Rename] | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        own = {old: Rename(r) if isinstance(r, str) else r for old, r in (renames or {}).items()}
+        cls.renames = {**cls.renames, **own}
+
+    @classmethod
+    def legacy_values(cls, values: dict[str, Any]) -> dict[str, Any]:
+        """Old settings whose meaning a rename alone does not carry, translated (a subclass's hook; default: as is)."""
+        return values
+
+    def __getattr__(self, name: str) -> Any:  # only reached when the normal lookup failed
+        rename = type(self).renames.get(name)
+        if rename is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        _warn_renamed(type(self).__name__, repr(name), repr(rename.new), 2)
+        return getattr(self, rename.new)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        rename = type(self).renames.get(name)
+        if rename is not None:
+            _warn_renamed(type(self).__name__, repr(name), repr(rename.new), 2)
+            name, value = rename.new, rename.convert(value) if rename.convert is not None else value
+        object.__setattr__(self, name, value)
+
+
+def _warn_renamed(where: str, old: str, new: str, stacklevel: int) -> None:
+    """The deprecation warning of an old name, attributed ``stacklevel`` frames up (1: the caller)."""
+    warnings.warn(f"{where}: {old} is renamed {new} (the old name goes in the next release)", TokengymDeprecationWarning,
+                  stacklevel=stacklevel + 1)
 
 
 def check_config(cfg: Any, checks: Mapping[str, bool] = {}, choices: Mapping[str, Iterable[str]] = {}) -> None:

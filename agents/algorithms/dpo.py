@@ -65,12 +65,13 @@ from tokengym.agents.engine.policy import AdapterDisabledReference, make_referen
 from tokengym.agents.data.pairs import PairBatch, PairData, SharedPrefixBatch
 from tokengym.agents.engine.rollout import evaluate
 from tokengym.agents.algorithms.registry import register
+from tokengym.rewards.common import Renamed
 
 __all__ = ["DPOConfig", "DPOLearner"]
 
 
 @dataclass
-class DPOConfig:
+class DPOConfig(Renamed, renames={"schedule": "lr_scheduler_type"}):
     """Hyper-parameters of :class:`DPOLearner` (defaults: a quick, stable run on the tiny preset)."""
 
     beta: float = 0.1
@@ -87,7 +88,7 @@ class DPOConfig:
     """AdamW learning rate (after warmup)."""
     weight_decay: float = 0.0
     """AdamW decoupled weight decay."""
-    schedule: str = "constant"
+    lr_scheduler_type: str = "constant"
     """Learning-rate decay after warmup: constant, linear (to 0) or cosine (to 0)."""
     warmup_steps: int = 0
     """Steps of linear learning-rate warmup from 0."""
@@ -134,7 +135,7 @@ class DPOConfig:
             "max_prompt_len": self.max_prompt_len is None or self.max_prompt_len >= 1,
             "max_length": self.max_length is None or self.max_length >= 2,
         }
-        check_config(self, checks, {"schedule": LR_SCHEDULES, "loss_type": F.DPO_LOSSES})
+        check_config(self, checks, {"lr_scheduler_type": LR_SCHEDULES, "loss_type": F.DPO_LOSSES})
         z = torch.zeros(1)
         try:  # beta / label_smoothing / loss_type compatibility: the loss function's own checks
             F.dpo_loss(z, z, z, z, self.beta, self.loss_type, self.label_smoothing)
@@ -205,7 +206,7 @@ class DPOLearner:
         self.policy = policy
         self.config = cfg = config or DPOConfig()
         self.logger = RunLogger(run_dir)
-        self.optim = OptimizerStep.adamw(policy.parameters(), cfg.lr, cfg.weight_decay, schedule=cfg.schedule,
+        self.optim = OptimizerStep.adamw(policy.parameters(), cfg.lr, cfg.weight_decay, schedule=cfg.lr_scheduler_type,
                                          warmup=cfg.warmup_steps, max_grad_norm=cfg.max_grad_norm,
                                          sync=lambda params: self.dp.sync_gradients(params))
         if isinstance(ref, AdapterDisabledReference):

@@ -9,138 +9,18 @@ minibatch updates of the clipped surrogate + beta * KL(pi || ref) (k3) -> log.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
 from tokengym.agents import functional as F
 from tokengym.agents import variants as V
-from tokengym.agents.runtime.config import check_config
+from tokengym.agents.algorithms.critic_free import LOSSES, CriticFreeConfig
 from tokengym.agents.algorithms.onpolicy import Minibatch, OnPolicyAgent
-from tokengym.agents.runtime.optim import LR_SCHEDULES
 from tokengym.agents.algorithms.registry import register
 from tokengym.agents.engine.rollout import Rollout, concat_rollouts, turn_metrics
 
-__all__ = ["GRPOConfig", "GRPOAgent", "grpo_advantages", "LR_SCHEDULES"]
-
-@dataclass
-class CriticFreeConfig:
-    """Settings every critic-free agent shares (GRPO, RLOO, REINFORCE++): the update, the loss and the 2025-26
-    switches (GSPO, KL-Cov/Clip-Cov, DAPO's dynamic sampling and overlong shaping, rollout/trainer correction)."""
-
-    lr: float = 1e-4
-    """AdamW learning rate (peak value of lr_schedule)."""
-    lr_schedule: str = "constant"
-    """Learning-rate schedule over all iterations * steps sampling steps: constant, linear or cosine (both decay to 0)."""
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
-    iterations: int = 1
-    """Outer iterations; the reference model is reset to the policy at the start of each when reset_ref is on."""
-    steps: int = 50
-    """Sampling steps per outer iteration (one rollout batch each)."""
-    mu: int = 1
-    """Optimisation epochs over each rollout batch."""
-    minibatches: int = 1
-    """Minibatches per epoch (whole groups are not required to stay together)."""
-    clip_eps: float = 0.2
-    """Lower clip range of the ratio (and upper, unless clip_eps_high is set)."""
-    clip_eps_high: float | None = None
-    """Upper clip range ("clip-higher"); None = clip_eps."""
-    beta: float = 0.0
-    """KL(pi || ref) coefficient in the loss (k3 estimator); 0 skips the reference model entirely."""
-    kl_estimator: str = "k3"
-    """KL estimator for the loss term: k1, k2 or k3."""
-    reset_ref: bool = False
-    """Reset the reference model to the current policy at the start of every outer iteration."""
-    aggregation: str = "seq-mean-token-mean"
-    """Loss aggregation: token-mean, seq-mean-token-mean (the paper's) or seq-mean-token-sum."""
-    entropy_coef: float = 0.0
-    """Entropy bonus coefficient (0 = off)."""
-    max_grad_norm: float = 1.0
-    """Gradient clipping norm (0 = off)."""
-    skip_zero_advantage: bool = True
-    """With beta = 0 and entropy_coef = 0, run rows whose advantage is 0 on every token (groups with equal
-    rewards) through the update's forward without autograd and leave them out of the backward: exact, as
-    they add nothing to the loss or its gradient; the logged statistics still cover every row."""
-    recompute_old_logprobs: bool = False
-    """Recompute pi_old log-probs with a forward pass instead of reusing the rollout's (needed only when sampling used top-k/top-p)."""
-    loss: str = "clip"
-    """Policy loss: clip (the clipped token-level surrogate of PPO/GRPO), gspo (a sequence-level ratio, clipped per
-    sequence; use clip ranges near 3e-4/4e-4), kl-cov or clip-cov (unclipped, with the highest-covariance tokens
-    held by a KL term or detached, keeping entropy up)."""
-    cov_select_ratio: float = 2e-3
-    """kl-cov / clip-cov: fraction of the batch's tokens selected by covariance."""
-    cov_kl_coef: float = 1.0
-    """kl-cov: weight of |log pi - log pi_old| on the selected tokens."""
-    cov_low: float = 1.0
-    """clip-cov: lower bound of the covariance window tokens are drawn from."""
-    cov_high: float = 5.0
-    """clip-cov: upper bound of the covariance window."""
-    dynamic_sampling: bool = False
-    """DAPO: drop groups whose rewards are all equal and sample more until the batch has as many groups as one
-    rollout (at most max_extra_rollouts more rollouts per step; the kept fraction is logged)."""
-    max_extra_rollouts: int = 4
-    """Dynamic sampling: the cap on extra rollout batches per step (the step trains on what it has then)."""
-    overlong_buffer: float = 0.0
-    """DAPO soft overlong punishment: the last fraction of the token budget over which a linear penalty grows to
-    overlong_penalty (0 = off)."""
-    overlong_penalty: float = 1.0
-    """The penalty at the token budget (soft overlong punishment)."""
-    mask_truncated: bool = False
-    """DAPO overlong filtering: episodes cut at the token budget take no part in the loss."""
-    correction: str = "none"
-    """Rollout/trainer mismatch correction: none, tis (truncated importance sampling) or mis (masked); pi_old is then
-    recomputed by the trainer and each token's loss is weighted by min(pi_old/pi_sampler, cap) (tis) or dropped
-    above the cap (mis)."""
-    correction_level: str = "token"
-    """Importance ratio of the correction per token or per sequence (the product over its tokens)."""
-    correction_cap: float = 2.0
-    """Cap of the correction's importance ratio."""
-    bf16: bool = False
-    """bf16 autocast in the rollout (the fast decoder multiplies bf16 weights) and the update's forward/backward; faster on CPU for the small preset, ratios are 1 only up to bf16 rounding."""
-    gradient_checkpointing: bool = False
-    """Recompute each layer's activations in the backward pass instead of keeping them: far less update memory for
-    about a third more update compute (TRL's GRPOTrainer does this by default)."""
-    eval_every: int = 10
-    """Evaluate on held-out prompts every this many sampling steps when learn() gets eval samples (0 = only at the end)."""
-    seed: int = 0
-    """Seeds the env's prompt stream, the policy's sampler and minibatch shuffling."""
-
-    def __post_init__(self) -> None:
-        checks = {
-            "lr": self.lr > 0, "iterations": self.iterations >= 1, "steps": self.steps >= 0, "mu": self.mu >= 1,
-            "minibatches": self.minibatches >= 1, "clip_eps": self.clip_eps > 0, "beta": self.beta >= 0,
-            "entropy_coef": self.entropy_coef >= 0, "max_grad_norm": self.max_grad_norm >= 0,
-            "clip_eps_high": self.clip_eps_high is None or self.clip_eps_high > 0,
-            "eval_every": self.eval_every >= 0, "cov_select_ratio": 0 < self.cov_select_ratio <= 1,
-            "cov_high": self.cov_high >= self.cov_low, "max_extra_rollouts": self.max_extra_rollouts >= 0,
-            "overlong_buffer": 0 <= self.overlong_buffer < 1, "overlong_penalty": self.overlong_penalty >= 0,
-            "correction_cap": self.correction_cap >= 1,
-        }
-        check_config(self, checks, {**self.choices(), "aggregation": F.AGGREGATIONS, "kl_estimator": F.KL_ESTIMATORS,
-                                    "lr_schedule": LR_SCHEDULES, "loss": LOSSES, "correction": ("none", *V.CORRECTION_MODES),
-                                    "correction_level": V.CORRECTION_LEVELS})
-        name = type(self).__name__
-        if self.loss == "gspo" and self.aggregation != "seq-mean-token-mean":
-            raise ValueError(f"{name}: loss='gspo' averages a sequence-level ratio over sequences; aggregation="
-                             f"{self.aggregation!r} does not apply to it (use aggregation='seq-mean-token-mean')")
-        if self.correction != "none" and self.loss != "clip":
-            raise ValueError(f"{name}: correction={self.correction!r} weights the token-level clip loss; it does not "
-                             f"combine with loss={self.loss!r}")
-        z = torch.zeros(1, 1)
-        try:  # the loss's own argument checks (clip ranges) now, not after the first rollout
-            F.policy_loss(z, z, z, z, self.clip_eps, self.clip_eps_high, self.aggregation)
-        except ValueError as e:
-            raise ValueError(f"GRPOConfig: {e}") from None
-
-    def choices(self) -> dict[str, Any]:
-        """Choice-valued fields of a subclass, checked with the shared ones."""
-        return {}
-
-    @property
-    def reuse_rollout_logprobs(self) -> bool:
-        """pi_old log-probs come from the rollout (no extra forward) unless recompute or a correction asks for them."""
-        return not (self.recompute_old_logprobs or self.correction != "none")
+__all__ = ["GRPOConfig", "GRPOAgent", "grpo_advantages", "CriticFreeConfig", "LOSSES"]
 
 
 @dataclass
@@ -152,18 +32,14 @@ class GRPOConfig(CriticFreeConfig):
     scale_rewards: str = "group"
     """Advantage scaling for outcome supervision: group, batch or none."""
 
-    def choices(self) -> dict[str, Any]:
-        return {"advantage": ("outcome", "process"), "scale_rewards": F.GROUP_SCALES}
+    def choices(self) -> dict[str, Iterable[Any]]:
+        return {**super().choices(), "advantage": ("outcome", "process"), "scale_rewards": F.GROUP_SCALES}
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.advantage == "process" and (self.overlong_buffer > 0 or self.loss == "gspo"):
             bad = "overlong_buffer" if self.overlong_buffer > 0 else "loss='gspo'"
             raise ValueError(f"GRPOConfig: {bad} needs one outcome per episode; it does not combine with advantage='process'")
-
-
-LOSSES = ("clip", "gspo", "kl-cov", "clip-cov")
-"""Policy losses of the critic-free agents (:attr:`CriticFreeConfig.loss`)."""
 
 
 def grpo_advantages(ro: Rollout, advantage: str, scale_rewards: str) -> torch.Tensor:
@@ -240,11 +116,11 @@ class GRPOAgent(OnPolicyAgent):
         return batch, dict(self._sampling_stats)
 
     def inert_rows(self, batch: dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor | None:
-        """With ``skip_zero_advantage``, ``beta = 0``, no entropy bonus and a loss whose gradient is proportional to
-        the advantage (clip, gspo), a row whose advantage is 0 on every token (a group whose rewards are all
-        equal) adds exactly nothing to the loss or its gradient."""
+        """With ``skip_zero_advantage``, no KL term in the loss, no entropy bonus and a loss whose gradient is
+        proportional to the advantage (clip, gspo), a row whose advantage is 0 on every token (a group whose
+        rewards are all equal) adds exactly nothing to the loss or its gradient."""
         cfg = self.config
-        if not (cfg.skip_zero_advantage and cfg.beta == 0 and cfg.entropy_coef == 0 and cfg.loss in ("clip", "gspo")):
+        if not (cfg.skip_zero_advantage and "ref_logp" not in batch and cfg.entropy_coef == 0 and cfg.loss in ("clip", "gspo")):
             return None
         return ~(batch["adv"][rows] != 0).any(1)
 

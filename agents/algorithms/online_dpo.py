@@ -222,10 +222,11 @@ def spin(
     round; returning ``False`` stops there. Resume is per round, as in :func:`iterative_dpo`.
     """
     cfg = learner.config
+    spin_cfg = cfg if isinstance(cfg, SPINConfig) else SPINConfig
     if rounds is None:
-        rounds = getattr(cfg, "rounds", SPINConfig.rounds)
+        rounds = spin_cfg.rounds
     if prompts_per_round is None:
-        prompts_per_round = getattr(cfg, "prompts_per_round", SPINConfig.prompts_per_round)
+        prompts_per_round = spin_cfg.prompts_per_round
     if rounds < 1 or prompts_per_round < 1:
         raise ValueError(f"rounds and prompts_per_round must be >= 1, got {rounds}, {prompts_per_round}")
     _check_spin_env(env)

@@ -6,7 +6,8 @@ shuffled minibatches: forward, the algorithm's :meth:`~OnPolicyAgent.loss` terms
 sync, clipping, optimiser steps -> metrics, evaluation, logging. Checkpoint state (exact resume), the
 learning-rate schedule and the reference reset of outer iterations live here too.
 
-An algorithm is a config dataclass, ``prepare`` and ``loss``; ``agents/algorithms/rloo.py`` is a complete one.
+An algorithm is a config dataclass extending :class:`~tokengym.agents.algorithms.onpolicy_config.OnPolicyConfig`,
+``prepare`` and ``loss``; ``agents/algorithms/rloo.py`` is a complete one.
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ from tokengym.agents.runtime.distributed import LOCAL, aggregation_weights
 from tokengym.agents.runtime.logger import RunLogger
 from tokengym.agents.engine.models import enable_checkpointing
 from tokengym.agents.runtime.optim import OptimizerStep, adamw
+from tokengym.agents.algorithms.onpolicy_config import OnPolicyConfig
 from tokengym.agents.engine.policy import make_reference
 from tokengym.agents.engine.resources import check_fits
 from tokengym.agents.engine.rollout import Rollout, collect, evaluate, trimmed_logprobs, used_slice
 
-__all__ = ["OnPolicyAgent", "Minibatch"]
+__all__ = ["OnPolicyAgent", "OnPolicyConfig", "Minibatch"]
 
 
 @dataclass
@@ -54,25 +56,25 @@ class Minibatch:
 class OnPolicyAgent:
     """Rollout, update, log and resume; subclasses supply ``prepare`` and ``loss`` (see the module docstring).
 
-    Class attributes a subclass sets: ``config_cls`` (its config dataclass) and, when it keeps more than the
-    policy's optimiser, ``optimizer_names`` (checkpoint keys, in step order) and ``grad_norm_names`` (their logged
-    norms); ``optim`` (:class:`~tokengym.agents.runtime.optim.OptimizerStep`) steps them all. Config fields read here: ``lr``,
-    ``steps``, ``mu``, ``minibatches``, ``max_grad_norm``, ``bf16``, ``gradient_checkpointing``, ``eval_every``,
-    ``seed``, and where present ``weight_decay``, ``iterations``, ``reset_ref``, ``lr_schedule``,
-    ``recompute_old_logprobs``.
+    Class attributes a subclass sets: ``config_cls`` (its :class:`OnPolicyConfig` subclass) and, when it keeps
+    more than the policy's optimiser, ``optimizer_names`` (checkpoint keys, in step order) and ``grad_norm_names``
+    (their logged norms); ``optim`` (:class:`~tokengym.agents.runtime.optim.OptimizerStep`) steps them all. The
+    config's :class:`OnPolicyConfig` fields are read here.
     """
 
-    config_cls: type
+    config_cls: type[OnPolicyConfig]
     update_passes: int = 1
     """Model passes of an update per row (PPO's policy and critic: 2), for the memory check of a run."""
     optimizer_names: tuple[str, ...] = ("optimizer",)
     grad_norm_names: tuple[str, ...] = ("grad_norm",)
+    log_iteration: bool = True
+    """Log the outer iteration on every record, also with ``iterations = 1`` (False: only with more than one)."""
 
     def __init__(self, policy, config=None, run_dir: str | None = None):
         self.policy = policy
         self.config = cfg = config if config is not None else self.config_cls()
         self.logger = RunLogger(run_dir)
-        self.optim = OptimizerStep(self.make_optimizers(), cfg.lr, schedule=getattr(cfg, "lr_schedule", "constant"),
+        self.optim = OptimizerStep(self.make_optimizers(), cfg.lr, schedule=cfg.lr_scheduler_type, warmup=cfg.warmup_steps,
                                    max_grad_norm=cfg.max_grad_norm, sync=lambda params: self.dp.sync_gradients(params),
                                    names=self.optimizer_names, norm_names=self.grad_norm_names)
         if cfg.gradient_checkpointing:
@@ -96,7 +98,7 @@ class OnPolicyAgent:
     def make_optimizers(self) -> list[torch.optim.Optimizer]:
         """One optimiser per name in ``optimizer_names``; the first one's learning rate follows the schedule."""
         cfg = self.config
-        return [adamw(self.policy.parameters(), lr=cfg.lr, weight_decay=getattr(cfg, "weight_decay", 0.0))]
+        return [adamw(self.policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)]
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
@@ -197,7 +199,7 @@ class OnPolicyAgent:
 
     @property
     def total_steps(self) -> int:
-        return getattr(self.config, "iterations", 1) * self.config.steps
+        return self.config.iterations * self.config.steps
 
     def _forward(self, ro: Rollout, rows: torch.Tensor, n_live: int) -> Minibatch:
         """Log-probs and entropies of ``rows``; only the first ``n_live`` are recorded for backward."""
@@ -267,7 +269,7 @@ class OnPolicyAgent:
         cfg = self.config
         t_start = time.perf_counter()
         ro, timing = self._rollout(env)
-        recompute = not getattr(cfg, "reuse_rollout_logprobs", True)
+        recompute = not cfg.reuse_rollout_logprobs
         old_logp = self._logprobs(self.policy, ro) if recompute else None
         ref_logp = self._logprobs(self.ref, ro) if self.ref is not None else None
         ro, old_logp, ref_logp = self.dp.gather(ro, old_logp, ref_logp)  # data parallel: the global batch
@@ -285,7 +287,7 @@ class OnPolicyAgent:
         self.global_step += 1
         metrics.update(stats, **timing)
         metrics.update(self.rollout_metrics(ro, batch, time.perf_counter() - t_start))
-        if hasattr(cfg, "iterations"):
+        if self.log_iteration or cfg.iterations > 1:
             metrics["iteration"] = iteration
         return metrics
 
@@ -309,10 +311,10 @@ class OnPolicyAgent:
         start = len(self.logger.history)
         done, self._resume_step = self._resume_step or 0, None  # steps of this schedule already taken (resume)
         evaluating = eval_env is not None and bool(eval_samples)
-        for it in range(getattr(cfg, "iterations", 1)):
+        for it in range(cfg.iterations):
             if done >= (it + 1) * cfg.steps:
                 continue
-            if self.ref is not None and getattr(cfg, "reset_ref", False) and done <= it * cfg.steps:
+            if self.ref is not None and cfg.reset_ref and done <= it * cfg.steps:
                 self.ref = make_reference(self.policy)
             for _ in range(cfg.steps - max(0, done - it * cfg.steps)):
                 metrics = self.step(env, it)

@@ -27,8 +27,8 @@ import torch
 
 from tokengym.agents import functional as F
 from tokengym.agents.engine.critic import Critic
-from tokengym.agents.runtime.config import check_config
 from tokengym.agents.algorithms.onpolicy import Minibatch, OnPolicyAgent
+from tokengym.agents.algorithms.onpolicy_config import OnPolicyConfig
 from tokengym.agents.runtime.optim import adamw
 from tokengym.agents.algorithms.registry import register
 from tokengym.agents.engine.rollout import Rollout, collect, turn_metrics
@@ -36,8 +36,9 @@ from tokengym.agents.engine.rollout import Rollout, collect, turn_metrics
 __all__ = ["PPOConfig", "PPOAgent", "AdaptiveKLController", "ppo_rewards"]
 
 @dataclass
-class PPOConfig:
-    """Hyper-parameters of :class:`PPOAgent`.
+class PPOConfig(OnPolicyConfig, renames={"kl_coef": "beta"}):
+    """Hyper-parameters of :class:`PPOAgent`: :class:`OnPolicyConfig`'s (beta: the per-token KL penalty in the
+    reward) and the critic's.
 
     The defaults are a first try for fine-tuning a warm-started policy (the shipped ``tiny-arithmetic``
     checkpoint, 64 rollouts per update): a small learning rate, since larger ones stall or hurt there. They
@@ -45,70 +46,35 @@ class PPOConfig:
     """
 
     lr: float = 3e-5
-    """Policy learning rate (AdamW)."""
+    mu: int = 4
+    minibatches: int = 2
+    beta: float = 0.05
+    kl_estimator: str = "k1"
+    aggregation: str = "token-mean"
+    eval_every: int = 0
     critic_lr: float = 1e-3
     """Critic learning rate (its own AdamW)."""
-    steps: int = 50
-    """Rollout/update cycles."""
-    mu: int = 4
-    """Optimisation epochs over each rollout batch."""
-    minibatches: int = 2
-    """Minibatches per epoch."""
     gamma: float = 1.0
     """Discount factor of GAE."""
     lam: float = 0.95
     """GAE lambda."""
-    clip_eps: float = 0.2
-    """Ratio clip range (lower, and upper unless clip_eps_high is set)."""
-    clip_eps_high: float | None = None
-    """Upper ratio clip range; None = clip_eps."""
     value_clip: float | None = 0.2
     """Value clipping range around V_old (None = plain MSE)."""
-    kl_coef: float = 0.05
-    """beta: weight of the per-token KL(pi_old || ref) penalty in the reward (0 skips the reference model)."""
-    kl_estimator: str = "k1"
-    """Per-token KL estimator in the reward: k1, k2 or k3."""
     kl_target: float | None = None
-    """Target KL per sequence for the adaptive controller (None = fixed kl_coef)."""
+    """Target KL per sequence for the adaptive controller (None = fixed beta)."""
     kl_horizon: int = 10_000
     """Horizon (in episodes) of the adaptive KL controller."""
     bootstrap_truncated: bool = False
     """Bootstrap truncated rows from V(s_M) in GAE (only for envs whose rewards continue past the budget; see the module docstring)."""
     whiten_advantages: bool = True
     """Whiten advantages over the batch's action tokens."""
-    aggregation: str = "token-mean"
-    """Policy-loss aggregation: token-mean, seq-mean-token-mean or seq-mean-token-sum."""
-    entropy_coef: float = 0.0
-    """Entropy bonus coefficient."""
-    max_grad_norm: float = 1.0
-    """Gradient clipping norm for policy and critic (0 = off)."""
-    bf16: bool = False
-    """bf16 autocast in the rollout, the reference/critic passes and the update's forward (faster on CPUs with bf16 matmuls; ratios are 1 only up to bf16 rounding)."""
-    gradient_checkpointing: bool = False
-    """Recompute each layer's activations in the backward pass instead of keeping them: far less update memory for
-    about a third more update compute (TRL's GRPOTrainer does this by default)."""
     share_trunk: bool = False
     """Critic shares the policy's transformer trunk (one backbone, two heads) instead of its own copy."""
-    eval_every: int = 0
-    """Held-out evaluation every this many updates (0 = only at the end, when eval samples are given)."""
-    seed: int = 0
-    """Seeds the env's prompt stream, the sampler and minibatch shuffling."""
 
-    def __post_init__(self) -> None:
-        checks = {
-            "lr": self.lr > 0, "critic_lr": self.critic_lr > 0, "steps": self.steps >= 0, "mu": self.mu >= 1,
-            "minibatches": self.minibatches >= 1, "gamma": 0 <= self.gamma <= 1, "lam": 0 <= self.lam <= 1,
-            "clip_eps": self.clip_eps > 0, "kl_coef": self.kl_coef >= 0, "max_grad_norm": self.max_grad_norm >= 0,
-            "value_clip": self.value_clip is None or self.value_clip > 0,
-            "kl_target": self.kl_target is None or self.kl_target > 0, "kl_horizon": self.kl_horizon > 0,
-            "entropy_coef": self.entropy_coef >= 0, "eval_every": self.eval_every >= 0,
-        }
-        check_config(self, checks, {"kl_estimator": F.KL_ESTIMATORS, "aggregation": F.AGGREGATIONS})
-        z = torch.zeros(1, 1)
-        try:  # the loss's own argument checks (clip ranges) now, not after the first rollout
-            F.policy_loss(z, z, z, z, self.clip_eps, self.clip_eps_high, self.aggregation)
-        except ValueError as e:
-            raise ValueError(f"PPOConfig: {e}") from None
+    def checks(self) -> dict[str, bool]:
+        return {"critic_lr": self.critic_lr > 0, "gamma": 0 <= self.gamma <= 1, "lam": 0 <= self.lam <= 1,
+                "value_clip": self.value_clip is None or self.value_clip > 0,
+                "kl_target": self.kl_target is None or self.kl_target > 0, "kl_horizon": self.kl_horizon > 0}
 
 
 class AdaptiveKLController:
@@ -164,23 +130,25 @@ class PPOAgent(OnPolicyAgent):
     update_passes = 2  # policy and critic
     optimizer_names = ("policy_optimizer", "critic_optimizer")
     grad_norm_names = ("grad_norm", "critic_grad_norm")
+    log_iteration = False
 
     def __init__(self, policy, config: PPOConfig | None = None, critic: Critic | None = None, run_dir: str | None = None):
         cfg = config or PPOConfig()
         self.critic = critic if critic is not None else Critic.from_policy(policy, share_trunk=cfg.share_trunk, seed=cfg.seed)
-        self.kl_ctl = AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)
+        self.kl_ctl = AdaptiveKLController(cfg.beta, cfg.kl_target, cfg.kl_horizon)
         super().__init__(policy, cfg, run_dir)
         self.policy_opt, self.critic_opt = self.optimizers
 
     # ------------------------------------------------------------------ the skeleton's hooks
     def uses_reference(self) -> bool:
-        return self.config.kl_coef > 0
+        return self.config.beta > 0
 
     def make_optimizers(self) -> list[torch.optim.Optimizer]:
         policy_params = list(self.policy.parameters())
         ids = {id(p) for p in policy_params}
         critic_params = [p for p in self.critic.parameters() if id(p) not in ids]  # shared trunk: policy optimiser owns it
-        return [adamw(policy_params, lr=self.config.lr), adamw(critic_params, lr=self.config.critic_lr)]
+        return [adamw(policy_params, lr=self.config.lr, weight_decay=self.config.weight_decay),
+                adamw(critic_params, lr=self.config.critic_lr)]
 
     def checkpointed_modules(self) -> tuple[torch.nn.Module, ...]:
         return (self.policy.model, self.critic.trunk)
@@ -200,7 +168,7 @@ class PPOAgent(OnPolicyAgent):
 
     def checkpoint_modules(self) -> dict[str, torch.nn.Module]:
         """Modules whose weights a checkpoint must hold: ``policy`` (the model), ``critic`` and, when the
-        reference is a separate frozen copy (``kl_coef > 0``, no LoRA adapter to disable), ``ref``."""
+        reference is a separate frozen copy (``beta > 0``, no LoRA adapter to disable), ``ref``."""
         modules = {"policy": self.policy.model, "critic": self.critic}
         if isinstance(getattr(self.ref, "model", None), torch.nn.Module):
             modules["ref"] = self.ref.model

@@ -2,7 +2,7 @@
 
 Each completion's advantage is its return minus the mean return of the other G - 1 completions of its prompt: an
 unbiased baseline with no critic and no std scaling. The loss and every switch are the critic-free ones
-(:class:`~tokengym.agents.algorithms.grpo.CriticFreeConfig`); only the advantage differs from GRPO's.
+(:class:`~tokengym.agents.algorithms.critic_free.CriticFreeConfig`); only the advantage differs from GRPO's.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from tokengym.agents import variants as V
-from tokengym.agents.algorithms.grpo import CriticFreeConfig, GRPOAgent
+from tokengym.agents.algorithms.critic_free import CriticFreeConfig
+from tokengym.agents.algorithms.grpo import GRPOAgent
 from tokengym.agents.algorithms.registry import register
 from tokengym.agents.engine.rollout import Rollout
 
@@ -24,7 +25,6 @@ class RLOOConfig(CriticFreeConfig):
     """Hyper-parameters of :class:`RLOOAgent`: the critic-free settings (token-level loss by default, as TRL's)."""
 
     aggregation: str = "token-mean"
-    """Loss aggregation: token-mean, seq-mean-token-mean or seq-mean-token-sum."""
 
 
 class RLOOAgent(GRPOAgent):

@@ -19,7 +19,7 @@ Example:
     >>> from tokengym.envs.tasks import ArithmeticTask
     >>> policy = Policy.from_pretrained("tiny")
     >>> task = ArithmeticTask(n_operands=2, digits=1, operators="+")
-    >>> cfg = SFTConfig(steps=3, batch_size=8, warmup=1, eval_every=0, eval_prompts=8, log_every=0)
+    >>> cfg = SFTConfig(steps=3, batch_size=8, warmup_steps=1, eval_every=0, eval_prompts=8, log_every=0)
     >>> hist = train_sft(policy, task, cfg)
     >>> len(hist["loss"]), 0.0 <= hist["eval"][-1]["accuracy"] <= 1.0
     (3, True)
@@ -47,13 +47,20 @@ from tokengym.agents.engine.rollout import evaluate, heldout_samples
 from tokengym.envs.chat import encode_prompts
 from tokengym.envs.tasks.base import fresh_samples
 from tokengym.agents.algorithms.registry import register
+from tokengym.rewards.common import Rename, Renamed
 
 __all__ = ["SFTConfig", "SFTBatch", "make_batch", "batches", "sft_loss", "lr_factor", "SFTLearner", "train_sft", "evaluate_policy"]
 
 
 # ====================================================================== config
+def _clip_off_is_zero(value: Any) -> Any:
+    """The old ``grad_clip``'s "off" (None) as ``max_grad_norm``'s (0)."""
+    return 0.0 if value is None or (isinstance(value, str) and value.lower() in ("none", "null")) else value
+
+
 @dataclass
-class SFTConfig:
+class SFTConfig(Renamed, renames={"grad_clip": Rename("max_grad_norm", _clip_off_is_zero), "warmup": "warmup_steps",
+                                  "schedule": "lr_scheduler_type", "eval_batch": "eval_batch_size"}):
     """Settings of a supervised warm start (defaults suit the ``tiny`` preset on arithmetic)."""
 
     lr: float = 3e-3
@@ -62,9 +69,9 @@ class SFTConfig:
     """Training sequences per optimizer step."""
     steps: int = 800
     """Optimizer steps (enough for ``tiny`` to learn the default 2-3 operand 2-digit addition)."""
-    warmup: int = 100
+    warmup_steps: int = 100
     """Steps of linear learning-rate warmup from 0 to ``lr``."""
-    schedule: str = "cosine"
+    lr_scheduler_type: str = "cosine"
     """Decay after warmup: ``"cosine"``, ``"linear"`` (both down to ``min_lr_ratio * lr``) or ``"constant"``."""
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of ``lr`` (cosine and linear schedules)."""
@@ -72,8 +79,8 @@ class SFTConfig:
     """AdamW decoupled weight decay, applied to matrices only (not to norms or biases)."""
     betas: tuple[float, float] = (0.9, 0.95)
     """AdamW ``(beta1, beta2)``."""
-    grad_clip: float | None = 1.0
-    """Clip the global gradient norm to this value; ``None`` turns clipping off."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this value (0 = off)."""
     seed: int = 0
     """Seeds the training data stream (the model's initialisation is seeded where it is built)."""
     bf16: bool = False
@@ -82,7 +89,7 @@ class SFTConfig:
     """Evaluate held-out greedy accuracy every this many steps (0: only before and after training)."""
     eval_prompts: int = 256
     """Number of held-out prompts (``rollout.heldout_samples``) used for evaluation."""
-    eval_batch: int = 256
+    eval_batch_size: int = 256
     """Parallel episodes of the evaluation env (``num_envs``)."""
     exclude_heldout: bool = True
     """Never train on a prompt that is in the held-out evaluation set."""
@@ -99,31 +106,31 @@ class SFTConfig:
 
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
             bad("lr", "must be a finite number > 0")
-        for name in ("batch_size", "steps", "eval_prompts", "eval_batch"):
+        for name in ("batch_size", "steps", "eval_prompts", "eval_batch_size"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "steps" else 1):
                 bad(name, "must be an int >= " + ("0" if name == "steps" else "1"))
-        for name in ("warmup", "eval_every", "log_every", "seed"):
+        for name in ("warmup_steps", "eval_every", "log_every", "seed"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 bad(name, "must be an int >= 0")
-        if self.schedule not in LR_SCHEDULES:
-            bad("schedule", f"must be one of {sorted(LR_SCHEDULES)}")
+        if self.lr_scheduler_type not in LR_SCHEDULES:
+            bad("lr_scheduler_type", f"must be one of {sorted(LR_SCHEDULES)}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             bad("min_lr_ratio", "must be in [0, 1]")
         if self.weight_decay < 0:
             bad("weight_decay", "must be >= 0")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             bad("betas", "must be two numbers in [0, 1)")
-        if self.grad_clip is not None and not self.grad_clip > 0:
-            bad("grad_clip", "must be > 0 or None")
+        if not (isinstance(self.max_grad_norm, (int, float)) and math.isfinite(self.max_grad_norm) and self.max_grad_norm >= 0):
+            bad("max_grad_norm", "must be a finite number >= 0 (0 = off)")
         if self.stop_at_accuracy is not None and not 0.0 < self.stop_at_accuracy <= 1.0:
             bad("stop_at_accuracy", "must be in (0, 1] or None")
 
     @property
     def decay_steps(self) -> int:
         """Steps after warmup over which the learning rate decays."""
-        return max(self.steps - self.warmup, 1)
+        return max(self.steps - self.warmup_steps, 1)
 
     @property
     def tokens_seen(self) -> int:
@@ -220,8 +227,9 @@ def sft_loss(policy: Any, batch: SFTBatch) -> tuple[torch.Tensor, dict[str, torc
 
 
 def lr_factor(step: int, cfg: SFTConfig) -> float:
-    """Learning-rate multiplier at optimizer step ``step`` (0-based): warmup, then ``cfg.schedule``."""
-    return schedule_factor(step, cfg.warmup + cfg.decay_steps, cfg.schedule, cfg.warmup, cfg.min_lr_ratio)
+    """Learning-rate multiplier at optimizer step ``step`` (0-based): warmup, then ``cfg.lr_scheduler_type``."""
+    return schedule_factor(step, cfg.warmup_steps + cfg.decay_steps, cfg.lr_scheduler_type, cfg.warmup_steps,
+                           cfg.min_lr_ratio)
 
 
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -249,7 +257,7 @@ class SFTLearner:
         self.policy, self.task = policy, task
         self.config = cfg = config or SFTConfig()
         self.heldout = heldout_samples(task, cfg.eval_prompts)
-        self.eval_env = TokenVectorEnv(min(cfg.eval_batch, cfg.eval_prompts), task, tokenizer=policy.tokenizer,
+        self.eval_env = TokenVectorEnv(min(cfg.eval_batch_size, cfg.eval_prompts), task, tokenizer=policy.tokenizer,
                                        device=policy.device, max_prompt_len=prompt_len)
         P = self.eval_env.max_prompt_len  # the env's default room for the task's prompts (chat templates included)
         self._rng = np.random.default_rng(cfg.seed)  # the data stream's only state (saved in checkpoints)
@@ -257,8 +265,8 @@ class SFTLearner:
         self._stream = batches(task, policy.tokenizer, cfg.batch_size, P, exclude=exclude, rng=self._rng)
         # plain (unfused) AdamW, no weight decay on norms and biases; clipped in the model's parameter order
         self.optim = OptimizerStep.adamw(_param_groups(policy.model, cfg.weight_decay), cfg.lr, fused=False, betas=cfg.betas,
-                                         schedule=cfg.schedule, warmup=cfg.warmup, min_ratio=cfg.min_lr_ratio,
-                                         max_grad_norm=cfg.grad_clip, sync=lambda params: self.dp.sync_gradients(params),
+                                         schedule=cfg.lr_scheduler_type, warmup=cfg.warmup_steps, min_ratio=cfg.min_lr_ratio,
+                                         max_grad_norm=cfg.max_grad_norm, sync=lambda params: self.dp.sync_gradients(params),
                                          clip_params=[list(policy.model.parameters())])
         self.logger = RunLogger(cfg.run_dir)
         self.global_step = 0
@@ -324,7 +332,7 @@ class SFTLearner:
             batch = next(self._stream)  # the global batch (every rank draws it alike)
             rows, share = self.dp.shard(torch.arange(len(batch.tokens)), batch.loss_mask.sum(1))
             batch = (batch.select(rows) if self.dp.distributed else batch).to(self.policy.device)
-            lr = self.optim.set_lr(self.global_step, cfg.warmup + cfg.decay_steps)
+            lr = self.optim.set_lr(self.global_step, cfg.warmup_steps + cfg.decay_steps)
             with autocast:
                 loss, stats = sft_loss(self.policy, batch)
             self.optim.zero_grad()

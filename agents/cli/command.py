@@ -208,6 +208,10 @@ def _add_fields(parser: argparse.ArgumentParser, cls: type, title: str, seen: se
         else:
             kw.update(metavar=str(f.type).replace(" ", "").upper()[:16])
         group.add_argument(flag, **kw)
+        for old, rename in getattr(cls, "renames", {}).items():  # hidden: _cmd_train warns and renames them
+            if rename.new == f.name and old not in seen:
+                seen.add(old)
+                group.add_argument("--" + old.replace("_", "-"), **{**kw, "dest": old, "help": argparse.SUPPRESS})
 
 
 def _train_parser(sub: Any) -> None:
@@ -232,13 +236,14 @@ def _train_parser(sub: Any) -> None:
 
 
 def _cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
-    from tokengym.agents.runtime import runs as R
-    from tokengym.agents.cli.train import train
+    from tokengym.agents.runtime import config_io as R
+    from tokengym.agents.cli.train import algorithms, train
 
     if extra:
         flag = next((e for e in extra if e.startswith("-")), extra[0])
         raise R.UsageError(_unknown_flag(flag, args))
     flags = {k: v for k, v in vars(args).items() if k not in ("fn", "command", "algo", "config", "resume", "preset")}
+    flags = R.renamed_settings(algorithms()[args.algo].config_cls, flags, f"tokengym train {args.algo}", flags=True)
     file_values = R.read_config_file(args.config) if args.config else {}
     return train(args.algo, file_values, flags, args.resume, preset=getattr(args, "preset", None))
 
@@ -260,6 +265,7 @@ def _unknown_flag(flag: str, args: argparse.Namespace) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from tokengym.agents.runtime.runs import UsageError
+    from tokengym.rewards.common import TokengymDeprecationWarning
 
     parser = argparse.ArgumentParser(prog="tokengym", description="RL post-training of language models as Gymnasium envs")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -301,6 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     with warnings.catch_warnings():
         warnings.showwarning = _show_warning
+        warnings.simplefilter("default", TokengymDeprecationWarning)  # old setting names: one line each
         try:
             return args.fn(args, extra) if args.fn is _cmd_train else args.fn(args)
         except UsageError as e:

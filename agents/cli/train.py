@@ -32,6 +32,7 @@ from tokengym.agents.cli.offline_jobs import BUILDERS
 from tokengym.agents.cli.runner import (RESUMABLE, WARM_STARTS, RunConfig, algorithms, build_on_policy, first_line,
                                         run_fields, run_fields_for)
 from tokengym.agents.runtime import runs as R
+from tokengym.agents.runtime.config_io import renamed_settings
 
 __all__ = ["RunConfig", "algorithms", "train", "resolve", "run_fields", "run_fields_for"]
 
@@ -64,6 +65,8 @@ def resolve(algo: str, values_file: dict[str, Any], values_flags: dict[str, Any]
     saved = _saved_config(resume_dir, algo) if resume_dir is not None else None
     if saved and not spec.resumable:
         raise R.UsageError(f"{algo} runs cannot be resumed; start a new run (they take minutes)")
+    if saved:  # a run saved before a setting's rename resumes under the new name
+        saved["config"] = renamed_settings(spec.config_cls, saved["config"], f"{resume_dir}/config.json")
     agent_values = dict(saved["config"]) if saved else dict(spec.presets.get(preset or "", {}))
     try:
         types = R.field_types(spec.config_cls)

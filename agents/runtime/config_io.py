@@ -14,7 +14,10 @@ import types
 import typing
 from typing import Any
 
-__all__ = ["UsageError", "field_docs", "field_types", "parse_value", "apply_overrides", "read_config_file", "first_line"]
+from tokengym.rewards.common import renamed_keys
+
+__all__ = ["UsageError", "field_docs", "field_types", "parse_value", "apply_overrides", "renamed_settings",
+           "read_config_file", "first_line"]
 
 
 class UsageError(Exception):
@@ -104,8 +107,27 @@ def parse_value(name: str, tp: Any, value: Any) -> Any:
     raise UsageError(f"{name}: unsupported config type {tp!r}")
 
 
+def renamed_settings(cls: type, values: dict[str, Any], source: str, flags: bool = False) -> dict[str, Any]:
+    """``values`` with the old field names of config class ``cls`` replaced by the new ones, each with one
+    deprecation warning naming both (as ``--flags`` with ``flags``); keys may be spelt with ``-`` or ``_``.
+
+    Raises:
+        UsageError: an old name and its new one both given.
+    """
+    raw = {k.replace("-", "_"): k for k in values}
+    name = (lambda k: "--" + k.replace("_", "-")) if flags else (lambda k: repr(raw.get(k, k)))
+    if not set(raw) & set(getattr(cls, "renames", {})):
+        return values
+    try:
+        new = renamed_keys(cls, {k.replace("-", "_"): v for k, v in values.items()}, source, name, stacklevel=3)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    return {raw.get(k, k): v for k, v in new.items()}
+
+
 def apply_overrides(configs: dict[str, Any], values: dict[str, Any], source: str) -> None:
-    """Set ``values`` (``{field: value}``) on the dataclass instances of ``configs`` that have each field.
+    """Set ``values`` (``{field: value}``) on the dataclass instances of ``configs`` that have each field (an old,
+    renamed field's name too, with a warning: :func:`renamed_settings`).
 
     Raises:
         UsageError: an unknown key (with the closest valid one), or a value of the wrong type.
@@ -114,6 +136,7 @@ def apply_overrides(configs: dict[str, Any], values: dict[str, Any], source: str
     for cfg in configs.values():
         for f in dataclasses.fields(cfg):
             owners.setdefault(f.name, []).append(cfg)
+        values = renamed_settings(type(cfg), values, source)
     for raw_key, value in values.items():
         key = raw_key.replace("-", "_")
         if key not in owners:

@@ -16,10 +16,10 @@ from tokengym.agents.cli import main
 
 ALGOS = {
     "grpo": ["--steps", "5", "--prompts", "2", "--group-size", "4", "--lr", "1e-3", "--mu", "2", "--minibatches", "2"],
-    "ppo": ["--steps", "5", "--prompts", "4", "--mu", "2", "--minibatches", "2", "--kl-coef", "0.05"],
+    "ppo": ["--steps", "5", "--prompts", "4", "--mu", "2", "--minibatches", "2", "--beta", "0.05"],
     "dpo": ["--num-pairs", "40", "--batch-size", "8", "--epochs", "2", "--lr", "1e-3"],  # 5 steps/epoch: resumes mid-epoch 1
     # a log-every window (2) that the checkpoint at step 2 closes, an eval (every 3 steps) after the resume
-    "sft": ["--steps", "5", "--batch-size", "8", "--warmup", "1", "--log-every", "1", "--eval-every", "3"],
+    "sft": ["--steps", "5", "--batch-size", "8", "--warmup-steps", "1", "--log-every", "1", "--eval-every", "3"],
 }
 COMMON = ["--save-every", "2", "--eval-prompts", "8", "--threads", "1", "--progress", "false", "--seed", "3"]
 

@@ -48,7 +48,7 @@ RUNS = {  # name -> command line (GRPO with minibatches, batch scaling and token
     "dpo": ["train", "dpo", "--steps", "3", "--batch-size", "8", "--num-pairs", "64", *COMMON],
     # SFT's rows split by completion tokens (their lengths differ), a held-out eval before and after (greedy: the
     # same weights score the same on every rank)
-    "sft": ["train", "sft", "--steps", "3", "--batch-size", "8", "--warmup", "1", "--log-every", "1", *COMMON,
+    "sft": ["train", "sft", "--steps", "3", "--batch-size", "8", "--warmup-steps", "1", "--log-every", "1", *COMMON,
             "--eval-prompts", "4"],
 }
 

@@ -232,7 +232,7 @@ def test_ipo_uses_length_averaged_logps(pairs):
 @pytest.mark.parametrize("kw, match", [
     ({"beta": 0.0}, "beta"), ({"loss_type": "kto"}, "loss_type"), ({"label_smoothing": 0.1, "loss_type": "ipo"}, "label_smoothing"),
     ({"label_smoothing": 0.5}, "label_smoothing"), ({"batch_size": 0}, "batch_size"), ({"lr": -1.0}, "lr"),
-    ({"schedule": "step"}, "schedule"), ({"max_prompt_len": 10, "max_length": 10}, "max_prompt_len"), ({"log_every": 0}, "log_every"),
+    ({"lr_scheduler_type": "step"}, "lr_scheduler_type"), ({"max_prompt_len": 10, "max_length": 10}, "max_prompt_len"), ({"log_every": 0}, "log_every"),
 ])
 def test_config_validation(kw, match):
     with pytest.raises(ValueError, match=match):

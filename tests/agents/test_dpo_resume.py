@@ -61,10 +61,10 @@ def assert_same_params(a, b):
 
 CASES = {
     # stop mid-epoch (step 7 of 12: epoch 2, batch 3 of 5), live frozen reference, warmup + cosine, evals every 3 steps
-    "live": (dict(steps=12, warmup_steps=2, schedule="cosine", eval_every=3, seed=4), 7),
+    "live": (dict(steps=12, warmup_steps=2, lr_scheduler_type="cosine", eval_every=3, seed=4), 7),
     # reference log-probs precomputed before the first update (the resumed policy has moved: they come from the state),
     # records averaged over 2 steps, the plain [2B, L] stack
-    "precomputed": (dict(epochs=2, precompute_ref=True, log_every=2, share_prefix=False, schedule="linear"), 4),
+    "precomputed": (dict(epochs=2, precompute_ref=True, log_every=2, share_prefix=False, lr_scheduler_type="linear"), 4),
     # stopped at the very last step: the resumed fit has nothing left to do
     "finished": (dict(steps=5, eval_every=2), 5),
 }

@@ -113,7 +113,7 @@ def test_lr_schedule_follows_global_step_and_continues_after_a_resume():
     import math
 
     def fresh(seed=0):
-        return GRPOAgent(Policy.from_pretrained("tiny", seed=seed), GRPOConfig(steps=4, lr=1e-3, lr_schedule="cosine", seed=0))
+        return GRPOAgent(Policy.from_pretrained("tiny", seed=seed), GRPOConfig(steps=4, lr=1e-3, lr_scheduler_type="cosine", seed=0))
 
     full = fresh().learn(target_env(16, 8))
     assert [r["train/lr"] for r in full] == pytest.approx([1e-3 * 0.5 * (1 + math.cos(math.pi * k / 4)) for k in range(4)])
@@ -129,8 +129,8 @@ def test_lr_schedule_follows_global_step_and_continues_after_a_resume():
     rest = c.learn(c_env)
     assert [r["train/lr"] for r in rest] == [r["train/lr"] for r in full[2:]]
     assert [r["reward/mean"] for r in rest] == [r["reward/mean"] for r in full[2:]]
-    with pytest.raises(ValueError, match="lr_schedule"):
-        GRPOConfig(lr_schedule="step")
+    with pytest.raises(ValueError, match="lr_scheduler_type"):
+        GRPOConfig(lr_scheduler_type="step")
 
 
 def test_passes_skip_columns_past_every_rows_end_without_changing_the_update(monkeypatch):

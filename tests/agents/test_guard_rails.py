@@ -92,7 +92,7 @@ def test_ppo_gae_ends_terminated_rows_at_zero_and_bootstraps_only_truncated_ones
     critic = Critic.from_policy(policy, seed=0)
     with torch.no_grad():
         critic.value_head.bias.fill_(1.0)
-    cfg = PPOConfig(steps=1, kl_coef=0.0, whiten_advantages=False, bootstrap_truncated=True, seed=0)
+    cfg = PPOConfig(steps=1, beta=0.0, whiten_advantages=False, bootstrap_truncated=True, seed=0)
     make_env = lambda: arithmetic_env(16, max_new_tokens=16)  # noqa: E731
 
     twin_critic = Critic.from_policy(policy, seed=0)

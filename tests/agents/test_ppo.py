@@ -90,7 +90,7 @@ def test_rewards_subtract_beta_kl_on_action_tokens_only():
 def test_gae_uses_old_values_and_bootstraps_truncated_rows_only_when_asked(bootstrap):
     env = gym.make_vec("tokengym/Arithmetic-v0", num_envs=4, vectorization_mode="vector_entry_point", max_new_tokens=6)
     agent = PPOAgent(Policy.from_pretrained("tiny"),
-                     PPOConfig(steps=0, kl_coef=0.0, whiten_advantages=False, bootstrap_truncated=bootstrap))
+                     PPOConfig(steps=0, beta=0.0, whiten_advantages=False, bootstrap_truncated=bootstrap))
     ro = collect(env, agent.policy, agent.critic, seed=0)
     assert ro.truncated.any()
     m = ro.action_mask.shape[1]
@@ -148,7 +148,7 @@ def test_adaptive_kl_controller_moves_towards_target():
 
 def test_shared_trunk_critic_is_updated_through_the_policy_optimizer():
     policy = Policy.from_pretrained("tiny")
-    agent = PPOAgent(policy, PPOConfig(steps=1, share_trunk=True, kl_coef=0.0))
+    agent = PPOAgent(policy, PPOConfig(steps=1, share_trunk=True, beta=0.0))
     assert agent.critic.trunk is policy.model.get_decoder()
     critic_only = {id(p) for p in agent.critic_opt.param_groups[0]["params"]}
     assert critic_only == {id(p) for p in agent.critic.value_head.parameters()}

@@ -34,7 +34,7 @@ def comparable(records):
 @pytest.mark.parametrize("share_trunk", [False, True])
 def test_stop_restore_continue_equals_one_run(share_trunk):
     # kl_target makes the adaptive controller move; lr is high so every step changes the weights visibly
-    config = PPOConfig(steps=STEPS, lr=1e-3, kl_coef=0.1, kl_target=0.5, kl_horizon=20, share_trunk=share_trunk, seed=3)
+    config = PPOConfig(steps=STEPS, lr=1e-3, beta=0.1, kl_target=0.5, kl_horizon=20, share_trunk=share_trunk, seed=3)
     full, env = make(config)
     full_history = full.learn(env)
 
@@ -54,7 +54,7 @@ def test_stop_restore_continue_equals_one_run(share_trunk):
 
     assert [r["step"] for r in rest] == list(range(STOP + 1, STEPS + 1))  # only the remaining steps
     assert comparable(part + rest) == comparable(full_history)
-    assert resumed.kl_ctl.value == full.kl_ctl.value != config.kl_coef
+    assert resumed.kl_ctl.value == full.kl_ctl.value != config.beta
     for name, module in full.checkpoint_modules().items():
         other = resumed.checkpoint_modules()[name].state_dict()
         for key, value in module.state_dict().items():
@@ -66,7 +66,7 @@ def test_stop_restore_continue_equals_one_run(share_trunk):
 
 
 def test_reference_is_left_out_without_kl_and_bad_state_is_named():
-    agent, _ = make(PPOConfig(steps=1, kl_coef=0.0))
+    agent, _ = make(PPOConfig(steps=1, beta=0.0))
     assert set(agent.checkpoint_modules()) == {"policy", "critic"}
     state = agent.state_dict()
     del state["critic_optimizer"]

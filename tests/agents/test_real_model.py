@@ -191,7 +191,7 @@ def test_critic_reward_model_dpo_ppo_and_lora_run_on_the_real_model():
     from tokengym.rewards import RewardModel
 
     policy = Policy.from_pretrained(NAME, seed=0)
-    history = PPOAgent(policy, PPOConfig(steps=1, mu=1, kl_coef=0.05)).learn(chat_env(policy, n=4, max_new_tokens=12))
+    history = PPOAgent(policy, PPOConfig(steps=1, mu=1, beta=0.05)).learn(chat_env(policy, n=4, max_new_tokens=12))
     assert math.isfinite(history[0]["train/value_loss"]) and "objective/kl" in history[0]
 
     def chat(q, a):

@@ -67,7 +67,7 @@ def test_learned_rm_is_ppos_outcome_reward_and_the_verifier_scores_heldout_accur
 
     env = TokenVectorEnv(32, task(), reward=recorded_rm)
     eval_env = TokenVectorEnv(100, task())  # default reward: the verifier
-    agent = PPOAgent(policy, PPOConfig(steps=2, lr=5e-5, mu=1, minibatches=1, kl_coef=0.05, seed=0))
+    agent = PPOAgent(policy, PPOConfig(steps=2, lr=5e-5, mu=1, minibatches=1, beta=0.05, seed=0))
     history = agent.learn(env, eval_env, heldout_samples(task(), 100))
     per_rollout = torch.cat(scored).split(32)  # every episode is scored once, when it ends
     assert len(per_rollout) == 2
@@ -192,7 +192,7 @@ def test_ppo_against_the_learned_rm_raises_verifier_accuracy(on_policy_rm):
         ro = collect(TokenVectorEnv(256, task()), policy, seed=1)
         rm.normalize([s["prompt"] for s in ro.samples], ro.completions)  # the warm start's samples: mean 0, std 1
         before = evaluate(policy, eval_env, samples)["accuracy"]
-        agent = PPOAgent(policy, PPOConfig(steps=30, kl_coef=0.05, seed=seed))
+        agent = PPOAgent(policy, PPOConfig(steps=30, beta=0.05, seed=seed))
         history = agent.learn(TokenVectorEnv(64, task(), reward=rm))
         after = evaluate(policy, eval_env, samples)["accuracy"]
         print(f"seed {seed}: RM score {history[0]['objective/score']:.3f} -> {history[-1]['objective/score']:.3f}; "

@@ -155,9 +155,9 @@ def test_prompt_positions_get_no_gradient_signal(policy):
 # ------------------------------------------------------------------ config
 @pytest.mark.parametrize("kw, field", [
     ({"lr": 0.0}, "lr"), ({"lr": float("nan")}, "lr"), ({"batch_size": 0}, "batch_size"),
-    ({"steps": -1}, "steps"), ({"warmup": -2}, "warmup"), ({"schedule": "step"}, "schedule"),
+    ({"steps": -1}, "steps"), ({"warmup_steps": -2}, "warmup_steps"), ({"lr_scheduler_type": "step"}, "lr_scheduler_type"),
     ({"min_lr_ratio": 1.5}, "min_lr_ratio"), ({"weight_decay": -0.1}, "weight_decay"),
-    ({"grad_clip": 0.0}, "grad_clip"), ({"eval_prompts": 0}, "eval_prompts"), ({"betas": (0.9, 1.0)}, "betas"),
+    ({"max_grad_norm": -1.0}, "max_grad_norm"), ({"eval_prompts": 0}, "eval_prompts"), ({"betas": (0.9, 1.0)}, "betas"),
     ({"stop_at_accuracy": 1.2}, "stop_at_accuracy"), ({"batch_size": True}, "batch_size"), ({"seed": -1}, "seed"),
 ])
 def test_config_validation(kw, field):
@@ -169,11 +169,11 @@ def test_config_fields_are_documented_and_schedule_shape():
     src = open(os.path.join(os.path.dirname(__file__), "..", "..", "agents", "algorithms", "sft.py")).read()
     for f in SFTConfig.__dataclass_fields__:
         assert f'\n    {f}: ' in src and '"""' in src.split(f"\n    {f}: ")[1].split("\n")[1], f
-    cfg = SFTConfig(steps=110, warmup=10, min_lr_ratio=0.1)
+    cfg = SFTConfig(steps=110, warmup_steps=10, min_lr_ratio=0.1)
     assert lr_factor(0, cfg) == pytest.approx(0.1) and lr_factor(9, cfg) == pytest.approx(1.0)
     assert lr_factor(10, cfg) == pytest.approx(1.0) and lr_factor(60, cfg) == pytest.approx(0.55)
     assert lr_factor(110, cfg) == pytest.approx(0.1)
-    lin = SFTConfig(steps=110, warmup=10, schedule="linear", min_lr_ratio=0.0)
+    lin = SFTConfig(steps=110, warmup_steps=10, lr_scheduler_type="linear", min_lr_ratio=0.0)
     assert lr_factor(60, lin) == pytest.approx(0.5) and cfg.decay_steps == 100 and cfg.tokens_seen == 110 * 64
 
 
@@ -182,7 +182,7 @@ def test_tiny_model_learns_easy_addition(tmp_path, one_thread):
     torch.manual_seed(0)
     pol = Policy(*build_preset("tiny", seed=0))
     task = ArithmeticTask(n_operands=2, digits=1, operators="+")
-    cfg = SFTConfig(steps=120, batch_size=32, lr=3e-3, warmup=20, eval_every=60, eval_prompts=64, log_every=20,
+    cfg = SFTConfig(steps=120, batch_size=32, lr=3e-3, warmup_steps=20, eval_every=60, eval_prompts=64, log_every=20,
                     seed=0, run_dir=str(tmp_path / "run"))
     seen = []
     hist = train_sft(pol, task, cfg, log=lambda step, m: seen.append((step, m)))
@@ -209,7 +209,7 @@ def test_stopped_and_restored_fit_equals_an_uninterrupted_one(tmp_path, one_thre
     """k steps, a checkpoint (weights + state through torch.save), a fresh learner on a differently initialised
     policy restored from it, the remaining steps: the same weights, history and metrics.jsonl as 2k straight."""
     task = ArithmeticTask(n_operands=2, digits=1, operators="+")
-    cfg = SFTConfig(steps=2 * k, batch_size=8, lr=3e-3, warmup=2, eval_every=3, eval_prompts=8, log_every=2, seed=5)
+    cfg = SFTConfig(steps=2 * k, batch_size=8, lr=3e-3, warmup_steps=2, eval_every=3, eval_prompts=8, log_every=2, seed=5)
 
     def learner(seed, run):
         return SFTLearner(Policy(*build_preset("tiny", seed=seed)), task, dataclasses.replace(cfg, run_dir=str(tmp_path / run)))
@@ -243,7 +243,7 @@ def test_stopped_and_restored_fit_equals_an_uninterrupted_one(tmp_path, one_thre
 def test_stop_at_accuracy_ends_early(one_thread):
     pol = Policy(*build_preset("tiny", seed=0))
     task = ArithmeticTask(n_operands=2, digits=1, operators="+")
-    cfg = SFTConfig(steps=500, batch_size=32, warmup=20, eval_every=20, eval_prompts=32, log_every=0,
+    cfg = SFTConfig(steps=500, batch_size=32, warmup_steps=20, eval_every=20, eval_prompts=32, log_every=0,
                     stop_at_accuracy=0.1, exclude_heldout=False)
     hist = train_sft(pol, task, cfg)
     assert hist["steps_done"] < 500 and hist["eval"][-1]["accuracy"] >= 0.1
@@ -254,7 +254,7 @@ def test_command_line_trains_saves_and_evaluates(tmp_path, capsys, one_thread):
     and ``tokengym eval --model`` scores the saved folder as the run's own final evaluation did."""
     kwargs = {"n_operands": 2, "digits": 1}
     assert tokengym(["train", "sft", "--model", "tiny", "--env-kwargs", json.dumps(kwargs), "--steps", "30",
-                     "--batch-size", "8", "--warmup", "1", "--eval-prompts", "8", "--log-every", "0", "--threads", "1",
+                     "--batch-size", "8", "--warmup-steps", "1", "--eval-prompts", "8", "--log-every", "0", "--threads", "1",
                      "--progress", "false", "--runs-dir", str(tmp_path), "--name", "sft"]) == 0
     run, out = tmp_path / "sft", tmp_path / "sft" / "model"
     assert (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()

@@ -71,7 +71,7 @@ def test_grpo_steps_exactly_as_the_written_out_loop():
 
 
 def test_ppo_steps_exactly_as_the_written_out_loop():
-    cfg = PPOConfig(steps=2, mu=2, minibatches=2, kl_coef=0.05, lr=3e-5, seed=1)
+    cfg = PPOConfig(steps=2, mu=2, minibatches=2, beta=0.05, lr=3e-5, seed=1)
     agent = PPOAgent(Policy.from_pretrained("tiny-arithmetic"), cfg)
     agent.learn(env(16, 1))
 
@@ -87,7 +87,7 @@ def test_ppo_steps_exactly_as_the_written_out_loop():
         am = ro.action_mask
         with torch.no_grad():
             kl = F.kl_penalty(ro.logprobs, trimmed_logprobs(ref, ro), "k1") * am
-            adv, ret = F.gae((ro.rewards - cfg.kl_coef * kl) * am, ro.values, am, cfg.gamma, cfg.lam)
+            adv, ret = F.gae((ro.rewards - cfg.beta * kl) * am, ro.values, am, cfg.gamma, cfg.lam)
             adv = F.whiten(adv, am)
         policy.train(), critic.train()
         for rows in minibatches(ro.num_episodes, cfg, shuffle):
