@@ -51,7 +51,7 @@ def unchanged(before, *modules):
 def test_ppo_syncs_policy_and_critic_gradients_in_one_call_before_clipping():
     env = gym.make_vec("tokengym/Target-v0", num_envs=8, vectorization_mode="vector_entry_point", group_size=1,
                        partial_credit=True, target="ok", max_new_tokens=2)
-    agent = PPOAgent(Policy.from_pretrained("tiny"), PPOConfig(steps=1, minibatches=2, kl_coef=0.0))
+    agent = PPOAgent(Policy.from_pretrained("tiny"), PPOConfig(steps=1, minibatches=2, beta=0.0))
     agent.dp = spy = ZeroingSync()
     before = snapshot(agent.policy.model, agent.critic)
     record = agent.learn(env)[0]
@@ -69,7 +69,7 @@ def test_dpo_and_sft_sync_before_clipping():
     assert len(spy.calls) == 1 and record["train/grad_norm"] == 0.0 and unchanged(before, dpo.policy.model)
 
     sft = SFTLearner(Policy(*build_preset("tiny", seed=0)), ArithmeticTask(n_operands=2, digits=1, operators="+"),
-                     SFTConfig(steps=1, batch_size=4, warmup=0, weight_decay=0.0, eval_prompts=4, log_every=1))
+                     SFTConfig(steps=1, batch_size=4, warmup_steps=0, weight_decay=0.0, eval_prompts=4, log_every=1))
     sft.dp = spy = ZeroingSync()
     before = snapshot(sft.policy.model)
     logged = []
