@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from .common import check_config
+from .common import check_config, check_field_types
 from .reward_model import _device, _load, _pad_id, _save, fit, load_rows, pad_right, split_rows
 
 __all__ = ["LearnedPRM", "PRMConfig", "train_prm", "PRM_COLUMNS"]
@@ -183,6 +183,7 @@ class PRMConfig:
     """Seeds the held-out split and the shuffling."""
 
     def __post_init__(self) -> None:
+        check_field_types(self)  # types first: the bounds below compare values
         check_config(self, {"lr": self.lr > 0, "epochs": self.epochs >= 1, "batch_size": self.batch_size >= 1,
                       "weight_decay": self.weight_decay >= 0, "max_grad_norm": self.max_grad_norm >= 0,
                       "delimiter": isinstance(self.delimiter, str) and bool(self.delimiter),

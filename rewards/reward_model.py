@@ -33,7 +33,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from .common import check_config, quiet_transformers
+from .common import check_config, check_field_types, quiet_transformers
 from .training import OptimizerStep
 
 __all__ = ["RewardModel", "LikelihoodRewardModel", "RewardModelConfig", "train_reward_model", "load_rows", "split_rows"]
@@ -413,6 +413,7 @@ class RewardModelConfig:
     """Seeds the held-out split and the shuffling."""
 
     def __post_init__(self) -> None:
+        check_field_types(self)  # types first: the bounds below compare values
         check_config(self, {"lr": self.lr > 0, "epochs": self.epochs >= 1, "batch_size": self.batch_size >= 1,
                       "weight_decay": self.weight_decay >= 0, "max_grad_norm": self.max_grad_norm >= 0,
                       "center_coef": self.center_coef >= 0, "max_length": self.max_length is None or self.max_length >= 2,

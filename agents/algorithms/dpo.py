@@ -57,7 +57,7 @@ import torch
 
 from tokengym.agents import functional as F
 from tokengym.agents.runtime.logger import RunLogger
-from tokengym.agents.runtime.config import check_config
+from tokengym.agents.runtime.config import check_config, check_learner_args
 from tokengym.agents.runtime.distributed import LOCAL
 from tokengym.agents.engine.models import frozen_copy
 from tokengym.agents.runtime.optim import LR_SCHEDULES, OptimizerStep
@@ -65,7 +65,7 @@ from tokengym.agents.engine.policy import AdapterDisabledReference, make_referen
 from tokengym.agents.data.pairs import PairBatch, PairData, SharedPrefixBatch
 from tokengym.agents.engine.rollout import evaluate
 from tokengym.agents.algorithms.registry import register
-from tokengym.rewards.common import Renamed
+from tokengym.rewards.common import Renamed, check_field_types
 
 __all__ = ["DPOConfig", "DPOLearner"]
 
@@ -124,6 +124,7 @@ class DPOConfig(Renamed, renames={"schedule": "lr_scheduler_type"}):
     """Seeds minibatch shuffling (and, in the online_dpo round loops, the prompt stream and the policy's sampler)."""
 
     def __post_init__(self) -> None:
+        check_field_types(self)  # types first: the bounds below compare values
         checks = {
             "lr": self.lr > 0 and math.isfinite(self.lr), "weight_decay": self.weight_decay >= 0,
             "warmup_steps": self.warmup_steps >= 0, "batch_size": self.batch_size >= 1, "epochs": self.epochs >= 1,
@@ -203,6 +204,7 @@ class DPOLearner:
     """
 
     def __init__(self, policy: Any, config: DPOConfig | None = None, ref: Any = None, run_dir: str | None = None):
+        check_learner_args(type(self).__name__, policy, config, DPOConfig)
         self.policy = policy
         self.config = cfg = config or DPOConfig()
         self.logger = RunLogger(run_dir)

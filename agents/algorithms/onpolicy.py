@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 
 from tokengym.agents import variants as V
+from tokengym.agents.runtime.config import check_learner_args
 from tokengym.agents.runtime.distributed import LOCAL, aggregation_weights
 from tokengym.agents.runtime.logger import RunLogger
 from tokengym.agents.engine.models import enable_checkpointing
@@ -71,6 +72,7 @@ class OnPolicyAgent:
     """Log the outer iteration on every record, also with ``iterations = 1`` (False: only with more than one)."""
 
     def __init__(self, policy, config=None, run_dir: str | None = None):
+        check_learner_args(type(self).__name__, policy, config, self.config_cls)
         self.policy = policy
         self.config = cfg = config if config is not None else self.config_cls()
         self.logger = RunLogger(run_dir)
@@ -144,6 +146,9 @@ class OnPolicyAgent:
     def check_env(self, env) -> None:
         """Raise ``ValueError`` if ``env`` cannot feed this agent."""
         check_fits(self.policy, env)
+        if self.config.minibatches > env.num_envs:
+            raise ValueError(f"minibatches={self.config.minibatches} is more than the {env.num_envs} episodes of a rollout "
+                             "batch: every minibatch needs at least one; use fewer minibatches or more prompts")
 
     # ------------------------------------------------------------------ checkpoint state
     def checkpoint_modules(self) -> dict[str, torch.nn.Module]:

@@ -16,7 +16,7 @@ import torch
 from tokengym.agents import functional as F
 from tokengym.agents.runtime.config import check_config
 from tokengym.agents.runtime.optim import LR_SCHEDULES
-from tokengym.rewards.common import Renamed
+from tokengym.rewards.common import Renamed, check_field_types
 
 __all__ = ["OnPolicyConfig"]
 
@@ -71,6 +71,7 @@ class OnPolicyConfig(Renamed, renames={"lr_schedule": "lr_scheduler_type"}):
     """Seeds the env's prompt stream, the policy's sampler, minibatch shuffling and any freshly built head (PPO's critic)."""
 
     def __post_init__(self) -> None:
+        check_field_types(self)  # types first: the bounds below compare values
         checks = {
             "lr": self.lr > 0, "warmup_steps": self.warmup_steps >= 0, "weight_decay": self.weight_decay >= 0,
             "iterations": self.iterations >= 1, "steps": self.steps >= 0, "mu": self.mu >= 1,

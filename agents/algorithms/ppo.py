@@ -27,6 +27,7 @@ import torch
 
 from tokengym.agents import functional as F
 from tokengym.agents.engine.critic import Critic
+from tokengym.agents.runtime.config import check_learner_args
 from tokengym.agents.algorithms.onpolicy import Minibatch, OnPolicyAgent
 from tokengym.agents.algorithms.onpolicy_config import OnPolicyConfig
 from tokengym.agents.runtime.optim import adamw
@@ -133,6 +134,7 @@ class PPOAgent(OnPolicyAgent):
     log_iteration = False
 
     def __init__(self, policy, config: PPOConfig | None = None, critic: Critic | None = None, run_dir: str | None = None):
+        check_learner_args(type(self).__name__, policy, config, PPOConfig)
         cfg = config or PPOConfig()
         self.critic = critic if critic is not None else Critic.from_policy(policy, share_trunk=cfg.share_trunk, seed=cfg.seed)
         self.kl_ctl = AdaptiveKLController(cfg.beta, cfg.kl_target, cfg.kl_horizon)

@@ -171,3 +171,22 @@ def _big_tokenizer():
     tok = tokengym.envs.char_tokenizer()
     tok.add_tokens([f"<x{i}>" for i in range(1000)])
     return tok
+
+
+@pytest.mark.parametrize("make, error, message", [
+    (lambda p: GRPOAgent(p, {"lr": 1e-4}), TypeError, "GRPOAgent(config=...) takes a GRPOConfig, got dict: pass GRPOConfig(**settings)"),
+    (lambda p: GRPOAgent("tiny-arithmetic"), TypeError,
+     "GRPOAgent(policy=...) takes a tokengym Policy, got str: load it with Policy.from_pretrained('tiny-arithmetic')"),
+    (lambda p: GRPOAgent(p, PPOConfig()), TypeError, "GRPOAgent(config=...) takes a GRPOConfig, got PPOConfig"),
+    (lambda p: __import__("tokengym.agents", fromlist=["PPOAgent"]).PPOAgent(p, {"lr": 1e-4}), TypeError,
+     "PPOAgent(config=...) takes a PPOConfig, got dict"),
+    (lambda p: DPOConfig(lr="1e-4"), ValueError, "DPOConfig.lr must be"),
+    (lambda p: GRPOConfig(lr="1e-4"), ValueError, "GRPOConfig.lr must be"),
+    (lambda p: PRMConfig(lr="1e-4"), ValueError, "PRMConfig.lr must be"),
+    (lambda p: GRPOAgent(p, GRPOConfig(minibatches=16)).check_env(vec(n=8, group_size=4)), ValueError,
+     "minibatches=16 is more than the 8 episodes of a rollout batch"),
+])
+def test_learners_refuse_arguments_of_the_wrong_kind_in_one_line(tiny_policy, make, error, message):
+    with pytest.raises(error) as e:
+        make(tiny_policy)
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
