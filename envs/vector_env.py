@@ -85,6 +85,14 @@ def _parse_mode(mode: Any) -> AutoresetMode:
     return by_name[key]
 
 
+
+def _with_index(device: Any) -> torch.device:
+    """``device`` with its index: tensors made on ``"cuda"`` report ``cuda:<current>``, and the env compares devices."""
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return d
+
 MAX_COLUMNS = 2**20
 """The largest buffer dimension an env accepts (rows, prompt or generation columns): beyond it, allocation fails."""
 
@@ -156,7 +164,7 @@ class TokenVectorEnv(MultiTurnMixin, VectorEnv):
                 raise ValueError(f"task {self.task.name!r} has no process reward; pass a callable")
         self.process_reward_fn = process_reward or None
         self.num_envs, self.group_size, self.n_groups = num_envs, group_size, num_envs // group_size
-        self.device = torch.device(device)
+        self.device = _with_index(device)
         self.max_new_tokens = int(max_new_tokens if max_new_tokens is not None else self.task.default_max_new_tokens)
         self.max_prompt_len = int(max_prompt_len if max_prompt_len is not None else self._default_prompt_len())
         mode = _parse_mode(autoreset_mode)
