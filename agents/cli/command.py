@@ -106,8 +106,6 @@ def _cmd_sample(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    import os
-
     from tokengym.agents.runtime import runs as R
     from tokengym.agents.engine.resources import check_device
     from tokengym.agents.engine.rollout import evaluate, heldout_samples

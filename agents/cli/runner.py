@@ -6,16 +6,12 @@ pieces; ``train.py`` resolves configs and runs a job in its folder.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import signal
 import sys
-import time
 from dataclasses import dataclass
 from typing import Any, Callable
-
-import torch
 
 from tokengym.agents.runtime import runs as R
 from tokengym.agents.algorithms.registry import algorithms

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from tokengym.agents.cli.offline_jobs import BUILDERS
-from tokengym.agents.cli.runner import (RESUMABLE, WARM_STARTS, RunConfig, algorithms, build_on_policy, first_line,
+from tokengym.agents.cli.runner import (RESUMABLE, WARM_STARTS, RunConfig, algorithms, build_on_policy,
                                         run_fields, run_fields_for)
 from tokengym.agents.runtime import runs as R
 from tokengym.agents.runtime.config_io import renamed_settings

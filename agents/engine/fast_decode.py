@@ -371,7 +371,7 @@ class StaticDecoder:
         """Run left-padded prompts ``tokens[N, P]`` through the layers, handing each layer's keys and values
         ``[N, P, G, hd]`` to ``write(layer, k, v)``; return the last column's logits ``[N, V]`` (fp32)."""
         N, P = tokens.shape
-        G, rep, hd, H = self.n_kv, self.rep, self.head_dim, self.n_heads
+        rep, hd, H = self.rep, self.head_dim, self.n_heads
         dtype, device = self._embed.dtype, self._embed.device
         tokens, mask = tokens.to(device), mask.to(device).bool()
         pos = (mask.long().cumsum(1) - 1).clamp(min=0)  # [N, P]

@@ -17,7 +17,7 @@ from typing import Any
 from tokengym.rewards.common import renamed_keys
 
 __all__ = ["UsageError", "field_docs", "field_types", "parse_value", "apply_overrides", "renamed_settings",
-           "read_config_file", "first_line"]
+           "read_config_file", "first_line", "short_error"]
 
 
 class UsageError(Exception):
@@ -165,7 +165,7 @@ def read_config_file(path: str) -> dict[str, Any]:
             with open(path, "rb") as f:
                 data = tomllib.load(f)
     except (ValueError, UnicodeDecodeError) as e:
-        raise UsageError(f"cannot parse config file {path!r}: {_short(e)}") from None
+        raise UsageError(f"cannot parse config file {path!r}: {short_error(e)}") from None
     if not isinstance(data, dict):
         raise UsageError(f"config file {path!r} holds a {type(data).__name__}; it must be a table / JSON object of settings")
     flat: dict[str, Any] = {}
@@ -175,6 +175,13 @@ def read_config_file(path: str) -> dict[str, Any]:
         else:
             flat[k] = v
     return flat
+
+
+def short_error(e: BaseException) -> str:
+    """An exception as one short line (library errors are often several lines long)."""
+    text = str(e).strip().splitlines()
+    line = f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+    return line if len(line) <= 120 else line[:117] + "..."
 
 
 def first_line(e: BaseException) -> str:

@@ -52,8 +52,8 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from tokengym.agents.runtime.config_io import (UsageError, apply_overrides, field_docs, field_types, first_line, parse_value,
-                                               read_config_file)
+from tokengym.agents.runtime.config_io import (UsageError, short_error, apply_overrides, field_docs, field_types, first_line,
+                                               parse_value, read_config_file)
 
 __all__ = ["UsageError", "read_run_config", "field_docs", "parse_value", "apply_overrides", "read_config_file", "read_data_file", "is_run_dir",
            "field_types", "write_json_atomic", "write_folder_atomic", "storage_errors", "run_path", "RunLock",
@@ -88,13 +88,6 @@ def kill_during_write(what: str) -> None:
     """Testing hook: SIGKILL this process when ``TOKENGYM_SIGKILL_DURING_WRITE`` names ``what``."""
     if what in os.environ.get(KILL_ENV, "").replace(",", " ").split():
         os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _short(e: BaseException) -> str:
-    """An exception as one short line (library errors are often several lines long)."""
-    text = str(e).strip().splitlines()
-    line = f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
-    return line if len(line) <= 120 else line[:117] + "..."
 
 
 def _human(n: float) -> str:
@@ -447,7 +440,7 @@ def _library_write(write: Callable[[], None], folder: str) -> None:
         except OSError:
             full = False
         if full:
-            raise OSError(errno.ENOSPC, f"no space left on device ({_short(e)})") from e
+            raise OSError(errno.ENOSPC, f"no space left on device ({short_error(e)})") from e
         raise
 
 
@@ -528,7 +521,7 @@ def _verify_legacy(path: str) -> str | None:
     try:
         modules = list(torch.load(state_path, map_location="cpu", weights_only=True)["modules"])
     except Exception as e:  # truncated, empty, garbled: torch raises many kinds
-        return f"{STATE_FILE}: unreadable, {_short(e)} {note}"
+        return f"{STATE_FILE}: unreadable, {short_error(e)} {note}"
     for key in modules:
         fname = f"{key}.safetensors"
         if not os.path.isfile(os.path.join(path, fname)):
@@ -537,7 +530,7 @@ def _verify_legacy(path: str) -> str | None:
             with safe_open(os.path.join(path, fname), "pt") as f:
                 bad = next((k for k in f.keys() if not _finite(f.get_tensor(k))), None)
         except Exception as e:
-            return f"{fname}: unreadable, {_short(e)} {note}"
+            return f"{fname}: unreadable, {short_error(e)} {note}"
         if bad is not None:
             return f"{fname}: {bad} holds NaN or inf {note}"
     return None
@@ -663,7 +656,7 @@ def load_checkpoint(path: str, modules: dict[str, torch.nn.Module], verify: bool
         state = torch.load(state_path, weights_only=True)
         saved = list(state["modules"])
     except Exception as e:  # truncated, empty or garbled: torch raises RuntimeError, EOFError, UnpicklingError...
-        raise UsageError(f"{state_path} is damaged and cannot be loaded ({_short(e)})") from None
+        raise UsageError(f"{state_path} is damaged and cannot be loaded ({short_error(e)})") from None
     if sorted(modules) != saved:
         raise UsageError(f"checkpoint {path!r} holds modules {saved}, this run needs {sorted(modules)}: "
                          "was it written with a different config?")
@@ -674,16 +667,16 @@ def load_checkpoint(path: str, modules: dict[str, torch.nn.Module], verify: bool
         try:
             load_model(module, file, strict=True)
         except RuntimeError as e:  # missing/unexpected keys or shapes: a different model
-            raise UsageError(f"{file} does not fit this run's {key} ({_short(e)}): was it written with a different config?") from None
+            raise UsageError(f"{file} does not fit this run's {key} ({short_error(e)}): was it written with a different config?") from None
         except Exception as e:  # SafetensorError (truncated, empty, garbled header), OSError
-            raise UsageError(f"{file} is damaged and cannot be loaded ({_short(e)})") from None
+            raise UsageError(f"{file} is damaged and cannot be loaded ({short_error(e)})") from None
         if (bad := nonfinite_weights(module)) is not None:  # weights with NaN/inf never load silently
             raise UsageError(f"{file} holds NaN or inf in {bad}: the checkpoint cannot be resumed (diverged training, or "
                              "damaged bytes); resume from an earlier one by removing this step folder")
     try:
         set_rng_state(state["rng"])
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
-        raise UsageError(f"{state_path} is damaged: bad RNG state ({_short(e)})") from None
+        raise UsageError(f"{state_path} is damaged: bad RNG state ({short_error(e)})") from None
     return state
 
 

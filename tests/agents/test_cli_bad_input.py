@@ -33,6 +33,10 @@ def _files(root):
     jsonl("no_prompt.jsonl", [{"question": "1+2", "answer": "3"}])
     jsonl("long_prompt.jsonl", [{"prompt": "x" * 2000, "answer": "1"}])
     jsonl("bad_labels.jsonl", [{"prompt": "1+2\n", "steps": ["1+2=3"], "labels": [2.0]}])
+    with open(os.path.join(root, "not_json.json"), "w") as f:
+        f.write('{"lr": 1e-4,')
+    with open(os.path.join(root, "bad.toml"), "w") as f:
+        f.write("lr = = 1\n")
     with open(os.path.join(root, "list.json"), "w") as f:
         json.dump([1, 2], f)
     with open(os.path.join(root, "bad_env.toml"), "w") as f:
@@ -96,6 +100,8 @@ CASES = {  # id -> (argv, a piece of the one-line message); {root} is a folder o
     "runs dir is a file": (["train", "grpo", *B, "--runs-dir", "{root}/a_file"], "is a file"),
     "config is a list": (["train", "grpo", *B, "--config", "{root}/list.json"], "holds a list"),
     "config is a folder": (["train", "grpo", *B, "--config", "{root}/a_folder"], "is a folder"),
+    "config does not parse": (["train", "grpo", *B, "--config", "{root}/not_json.json"], "cannot parse config file"),
+    "toml does not parse": (["train", "grpo", *B, "--config", "{root}/bad.toml"], "cannot parse config file"),
     "eval on a missing gpu": (["eval", "--model", "tiny", "--device", "cuda:7", "--prompts", "4"], "not available"),
     "name too long": ([*NAMED, "--name", "a" * 300], "300 bytes long, over the filesystem's 255"),
     "name with a newline": ([*NAMED, "--name", "a\nb"], "control character U+000A"),
