@@ -333,6 +333,6 @@ class MultiTurnMixin:
             return out
         # the env's own text (the chat template's role markers) may hold special tokens; the task's text never does:
         # a tool echoing "<eos>" or a role marker appends those characters, not the tokens
-        before, after = (list(ids) for ids in self.tokenizer(list(self._wrap), add_special_tokens=False)["input_ids"])
+        before, after = self._wrap_ids
         encoded = iter(self.tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"])
         return [ids if ids is not None else before + list(next(encoded)) + after for ids in out]

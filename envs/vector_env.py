@@ -190,7 +190,9 @@ class TokenVectorEnv(MultiTurnMixin, VectorEnv):
         stops = list(stop_strings if stop_strings is not None else self.task.stop_strings)
         self._markers = [*stops, *self.task.turn_stop_strings] if self.multi_turn else stops
         self._build_lookups(self._markers)
-        self._wrap = chat_reply_wrapper(self.tokenizer, self.task.reply_role) if self.multi_turn and self.task.chat else ("", "")
+        wrap = chat_reply_wrapper(self.tokenizer, self.task.reply_role) if self.multi_turn and self.task.chat else ("", "")
+        # the role markers around a reply, tokenized once with their special tokens (a reply's own text never has any)
+        self._wrap_ids = tuple(list(ids) for ids in self.tokenizer(list(wrap), add_special_tokens=False)["input_ids"])
         self._pool: DaemonPool | None = None  # tool replies (multi-turn), started on the first one
         self._alloc()
 

@@ -133,6 +133,11 @@ class SFTConfig(Renamed, renames={"grad_clip": Rename("max_grad_norm", _clip_off
         return max(self.steps - self.warmup_steps, 1)
 
     @property
+    def schedule_steps(self) -> int:
+        """The length of the learning-rate schedule: warmup plus decay."""
+        return self.warmup_steps + self.decay_steps
+
+    @property
     def tokens_seen(self) -> int:
         """Training sequences seen over the whole run (``steps * batch_size``)."""
         return self.steps * self.batch_size
@@ -228,7 +233,7 @@ def sft_loss(policy: Any, batch: SFTBatch) -> tuple[torch.Tensor, dict[str, torc
 
 def lr_factor(step: int, cfg: SFTConfig) -> float:
     """Learning-rate multiplier at optimizer step ``step`` (0-based): warmup, then ``cfg.lr_scheduler_type``."""
-    return schedule_factor(step, cfg.warmup_steps + cfg.decay_steps, cfg.lr_scheduler_type, cfg.warmup_steps,
+    return schedule_factor(step, cfg.schedule_steps, cfg.lr_scheduler_type, cfg.warmup_steps,
                            cfg.min_lr_ratio)
 
 
@@ -332,7 +337,7 @@ class SFTLearner:
             batch = next(self._stream)  # the global batch (every rank draws it alike)
             rows, share = self.dp.shard(torch.arange(len(batch.tokens)), batch.loss_mask.sum(1))
             batch = (batch.select(rows) if self.dp.distributed else batch).to(self.policy.device)
-            lr = self.optim.set_lr(self.global_step, cfg.warmup_steps + cfg.decay_steps)
+            lr = self.optim.set_lr(self.global_step, cfg.schedule_steps)
             with autocast:
                 loss, stats = sft_loss(self.policy, batch)
             self.optim.zero_grad()

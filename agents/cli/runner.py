@@ -222,7 +222,7 @@ class Progress:
             if record.get(k) is not None:
                 self.live[short] = record[k]
         step = int(record.get("step", self.n))
-        text = " ".join(f"{k}={v:.3g}" for k, v in self.live.items())  # a loss of -3.7e-09 shows as such, not 0
+        text = " ".join(f"{k}={v + 0.0:.3g}" for k, v in self.live.items())  # -3.7e-09 shows as such; -0.0 as 0
         if self.bar is not None:
             self.bar.update(max(0, step - self.n))
             self.bar.set_postfix_str(text, refresh=True)

@@ -118,6 +118,9 @@ def test_progress_lines_keep_significant_digits_and_label_the_evaluation(capsys)
     p.update({"step": 10, "reward/mean": 0.40625, "train/loss": -3.725290298461914e-09})
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert line == "run step 10/10 eval_acc=0.625 reward=0.406 loss=-3.73e-09", line
+    zero = Progress(total=1, initial=0, enabled=True, desc="z")
+    zero.update({"step": 1, "train/loss": -0.0})  # a loss of exactly -0.0 shows as 0, not -0
+    assert capsys.readouterr().err.strip() == "z step 1/1 loss=0"
 
 
 def test_no_learning_signal_warns_once_after_five_flat_steps():
