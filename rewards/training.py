@@ -126,7 +126,8 @@ class OptimizerStep:
         max_norm = self.max_grad_norm if self.max_grad_norm is not None and self.max_grad_norm > 0 else math.inf
         report: dict[str, Any] = {"lr": self.lr}
         for name, ps in zip(self.norm_names, self.clip_params):
-            report[name] = torch.nn.utils.clip_grad_norm_(ps, max_norm)
+            norm = torch.nn.utils.clip_grad_norm_(ps, max_norm)
+            report[name] = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # sharded: the reduced total
         for opt in self.optimizers:
             opt.step()
         return report

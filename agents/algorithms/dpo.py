@@ -569,4 +569,4 @@ def shared_prefix_logps(policy: Any, b: SharedPrefixBatch) -> torch.Tensor:
 
 
 register("dpo", DPOConfig, "DPO and its IPO/hinge/robust variants on preference pairs",
-         run_fields=frozenset({"temperature", "pairs", "num_pairs", "save_every", "keep_checkpoints"}), data_parallel=True)
+         run_fields=frozenset({"temperature", "pairs", "num_pairs", "save_every", "keep_checkpoints", "sharding"}), data_parallel=True)

@@ -237,7 +237,8 @@ class OnPolicyAgent:
                 for kind, w in weights.items():
                     shard, shares[kind] = dp.shard(rows, w)
                 rows = shard
-                inert = self.inert_rows(batch, rows)
+                # sharded modules all-gather in every forward: each rank runs the same passes, inert rows included
+                inert = self.inert_rows(batch, rows) if dp.sharding == "none" else None
                 n_live = len(rows) if inert is None else int((~inert).sum())
                 if inert is not None:  # the order of rows does not change the loss
                     rows = torch.cat([rows[~inert], rows[inert]])

@@ -18,7 +18,7 @@ from typing import Any, Callable
 __all__ = ["Algorithm", "register", "algorithms", "ON_POLICY_RUN_FIELDS"]
 
 ON_POLICY_RUN_FIELDS = frozenset({"prompts", "group_size", "temperature", "reward_model", "prm_model", "save_every",
-                                  "keep_checkpoints"})
+                                  "keep_checkpoints", "sharding"})
 """The :class:`~tokengym.agents.cli.runner.RunConfig` fields an on-policy algorithm takes beyond the common ones."""
 
 ORDER = ("grpo", "ppo", "reinforce-pp", "rloo", "dpo", "spin", "sft", "rm", "prm")

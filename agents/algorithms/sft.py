@@ -409,5 +409,5 @@ def evaluate_policy(policy: Any, task: Any, n: int = 256, num_envs: int = 256, p
 
 
 register("sft", SFTConfig, "supervised fine-tuning on the task's reference solutions",
-         run_fields=frozenset({"save_every", "keep_checkpoints"}), default_model="tiny", data_parallel=True)
+         run_fields=frozenset({"save_every", "keep_checkpoints", "sharding"}), default_model="tiny", data_parallel=True)
 

@@ -68,6 +68,9 @@ class RunConfig:
     """torch CPU threads (None = torch's default)."""
     progress: bool = True
     """Show a progress bar (on a terminal; otherwise a line every 10% of the run)."""
+    sharding: str = "none"
+    """Under torchrun: "none" (every process holds the whole model, gradients all-reduced) or "fsdp2" (policy, critic
+    and reference sharded over the processes with PyTorch's FSDP2; see tokengym.agents.runtime.sharding)."""
 
 
 def run_fields_for() -> dict[str, set[str]]:
@@ -86,7 +89,8 @@ def run_fields(algo: str) -> set[str]:
     return {f.name for f in dataclasses.fields(RunConfig) if f.name not in optional or f.name in own}
 
 # Keys that may differ when resuming; everything else must match the saved config.
-RESUMABLE = {"save_every", "keep_checkpoints", "threads", "progress", "device"}
+RESUMABLE = {"save_every", "keep_checkpoints", "threads", "progress", "device", "sharding"}
+"""(A checkpoint holds full weights whatever the sharding, so a run resumes sharded or not, with any process count.)"""
 
 
 Job = Callable[[str, bool], dict[str, Any]]
@@ -256,7 +260,11 @@ class Trainer:
         from tokengym.agents.runtime import distributed
 
         self.run, self.run_dir, self.agent, self.env, self.total = run, run_dir, agent, env, total
-        self.dp = distributed.prepare(agent, env)  # under torchrun: shard the env batch, rank 0 writes
+        sharded = run.sharding != "none"
+        if not sharded:
+            self.dp = distributed.prepare(agent, env)  # under torchrun: shard the env batch, rank 0 writes
+        else:  # a checkpoint holds full weights and optimiser state: load them first, then shard (see save)
+            self.dp = dataclasses.replace(distributed.DataParallel.current(), sharding=run.sharding)
         self.start_step = 0
         kill = os.environ.get("TOKENGYM_SIGKILL_AFTER_STEP")
         self.kill_at = int(kill) if kill else None
@@ -280,6 +288,8 @@ class Trainer:
             say(f"resuming {run_dir} at step {self.start_step} of {total} ({os.path.basename(ckpt)})", flush=True)
         elif resume:
             say(f"{run_dir} has no checkpoint yet: starting it again from step 0", flush=True)
+        if sharded:
+            self.dp = distributed.prepare(agent, env, sharding=run.sharding, bf16=bool(getattr(agent.config, "bf16", False)))
         # the first step to (re)do: records and TensorBoard events from it on were lost work, about to be redone
         redo = self.start_step + 1 if ckpt is not None else 0
         kept = []
@@ -305,25 +315,41 @@ class Trainer:
 
     def save(self, step: int) -> None:
         state = {"agent": self.agent.state_dict(), "env": self.env.state_dict() if self.env is not None else None}
+        modules = self.agent.checkpoint_modules()
+        if self.dp.sharding != "none":  # every rank gathers the full weights and optimiser state; rank 0 writes them
+            from tokengym.agents.runtime.sharding import FullStateModule, full_state
+
+            modules = {key: FullStateModule(m) for key, m in modules.items()}
+            state = full_state(state)
         if self.dp.distributed:  # every rank takes part: check the ranks agree, collect their RNG states
-            if (bad := self.dp.all_same(self.agent.checkpoint_modules())) is not None:
+            if (bad := self.dp.all_same(modules)) is not None:
                 raise RuntimeError(f"data-parallel ranks diverged at step {step}: {bad} differs from rank 0's")
             state["rank_rng"] = self.dp.all_gather_object(R.rng_state())
             if not self.dp.is_main:
                 return
-        R.save_checkpoint(self.run_dir, step, self.agent.checkpoint_modules(), state, keep=self.run.keep_checkpoints)
+        R.save_checkpoint(self.run_dir, step, modules, state, keep=self.run.keep_checkpoints)
 
     def finish(self) -> None:
         self.progress.close()
         self.save(self.agent.global_step)
-        if self.dp.is_main:
-            save_model(self.agent.policy, self.run_dir)
+        save_model(self.agent.policy, self.run_dir, self.dp)
         self.agent.logger.close()
 
 
-def save_model(model: Any, run_dir: str) -> None:
-    """Write ``run_dir/model`` (``save_pretrained`` format) atomically: a kill mid-write leaves no half-made folder."""
-    R.write_folder_atomic(os.path.join(run_dir, "model"), model.save_pretrained)
+def save_model(model: Any, run_dir: str, dp: Any = None) -> None:
+    """Write ``run_dir/model`` (``save_pretrained`` format) atomically: a kill mid-write leaves no half-made folder.
+
+    With ``dp`` (every rank calls it) rank 0 writes; a sharded policy's full weights are gathered first."""
+    from tokengym.agents.runtime.sharding import full_state, is_sharded, unwrapped
+
+    if dp is not None and is_sharded(model):
+        weights = full_state(dict(model.model.state_dict(keep_vars=True)))
+        if dp.is_main:
+            with unwrapped(model.model):
+                R.write_folder_atomic(os.path.join(run_dir, "model"), lambda path: model.save_pretrained(path, state_dict=weights))
+        return
+    if dp is None or dp.is_main:
+        R.write_folder_atomic(os.path.join(run_dir, "model"), model.save_pretrained)
 
 
 def initial_eval(trainer: Trainer, agent: Any, eval_env: Any, samples: Any) -> None:

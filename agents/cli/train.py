@@ -92,6 +92,7 @@ def resolve(algo: str, values_file: dict[str, Any], values_flags: dict[str, Any]
     except (TypeError, ValueError) as e:
         raise R.UsageError(str(e)) from None
     _check_run(run, algo)
+    _check_sharding(run, algo, cfg)
     if saved:
         changed = [(k, saved[part][k], v) for part, obj in (("run", run), ("config", cfg))
                    for k, v in _jsonable(dataclasses.asdict(obj)).items()
@@ -127,6 +128,29 @@ def _check_run(run: RunConfig, algo: str) -> None:
         check_device(run.device)
     except ValueError as e:
         raise R.UsageError(str(e)) from None
+
+
+def _check_sharding(run: RunConfig, algo: str, cfg: Any = None) -> None:
+    """``--sharding``: a known value; fsdp2 only under torchrun with 2+ processes, on a torch with FSDP2, and not
+    with a setting it cannot serve (one line each, before anything is built or written)."""
+    from tokengym.agents.runtime.sharding import SHARDINGS, unsupported_reason
+
+    if run.sharding not in SHARDINGS:
+        raise R.UsageError(f"invalid sharding={run.sharding!r}; choose one of {', '.join(SHARDINGS)}")
+    if run.sharding == "none":
+        return
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        raise R.UsageError(f"--sharding {run.sharding} shards the model over the processes of a torchrun launch, and this "
+                           "is a single process: run `torchrun --nproc_per_node=K -m tokengym.agents.cli train ...` with "
+                           "K >= 2, or drop --sharding")
+    if (why := unsupported_reason()) is not None:
+        raise R.UsageError(f"--sharding {run.sharding}: {why}")
+    if cfg is not None and getattr(cfg, "reset_ref", False):
+        raise R.UsageError(f"--sharding {run.sharding} cannot reset the reference model (reset_ref): its copy of the "
+                           "sharded policy is not supported yet; drop --reset-ref or --sharding")
+    if cfg is not None and getattr(cfg, "share_trunk", False):
+        raise R.UsageError(f"--sharding {run.sharding} cannot share the policy's trunk with the critic (share_trunk): "
+                           "the two would be sharded twice; drop --share-trunk or --sharding")
 
 
 def _jsonable(d: dict[str, Any]) -> dict[str, Any]:

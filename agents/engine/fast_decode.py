@@ -55,6 +55,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokengym.agents.runtime.sharding import unwrapped_class
+
 __all__ = ["StaticDecoder", "unsupported_reason"]
 
 _PACK_MIN_NUMEL = 1 << 17
@@ -113,7 +115,7 @@ def unsupported_reason(model: nn.Module, width: int | None = None) -> str | None
     model, why = _unwrap_lora(model)
     if why is not None:
         return why
-    name = type(model).__name__
+    name = unwrapped_class(model).__name__  # an FSDP2-wrapped model decodes from its gathered weights
     if name not in _ARCHS:
         return f"{name} is not one of {sorted(_ARCHS)}"
     cfg = model.config

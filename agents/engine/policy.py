@@ -187,10 +187,11 @@ class Policy(nn.Module):
         model, tok = load_model(name_or_path, device=device, dtype=dtype)
         return cls(model, tok, **kwargs)
 
-    def save_pretrained(self, path: str) -> None:
-        """Write the model (safetensors) and tokenizer to ``path``."""
+    def save_pretrained(self, path: str, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        """Write the model (safetensors) and tokenizer to ``path`` (``state_dict``: these weights instead of the
+        model's own, e.g. the full weights of a sharded model)."""
         with quiet_transformers():
-            self.model.save_pretrained(path, safe_serialization=True)
+            self.model.save_pretrained(path, safe_serialization=True, **({} if state_dict is None else {"state_dict": state_dict}))
         self.tokenizer.save_pretrained(path)
 
     @property

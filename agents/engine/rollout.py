@@ -20,6 +20,7 @@ import torch
 
 from tokengym.agents.engine.resources import check_fits
 from tokengym.agents.engine.sampler import SamplerCapabilities, capabilities_of
+from tokengym.agents.runtime.sharding import full_weights
 
 __all__ = ["Rollout", "collect", "collect_episodes", "evaluate", "heldout_samples", "turn_metrics", "used_columns", "used_slice", "trimmed_logprobs"]
 
@@ -279,13 +280,14 @@ def _capabilities(env, policy, width: int) -> SamplerCapabilities:
 def _rollout(policy, caps: SamplerCapabilities, greedy: bool) -> Iterator[None]:
     """A rollout's span: its sampling-stream key is drawn at the start (only for per-row streams, and not for greedy
     decoding, which draws nothing, so evaluating leaves the training stream alone); the policy's cache is freed at
-    the end."""
-    try:
-        if not greedy and caps.row_streams:
-            policy.begin_rollout()
-        yield
-    finally:
-        policy.end_rollout()
+    the end. An FSDP2-sharded policy decodes from its weights gathered once for the whole rollout."""
+    with full_weights(policy):
+        try:
+            if not greedy and caps.row_streams:
+                policy.begin_rollout()
+            yield
+        finally:
+            policy.end_rollout()
 
 
 def _run_episodes(env, policy, greedy: bool, seed: int | None, samples: list | None, compact: bool = True,

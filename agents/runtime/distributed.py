@@ -64,6 +64,8 @@ class DataParallel:
     """Number of processes (K)."""
     distributed: bool = False
     """Launched under torch.distributed (shared prompt and sampling streams); False = a plain run."""
+    sharding: str = "none"
+    """``fsdp2``: the modules are sharded (:mod:`~tokengym.agents.runtime.sharding`), FSDP2 reduces the gradients."""
 
     @property
     def is_main(self) -> bool:
@@ -134,8 +136,9 @@ class DataParallel:
 
     # ------------------------------------------------------------------ gradients and statistics
     def sync_gradients(self, params: Iterable[torch.nn.Parameter]) -> None:
-        """Sum the gradients over ranks in place (each rank's loss is already weighted by its share)."""
-        if not self._comm:
+        """Sum the gradients over ranks in place (each rank's loss is already weighted by its share). Sharded
+        modules' gradients are summed by FSDP2's reduce-scatter in backward already."""
+        if not self._comm or self.sharding != "none":
             return
         grads = [p.grad for p in params if p.grad is not None]
         for dtype in sorted({g.dtype for g in grads}, key=str):  # one flat buffer per dtype
@@ -167,8 +170,9 @@ class DataParallel:
         return {k: out[k] if k in out else maxima[k] for k in stats}
 
     def all_same(self, modules: dict[str, torch.nn.Module]) -> str | None:
-        """None when every rank holds bit-identical weights, else the name of the first tensor that differs."""
-        if not self._comm:
+        """None when every rank holds bit-identical weights, else the name of the first tensor that differs
+        (sharded modules: None, each rank holds its own shard)."""
+        if not self._comm or self.sharding != "none":
             return None
         for name, module in modules.items():
             tensors = module.state_dict()
@@ -294,19 +298,28 @@ class ShardedTask:
         return getattr(self.task, name)
 
 
-def prepare(agent: Any, env: Any = None, dp: DataParallel | None = None) -> DataParallel:
+def prepare(agent: Any, env: Any = None, dp: DataParallel | None = None, sharding: str = "none",
+            bf16: bool = False) -> DataParallel:
     """Make ``agent`` (and its rollout ``env``) data-parallel under the current process group.
 
     Sets ``agent.dp``, copies rank 0's weights of ``agent.checkpoint_modules()`` to every rank, and for
     an env shards its prompt stream (:class:`ShardedTask`) and numbers the policy's rows globally (``row_offset``).
+    ``sharding="fsdp2"`` then shards those modules and points the agent's optimiser step at the shards
+    (:func:`~tokengym.agents.runtime.sharding.shard`; ``bf16``: FSDP2's bfloat16 mixed precision).
     A plain run (no process group) is left as it is.
     """
     dp = dp or DataParallel.current()
     if not dp.distributed:
         return dp
+    dp = dataclasses.replace(dp, sharding=sharding)
     agent.dp = dp
-    for module in agent.checkpoint_modules().values():
+    modules = agent.checkpoint_modules()
+    for module in modules.values():
         dp.broadcast_module(module)
+    if sharding == "fsdp2":
+        from tokengym.agents.runtime.sharding import shard
+
+        shard(modules, [agent.optim], device=agent.policy.device, bf16=bf16)
     if env is not None:
         env.task = ShardedTask(env.task, dp.rank, dp.world_size)
         agent.policy.row_offset = dp.rank * env.num_envs  # this rank's rows in the global batch

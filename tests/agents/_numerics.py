@@ -130,14 +130,25 @@ class RecordedSteps:
         return torch.load(path, weights_only=True)
 
 
-def record_to(folder: str):
+def _full(grad: torch.Tensor | None) -> torch.Tensor | None:
+    """A gradient as one tensor: an FSDP2 shard (DTensor) gathered from every rank (each rank must call it)."""
+    if grad is None:
+        return None
+    full = getattr(grad, "full_tensor", None)
+    return (full() if full is not None else grad).detach().clone()
+
+
+def record_to(folder: str, save: bool = True):
     """Save the gradients of every optimiser step in this process to ``folder/NNNNNN.pt`` (each file appears
-    complete: written under another name, then renamed); returns the hook's handle."""
+    complete: written under another name, then renamed); returns the hook's handle. Every rank of a sharded run
+    installs it (gathering a sharded gradient takes them all); only the one with ``save`` writes."""
     os.makedirs(folder, exist_ok=True)
     count = [0]
 
     def hook(optimizer, args, kwargs):
-        grads = [None if p.grad is None else p.grad.detach().clone() for p in _params(optimizer)]
+        grads = [_full(p.grad) for p in _params(optimizer)]
+        if not save:
+            return
         path = os.path.join(folder, f"{count[0]:06d}.pt")
         torch.save(grads, path + ".tmp")
         os.replace(path + ".tmp", path)
@@ -164,11 +175,65 @@ def assert_gradients_match(diffs, n_steps: int, n_terms: int, what: str = "", sa
     return worst
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def two_against_one(root, worker: str, two: list[list[str]], one: list[list[str]], main) -> list[list]:
+    """Run the command lines ``two`` in a 2-process ``torchrun`` of ``worker`` (rank 0 records every optimiser
+    step's gradients under ``root/grads``) and ``one`` in this process as a 1-process torch.distributed job in
+    lockstep with it (``main``: the CLI's entry point); return each command's gradient diffs (see
+    :class:`Lockstep`). The 2-process run's output is in ``root/two.log``."""
+    import json
+    import shutil
+    import subprocess
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    log = open(root / "two.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
+         f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-backend=c10d", __file__, str(root / "grads"), worker,
+         str(root / "two"), json.dumps(two)],
+        env=env, stdout=log, stderr=subprocess.STDOUT, text=True)  # a file, not a pipe: nothing blocks on a full pipe
+    threads = torch.get_num_threads()
+    saved = {k: os.environ.get(k) for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    os.environ.update(WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    recorded = RecordedSteps(str(root / "grads"), producer=proc)  # each step waits for the 2-process run's
+    diffs = []
+    try:
+        with Lockstep(replay=recorded) as lockstep:
+            for argv in one:
+                start = len(lockstep.diffs)
+                assert main(argv) == 0
+                diffs.append(lockstep.diffs[start:])
+        proc.wait(timeout=300)
+    except BaseException:
+        proc.terminate()  # torchrun passes SIGTERM on to its workers
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        raise
+    finally:
+        log.close()
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        torch.set_num_threads(threads)
+    assert proc.returncode == 0, (root / "two.log").read_text()[-4000:]
+    assert len(recorded) == sum(len(d) for d in diffs)  # no optimizer step of the 2-process run left over
+    shutil.rmtree(root / "grads")  # ~100 MB of gradients, compared already
+    return diffs
+
+
 if __name__ == "__main__":
     import runpy
 
     record_dir, script, *script_args = sys.argv[1:]
-    if os.environ.get("RANK", "0") == "0":  # the ranks hold the same (all-reduced) gradients: one saves them
-        record_to(record_dir)
+    # the ranks hold the same (all-reduced, or gathered from FSDP2's shards) gradients: one saves them
+    record_to(record_dir, save=os.environ.get("RANK", "0") == "0")
     sys.argv = [script, *script_args]
     runpy.run_path(script, run_name="__main__")

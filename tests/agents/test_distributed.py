@@ -17,10 +17,6 @@ import importlib.util
 import json
 import os
 import pathlib
-import shutil
-import socket
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -53,12 +49,6 @@ RUNS = {  # name -> command line (GRPO with minibatches, batch scaling and token
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _commands(runs_dir: str) -> list[list[str]]:
     return [argv + ["--runs-dir", runs_dir, "--name", name] for name, argv in RUNS.items()]
 
@@ -83,41 +73,8 @@ def runs(tmp_path_factory):
     holds, per optimizer step of that run, how its gradients differed, see ``_numerics.Lockstep``)."""
     root = tmp_path_factory.mktemp("dist")
     worker = os.path.join(os.path.dirname(__file__), "dist_worker.py")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    log = open(root / "two.log", "w")
-    two = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
-         f"--rdzv-endpoint=127.0.0.1:{_free_port()}", "--rdzv-backend=c10d", str(NUMERICS), str(root / "grads"), worker,
-         str(root / "two"), json.dumps(_commands(str(root / "two")))],
-        env=env, stdout=log, stderr=subprocess.STDOUT, text=True)  # a file, not a pipe: nothing blocks on a full pipe
-    threads = torch.get_num_threads()
-    saved = {k: os.environ.get(k) for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    os.environ.update(WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    recorded = numerics.RecordedSteps(str(root / "grads"), producer=two)  # each step waits for the 2-process run's
-    diffs = {}
-    try:
-        with numerics.Lockstep(replay=recorded) as lockstep:
-            for name, argv in zip(RUNS, _commands(str(root / "one"))):
-                start = len(lockstep.diffs)
-                assert main(argv) == 0
-                diffs[name] = lockstep.diffs[start:]
-        two.wait(timeout=300)
-    except BaseException:
-        two.terminate()  # torchrun passes SIGTERM on to its workers
-        try:
-            two.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            two.kill()
-        raise
-    finally:
-        log.close()
-        for k, v in saved.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-        torch.set_num_threads(threads)
-    assert two.returncode == 0, (root / "two.log").read_text()[-4000:]
-    assert len(recorded) == sum(len(d) for d in diffs.values())  # no optimizer step of the 2-process run left over
-    shutil.rmtree(root / "grads")  # ~100 MB of gradients, compared already
-    return root / "two", root / "one", diffs
+    diffs = numerics.two_against_one(root, worker, _commands(str(root / "two")), _commands(str(root / "one")), main)
+    return root / "two", root / "one", dict(zip(RUNS, diffs))
 
 
 @pytest.mark.parametrize("name", list(RUNS))
