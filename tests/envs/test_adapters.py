@@ -120,13 +120,17 @@ def test_textarena_guess_the_number():
     target = game.game_number
     wrong = 1 if target != 1 else 2
     env = play(task, [f"[{wrong}]", f"[{target}]"], seed=0)
-    assert bool(env.terminated[0]) and "higher" in env.history[0][1] or "lower" in env.history[0][1]
+    assert bool(env.terminated[0]) and env.history[0][1].strip() in ("The target number is higher.", "The target number is lower.")
     assert float(env.turn_rewards[0].sum()) == 1.0  # TextArena's reward for a found number
     assert_replies_are_context(env)
     grpo_two_steps(task)
 
 
-def test_adapters_name_the_missing_or_wrong_env():
+def test_adapters_name_the_missing_extra_or_the_wrong_env():
+    from tokengym.envs.adapters.episodes import require
+
+    with pytest.raises(ImportError, match=r"^GEMTask needs the 'no_such_lib' package: pip install 'tokengym\[gem\]'$"):
+        require("no_such_lib", "gem", "GEMTask")
     pytest.importorskip("textarena")
     from tokengym.envs.adapters import TextArenaTask
 
