@@ -6,6 +6,7 @@ Importing this package registers every ``tokengym/<Task>-v0`` id for ``gymnasium
 the agent mid-episode (:meth:`Task.respond`, :class:`Reply`; see :mod:`tokengym.envs.multiturn`).
 """
 
+from tokengym.envs.check import check_task
 from tokengym.envs.checker import check_vector_env
 from tokengym.envs.multiturn import Reply
 from tokengym.envs.registration import ENV_GUIDE, ENV_IDS, register_envs
@@ -25,6 +26,7 @@ __all__ = [
     "TokenEnv",
     "TokenVectorEnv",
     "char_tokenizer",
+    "check_task",
     "check_tokenizer",
     "check_vector_env",
     "load_tokenizer",

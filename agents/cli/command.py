@@ -51,27 +51,10 @@ def _cmd_envs(args: argparse.Namespace) -> int:
     return 0
 
 
-def scripted_rollout(env, policy: str, generator: torch.Generator) -> None:
-    """Run one lockstep batch of ``env`` (already reset) to the end with a scripted policy."""
-    tok = env.tokenizer
-    if policy == "reference":  # a multi-turn solution: only the agent's turns (the env writes its replies)
-        plans = [[t for turn in (s["solution_turns"][::2] if s.get("solution_turns") else [s.get("solution", "")])
-                  for t in tok(turn, add_special_tokens=False)["input_ids"]] + [tok.eos_token_id] for s in env.samples]
-        pos = torch.zeros(env.num_envs, dtype=torch.long)
-    for _ in range(env.max_new_tokens):
-        if policy == "reference":
-            acts = torch.tensor([p[k] if k < len(p) else tok.eos_token_id for p, k in zip(plans, pos.tolist())], device=env.device)
-            pos += (~(env.done | getattr(env, "waiting", env.done))).long().cpu()  # rows whose action the env takes
-        else:
-            acts = torch.randint(0, env.vocab_size, (env.num_envs,), generator=generator).to(env.device)
-        env.step(acts)
-        if bool(env.done.all()):
-            break
-
-
 def _cmd_sample(args: argparse.Namespace) -> int:
     from tokengym.agents.runtime import runs as R
     from tokengym.agents.cli.runner import RunConfig, load_policy, make_env, resolve_env_id
+    from tokengym.envs.check import scripted_rollout
 
     run = RunConfig()
     if args.run is not None:  # the run's env, task arguments and imports; its final model unless --model says otherwise
