@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import signal
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable

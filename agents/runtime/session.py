@@ -11,7 +11,6 @@ See :mod:`tokengym.agents.runtime.runs` for the folder's layout and guarantees.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import sys
