@@ -6,11 +6,12 @@ Importing this package registers every ``tokengym/<Task>-v0`` id for ``gymnasium
 the agent mid-episode (:meth:`Task.respond`, :class:`Reply`; see :mod:`tokengym.envs.multiturn`).
 """
 
+from tokengym.envs.check import check_task
 from tokengym.envs.checker import check_vector_env
 from tokengym.envs.multiturn import Reply
 from tokengym.envs.registration import ENV_GUIDE, ENV_IDS, register_envs
 from tokengym.envs.tasks.base import Task
-from tokengym.envs.tasks.registry import register_task, unregister_task
+from tokengym.envs.tasks.registry import import_modules, load_entry_points, register_task, resolve_env, unregister_task
 from tokengym.envs.token_env import TokenEnv
 from tokengym.envs.tokenizer import char_tokenizer, check_tokenizer, load_tokenizer
 from tokengym.envs.vector_env import TokenVectorEnv, resolve_task
@@ -25,11 +26,15 @@ __all__ = [
     "TokenEnv",
     "TokenVectorEnv",
     "char_tokenizer",
+    "check_task",
     "check_tokenizer",
     "check_vector_env",
     "load_tokenizer",
     "register_envs",
+    "import_modules",
+    "load_entry_points",
     "register_task",
+    "resolve_env",
     "resolve_task",
     "unregister_task",
 ]

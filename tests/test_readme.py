@@ -64,6 +64,15 @@ def check_recipes(out: str) -> None:
     assert grpo[0] == sft[1] and grpo[1] >= min(grpo[0] + 20.0, 98.0), grpo
 
 
+def check_own_task(out: str) -> None:
+    sft, grpo = _percent_pair(out)
+    assert sft[0] == 0.0 and sft[1] >= 40.0, sft  # README: 0.0% -> 73.4% (stops at the first eval >= 40%)
+    assert grpo[0] == sft[1] and grpo[1] >= min(grpo[0] + 5.0, 95.0), grpo  # README: 73.4% -> 86.7%
+    greedy = float(re.search(r"^greedy\s+([\d.]+)%", out, re.M)[1])
+    assert greedy == grpo[1], (greedy, grpo)  # eval --run made the run's own env (mytask:SortLetters) again
+    assert "runs/grpo-sort/plots/accuracy.png" in out, out[-2000:]
+
+
 def check_agents(out: str) -> None:
     before = float(re.search(r"^before ([\d.]+)$", out, re.M)[1])
     after = float(re.search(r"^after ([\d.]+)$", out, re.M)[1])
@@ -104,7 +113,8 @@ def check_printed_claims(code: str, stdout: str) -> None:
         assert found, f"the README says this block prints {claim}, but it printed:\n{stdout[-2000:]}"
 
 
-CHECKS = {"tool_env": check_tool_env, "calculator": check_calculator, "first-run": check_first_run, "recipes": check_recipes, "agents": check_agents, "prm": check_prm}
+CHECKS = {"tool_env": check_tool_env, "calculator": check_calculator, "first-run": check_first_run, "recipes": check_recipes, "agents": check_agents, "prm": check_prm,
+          "own-task": check_own_task}
 
 
 def _params():

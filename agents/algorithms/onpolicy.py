@@ -29,7 +29,12 @@ from tokengym.agents.engine.policy import make_reference
 from tokengym.agents.engine.resources import check_fits
 from tokengym.agents.engine.rollout import Rollout, collect, evaluate, trimmed_logprobs, used_slice
 
-__all__ = ["OnPolicyAgent", "OnPolicyConfig", "Minibatch"]
+__all__ = ["OnPolicyAgent", "OnPolicyConfig", "Minibatch", "both"]
+
+
+def both(first: Callable, then: Callable | None) -> Callable:
+    """A step callback calling ``first`` then ``then`` (if any); ``False`` from either stops the run."""
+    return first if then is None else (lambda record: first(record) is not False and then(record) is not False)
 
 
 @dataclass
@@ -302,14 +307,29 @@ class OnPolicyAgent:
         return [self.config.aggregation]
 
     def learn(self, env, eval_env=None, eval_samples: list | None = None,
-              callback: Callable[[dict[str, float]], Any] | None = None) -> list[dict[str, float]]:
+              callback: Callable[[dict[str, float]], Any] | None = None, *, run_dir: str | None = None,
+              resume: bool = False, save_every: int = 10) -> list[dict[str, float]]:
         """Train on ``env``; return the records logged.
 
         ``callback(record)`` is called once per step; returning ``False`` stops after that step. The first call
         after :meth:`load_state_dict` runs only the rest of the interrupted schedule. With ``eval_env``
         (group_size 1) and ``eval_samples`` (e.g. :func:`heldout_samples`), greedy held-out accuracy is logged
-        every ``eval_every`` steps and after the last step.
+        every ``eval_every`` steps and after the last step (and before the first, with ``run_dir``).
+
+        ``run_dir``: write the folder ``tokengym train`` writes (``config.json``, ``metrics.jsonl``, checkpoints every
+        ``save_every`` steps, ``model/``), so that ``tokengym eval/plot/sample --run`` work on it. A folder that is
+        not empty is refused unless ``resume=True``, which continues it from its newest checkpoint as ``--resume``
+        does (and starts it when it does not exist yet).
         """
+        if run_dir is not None:
+            from tokengym.agents.algorithms.registry import name_of
+            from tokengym.agents.runtime.session import RunSettings, jsonable, python_run, run_in_folder
+
+            settings = RunSettings(save_every=save_every)
+            config = {"algorithm": name_of(type(self)), "preset": None, "config": jsonable(asdict(self.config)),
+                      "run": python_run(env, self.policy, eval_samples, settings)}
+            return run_in_folder(run_dir, resume, config, self, env, self.total_steps, settings=settings,
+                                 body=lambda trainer: self.train_in_folder(trainer, env, eval_env, eval_samples, callback))
         cfg = self.config
         self.check_env(env)
         if self.global_step == 0:
@@ -332,6 +352,16 @@ class OnPolicyAgent:
         if evaluating and not (cfg.eval_every and self.global_step % cfg.eval_every == 0):
             self.logger.log(self.global_step, self.evaluate(eval_env, eval_samples))
         return self.logger.history[start:]
+
+    def train_in_folder(self, trainer, env, eval_env=None, eval_samples: list | None = None,
+                        callback: Callable[[dict[str, float]], Any] | None = None) -> None:
+        """The run in its folder (``tokengym train`` and ``learn(run_dir=...)``): held-out metrics at step 0 of a new
+        run, :meth:`learn` with the trainer's checkpoints, then the final checkpoint and ``model/``."""
+        from tokengym.agents.runtime.session import initial_eval
+
+        initial_eval(trainer, self, eval_env, eval_samples, evaluate)
+        self.learn(env, eval_env, eval_samples, callback=both(trainer.callback, callback))
+        trainer.finish()
 
     def evaluate(self, eval_env, samples: list) -> dict[str, float]:
         """Greedy held-out metrics of ``samples`` (``eval/accuracy``, ...)."""

@@ -15,7 +15,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-__all__ = ["Algorithm", "register", "algorithms", "ON_POLICY_RUN_FIELDS"]
+__all__ = ["Algorithm", "register", "algorithms", "name_of", "ON_POLICY_RUN_FIELDS"]
 
 ON_POLICY_RUN_FIELDS = frozenset({"prompts", "group_size", "temperature", "reward_model", "prm_model", "save_every",
                                   "keep_checkpoints", "sharding"})
@@ -75,3 +75,11 @@ def algorithms() -> dict[str, Algorithm]:
         importlib.import_module(f"{package.__name__}.{info.name}")
     rank = {name: i for i, name in enumerate(ORDER)}
     return dict(sorted(_REGISTRY.items(), key=lambda kv: rank.get(kv[0], len(ORDER))))
+
+
+def name_of(cls: type) -> str:
+    """The registered name of an agent or learner class (``GRPOAgent`` -> ``"grpo"``), for a run's ``config.json``."""
+    for name, spec in algorithms().items():
+        if spec.agent is cls:
+            return name
+    return cls.__name__

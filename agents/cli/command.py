@@ -2,10 +2,14 @@
 
     tokengym train grpo|ppo|dpo|sft|rm|prm [--config F.toml] [--key value ...] [--resume runs/NAME]
     tokengym eval --run runs/NAME | --model M [--env ID]   held-out accuracy and mean reward, as a table
-    tokengym sample [--env ID] [--model M] [...]           completions with their rewards and step scores
+    tokengym sample [--run R | --env ID] [--model M] [...]  completions with their rewards and step scores
     tokengym plot runs/NAME                                 PNG learning curves from the run's metrics
     tokengym envs                                           list the registered environment ids
     tokengym convert FILE.gguf|smollm2-135m-instruct [--out DIR]   a GGUF model as a save_pretrained folder
+
+``--env`` takes a registered id, ``module:Class`` (a Task class of your own) or ``module:EnvId-v0``; ``--import
+MODULE`` (repeatable) imports modules first. A run records both, so ``--resume``, ``eval --run`` and ``sample --run``
+make the same env again.
 
 Bad input (unknown env id, model, config key or run folder, a mistyped value, an incompatible resume)
 is one line on stderr and exit code 2; nothing is overwritten.
@@ -31,8 +35,9 @@ __all__ = ["main"]
 def _cmd_envs(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from tokengym.envs import ENV_GUIDE, ENV_IDS, resolve_task
+    from tokengym.envs import ENV_GUIDE, ENV_IDS, load_entry_points, resolve_task
 
+    load_entry_points()  # installed packages' tasks too
     for env_id, (task, desc) in ENV_IDS.items():
         fmt, fits = ENV_GUIDE.get(env_id, ("", ""))
         print(f"{env_id}  {desc}")
@@ -46,31 +51,27 @@ def _cmd_envs(args: argparse.Namespace) -> int:
     return 0
 
 
-def scripted_rollout(env, policy: str, generator: torch.Generator) -> None:
-    """Run one lockstep batch of ``env`` (already reset) to the end with a scripted policy."""
-    tok = env.tokenizer
-    if policy == "reference":  # a multi-turn solution: only the agent's turns (the env writes its replies)
-        plans = [[t for turn in (s["solution_turns"][::2] if s.get("solution_turns") else [s.get("solution", "")])
-                  for t in tok(turn, add_special_tokens=False)["input_ids"]] + [tok.eos_token_id] for s in env.samples]
-        pos = torch.zeros(env.num_envs, dtype=torch.long)
-    for _ in range(env.max_new_tokens):
-        if policy == "reference":
-            acts = torch.tensor([p[k] if k < len(p) else tok.eos_token_id for p, k in zip(plans, pos.tolist())], device=env.device)
-            pos += (~(env.done | getattr(env, "waiting", env.done))).long().cpu()  # rows whose action the env takes
-        else:
-            acts = torch.randint(0, env.vocab_size, (env.num_envs,), generator=generator).to(env.device)
-        env.step(acts)
-        if bool(env.done.all()):
-            break
-
-
 def _cmd_sample(args: argparse.Namespace) -> int:
     from tokengym.agents.runtime import runs as R
-    from tokengym.agents.cli.runner import RunConfig, load_policy, make_env
+    from tokengym.agents.cli.runner import RunConfig, load_policy, make_env, resolve_env_id
+    from tokengym.envs.check import scripted_rollout
 
-    run = RunConfig(env=args.env, model=args.model)
+    run = RunConfig()
+    if args.run is not None:  # the run's env, task arguments and imports; its final model unless --model says otherwise
+        saved = R.read_run_config(args.run)["run"]
+        R.apply_overrides({"run": run}, {k: saved[k] for k in ("env", "env_kwargs", "imports") if k in saved},
+                          f"{args.run}/config.json")
+        final = os.path.join(args.run, "model")
+        if args.model is None and os.path.isdir(final):
+            args.model = final
+    run.model = args.model
+    if args.env:
+        run.env = args.env
     if args.env_kwargs:
         run.env_kwargs = R.parse_value("env_kwargs", dict, args.env_kwargs)
+    if args.imports:
+        run.imports = [*(run.imports or []), *args.imports]
+    resolve_env_id(run)  # a bad env is one line before the model loads
     policies = args.policy or (["model"] if args.model else ["random", "reference"])
     if "model" in policies and not args.model:
         raise R.UsageError("--policy model needs --model (a preset, shipped checkpoint or local folder)")
@@ -94,7 +95,7 @@ def _cmd_sample(args: argparse.Namespace) -> int:
             env.reset(seed=args.seed)
             scripted_rollout(env, policy, gen)
         name = f"{policy} ({args.model}, {'greedy' if args.greedy else f'T={model.temperature:g}'})" if policy == "model" else policy
-        print(f"== policy: {name}   env: {args.env}")
+        print(f"== policy: {name}   env: {run.env}")
         for i in range(env.num_envs):
             prompt = env.samples[i]["prompt"].strip().replace("\n", " | ")
             completion = (env.completions[i] or "").replace("\n", " | ")
@@ -109,7 +110,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from tokengym.agents.runtime import runs as R
     from tokengym.agents.engine.resources import check_device
     from tokengym.agents.engine.rollout import evaluate, heldout_samples
-    from tokengym.agents.cli.runner import RunConfig, checked_env, load_policy
+    from tokengym.agents.cli.runner import RunConfig, checked_env, load_policy, resolve_env_id
 
     run, model = RunConfig(), args.model
     if args.run is None and args.model is None:
@@ -133,6 +134,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         run.env = args.env
     if args.env_kwargs:
         run.env_kwargs = R.parse_value("env_kwargs", dict, args.env_kwargs)
+    if args.imports:
+        run.imports = [*(run.imports or []), *args.imports]
+    resolve_env_id(run)  # a bad env is one line before the model loads
     if args.prompts < 1 or args.samples < 0:
         raise R.UsageError("--prompts must be >= 1 and --samples >= 0")
     policy = load_policy(run, args.seed)
@@ -201,6 +205,9 @@ def _add_fields(parser: argparse.ArgumentParser, cls: type, title: str, seen: se
         flag = "--" + f.name.replace("_", "-")
         text = f"{docs.get(f.name, '')} (default: {default})".replace("%", "%%")
         kw: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": text}
+        if f.name == "imports":  # a list given one flag at a time
+            _add_import_flag(group, default=argparse.SUPPRESS)
+            continue
         if f.type in ("bool", bool):
             kw.update(nargs="?", const="true", metavar="BOOL")
         else:
@@ -210,6 +217,11 @@ def _add_fields(parser: argparse.ArgumentParser, cls: type, title: str, seen: se
             if rename.new == f.name and old not in seen:
                 seen.add(old)
                 group.add_argument("--" + old.replace("_", "-"), **{**kw, "dest": old, "help": argparse.SUPPRESS})
+
+
+def _add_import_flag(parser: Any, **kw: Any) -> None:
+    parser.add_argument("--import", dest="imports", action="append", metavar="MODULE", help="import MODULE before the "
+                        "env is made, e.g. one that registers env ids or tasks (repeatable)", **kw)
 
 
 def _train_parser(sub: Any) -> None:
@@ -271,8 +283,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = sub.add_parser("eval", help="greedy and sampled held-out accuracy and mean reward of a run or model")
     p.add_argument("--run", help="a run folder (its final model, else its latest checkpoint; env from its config)")
     p.add_argument("--model", help="preset, shipped checkpoint or local folder (instead of --run)")
-    p.add_argument("--env", help="env id (default: the run's, else tokengym/Arithmetic-v0)")
+    p.add_argument("--env", help="env id or module:Class (default: the run's, else tokengym/Arithmetic-v0)")
     p.add_argument("--env-kwargs", help="task arguments as JSON (default: the run's)")
+    _add_import_flag(p)
     p.add_argument("--prompts", type=int, default=256, help="held-out prompts (default: 256)")
     p.add_argument("--samples", type=int, default=4, help="sampled completions per prompt for sampled accuracy (0 = skip)")
     p.add_argument("--seed", type=int, default=0)
@@ -290,11 +303,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = sub.add_parser("envs", help="list registered environment ids")
     p.set_defaults(fn=_cmd_envs)
     p = sub.add_parser("sample", help="roll out a scripted policy and print completions with their rewards")
-    p.add_argument("--env", default="tokengym/Arithmetic-v0", help="registered env id")
+    p.add_argument("--run", help="a run folder: its env (and task arguments and imports) and its final model")
+    p.add_argument("--env", help="env id or module:Class (default: the run's, else tokengym/Arithmetic-v0)")
     p.add_argument("--num", type=int, default=4, help="number of episodes")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", help="sample from this model (preset, shipped checkpoint or local folder, e.g. runs/NAME/model)")
-    p.add_argument("--env-kwargs", help="task arguments as JSON (default: Arithmetic-v0 uses the shipped checkpoint's task)")
+    p.add_argument("--env-kwargs", help="task arguments as JSON (default: the run's; Arithmetic-v0 uses the shipped "
+                   "checkpoint's task)")
+    _add_import_flag(p)
     p.add_argument("--greedy", action="store_true", help="greedy decoding for --model (default: sample)")
     p.add_argument("--policy", nargs="+", choices=["model", "reference", "random"], default=None,
                    help="default: model with --model, else random then reference")

@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import signal
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from tokengym.agents.runtime import runs as R
+from tokengym.agents.runtime.session import Progress, Trainer, save_model, summary
 from tokengym.agents.algorithms.registry import algorithms
 
 __all__ = ["RunConfig", "Job", "Trainer", "Progress", "algorithms", "make_env", "checked_env",
            "load_policy", "eval_setup", "learned_rewards", "phase_progress", "save_model", "initial_eval", "summary", "make_agent",
-           "build_on_policy", "run_fields", "run_fields_for", "first_line"]
+           "build_on_policy", "run_fields", "run_fields_for", "first_line", "resolve_env_id"]
 
 
 @dataclass
@@ -26,7 +26,9 @@ class RunConfig:
     """Settings of a training run shared by every algorithm (the algorithm's own config holds the rest)."""
 
     env: str = "tokengym/Arithmetic-v0"
-    """Registered env id (``tokengym envs`` lists them)."""
+    """Env id (``tokengym envs`` lists them), or your own: ``module:Class`` (a Task class) or ``module:EnvId-v0``."""
+    imports: list[str] | None = None
+    """Modules to import before the env is made (``--import MODULE``, repeatable), e.g. one that registers env ids."""
     env_kwargs: dict | None = None
     """Task/env arguments as a TOML table or JSON object; None = the env's defaults (Arithmetic-v0's are the shipped checkpoint's task: 2-3 operands, 2 digits, '+')."""
     model: str | None = None
@@ -102,18 +104,24 @@ def env_kwargs(run: RunConfig) -> dict[str, Any]:
     return dict(run.env_kwargs or {})
 
 
+def resolve_env_id(run: RunConfig) -> str:
+    """The Gymnasium id of the run's ``env`` (a registered id, ``module:Class`` or ``module:EnvId-v0``, after its
+    ``imports``); a bad one is a :class:`~tokengym.agents.runtime.runs.UsageError`."""
+    from tokengym.envs import resolve_env
+
+    try:
+        return resolve_env(run.env, run.imports or ())
+    except ValueError as e:
+        raise R.UsageError(first_line(e)) from None
+
+
 def make_env(run: RunConfig, num_envs: int, group_size: int = 1, tokenizer: Any = None, **extra: Any):
     """The run's vector env (raises :class:`~tokengym.agents.runtime.runs.UsageError` for a bad id or arguments)."""
     import gymnasium as gym
 
-    import tokengym.envs  # noqa: F401  (registers the ids)
-
-    if run.env not in gym.registry:
-        from tokengym.envs import ENV_IDS
-
-        raise R.UsageError(f"unknown env id {run.env!r}; registered: {', '.join(ENV_IDS)}")
+    env_id = resolve_env_id(run)
     try:
-        return gym.make_vec(run.env, num_envs=num_envs, vectorization_mode="vector_entry_point", group_size=group_size,
+        return gym.make_vec(env_id, num_envs=num_envs, vectorization_mode="vector_entry_point", group_size=group_size,
                             device=run.device, tokenizer=tokenizer, **env_kwargs(run), **extra)
     except (TypeError, ValueError, OSError, ImportError) as e:
         raise R.UsageError(f"cannot build env {run.env} with {env_kwargs(run)}: {first_line(e)}") from None
@@ -185,6 +193,14 @@ def eval_setup(run: RunConfig, tokenizer: Any):
         raise R.UsageError(f"held-out evaluation: {e}") from None
 
 
+def initial_eval(trainer: Trainer, agent: Any, eval_env: Any, samples: Any) -> None:
+    """Held-out greedy metrics at step 0 of a new run (:func:`tokengym.agents.runtime.session.initial_eval`)."""
+    from tokengym.agents.engine.rollout import evaluate
+    from tokengym.agents.runtime import session
+
+    session.initial_eval(trainer, agent, eval_env, samples, evaluate)
+
+
 def learned_rewards(run: RunConfig, process: bool) -> dict[str, Any]:
     """Env arguments for the run's rewards: a learned RM (``reward=``; a sequence classifier or a likelihood RM,
     whichever the folder holds) and the process reward when asked for."""
@@ -205,40 +221,6 @@ def learned_rewards(run: RunConfig, process: bool) -> dict[str, Any]:
     return out
 
 
-class Progress:
-    """A tqdm bar on a terminal, else a plain line every ~10% of the run; shows the key metrics, each the latest
-    logged (``eval_acc`` is the last held-out evaluation, not a live figure), with 3 significant digits."""
-
-    KEYS = {"reward/mean": "reward", "objective/score": "score", "eval/accuracy": "eval_acc", "train/kl": "kl",
-            "objective/kl": "kl", "train/loss": "loss", "rewards/accuracies": "pref_acc", "loss": "loss"}
-
-    def __init__(self, total: int, initial: int, enabled: bool, desc: str):
-        self.total, self.n, self.enabled, self.desc = total, initial, enabled, desc
-        self.bar = None
-        self.live: dict[str, float] = {}
-        if enabled and sys.stderr.isatty():
-            from tqdm.auto import tqdm
-
-            self.bar = tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True)
-
-    def update(self, record: dict[str, Any]) -> None:
-        for k, short in self.KEYS.items():
-            if record.get(k) is not None:
-                self.live[short] = record[k]
-        step = int(record.get("step", self.n))
-        text = " ".join(f"{k}={v + 0.0:.3g}" for k, v in self.live.items())  # -3.7e-09 shows as such; -0.0 as 0
-        if self.bar is not None:
-            self.bar.update(max(0, step - self.n))
-            self.bar.set_postfix_str(text, refresh=True)
-        elif self.enabled and step > self.n and (step * 10 // max(self.total, 1) > self.n * 10 // max(self.total, 1) or step == self.total):
-            print(f"{self.desc} step {step}/{self.total} {text}", file=sys.stderr, flush=True)
-        self.n = max(self.n, step)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
 def phase_progress(run: RunConfig, label: str, unit: str) -> Callable[[int, int], None]:
     """``update(done, total)`` for a phase before training (data mining, reference passes) that can take minutes: a
     line on stderr about every 10% of it (none with ``--progress false``), so no long phase is silent."""
@@ -251,123 +233,6 @@ def phase_progress(run: RunConfig, label: str, unit: str) -> Callable[[int, int]
             print(f"{label}: {done}/{total} {unit}", file=sys.stderr, flush=True)
 
     return update
-
-
-class Trainer:
-    """The part every algorithm shares: logger, checkpoints, resume, progress, kill hook (in a created, locked run folder)."""
-
-    def __init__(self, run: RunConfig, run_dir: str, resume: bool, total: int, agent: Any, env: Any = None):
-        from tokengym.agents.runtime import distributed
-
-        self.run, self.run_dir, self.agent, self.env, self.total = run, run_dir, agent, env, total
-        sharded = run.sharding != "none"
-        if not sharded:
-            self.dp = distributed.prepare(agent, env)  # under torchrun: shard the env batch, rank 0 writes
-        else:  # a checkpoint holds full weights and optimiser state: load them first, then shard (see save)
-            self.dp = dataclasses.replace(distributed.DataParallel.current(), sharding=run.sharding)
-        self.start_step = 0
-        kill = os.environ.get("TOKENGYM_SIGKILL_AFTER_STEP")
-        self.kill_at = int(kill) if kill else None
-        main = self.dp.is_main
-        say = print if main else (lambda *a, **k: None)
-        ckpt = None
-        if resume:
-            ckpt, notes = R.latest_intact_checkpoint(run_dir)
-            if ckpt is None and notes:  # checkpoints exist, none intact: starting over would discard the run's metrics
-                raise R.UsageError(f"cannot resume {run_dir}: no intact checkpoint ({notes[0]})")
-            for note in notes:
-                say(f"tokengym: warning: {note}", file=sys.stderr, flush=True)
-        if ckpt is not None:
-            state = R.load_checkpoint(ckpt, agent.checkpoint_modules())
-            agent.load_state_dict(state["agent"])
-            if env is not None and state.get("env") is not None:
-                env.load_state_dict(state["env"])
-            self.start_step = int(state["step"])
-            if len(state.get("rank_rng") or []) == self.dp.world_size:  # each rank's own global RNGs
-                R.set_rng_state(state["rank_rng"][self.dp.rank])
-            say(f"resuming {run_dir} at step {self.start_step} of {total} ({os.path.basename(ckpt)})", flush=True)
-        elif resume:
-            say(f"{run_dir} has no checkpoint yet: starting it again from step 0", flush=True)
-        if sharded:
-            self.dp = distributed.prepare(agent, env, sharding=run.sharding, bf16=bool(getattr(agent.config, "bf16", False)))
-        # the first step to (re)do: records and TensorBoard events from it on were lost work, about to be redone
-        redo = self.start_step + 1 if ckpt is not None else 0
-        kept = []
-        if resume and main:
-            kept = R.truncate_metrics(run_dir, redo - 1)
-            if kept.warning:
-                say(f"tokengym: warning: {kept.warning}", file=sys.stderr, flush=True)
-        from tokengym.agents.runtime.logger import RunLogger
-
-        agent.logger.close()
-        agent.logger = RunLogger(run_dir if main else None, purge_step=redo if resume else None)
-        agent.logger.history.extend(kept)
-        self.progress = Progress(total, self.start_step, run.progress and main, os.path.basename(run_dir))
-
-    def callback(self, record: dict[str, Any]) -> bool:
-        self.progress.update(record)
-        step = int(record["step"])
-        if self.run.save_every and step % self.run.save_every == 0 and step < self.total:
-            self.save(step)
-        if self.kill_at is not None and step == self.kill_at:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return True
-
-    def save(self, step: int) -> None:
-        state = {"agent": self.agent.state_dict(), "env": self.env.state_dict() if self.env is not None else None}
-        modules = self.agent.checkpoint_modules()
-        if self.dp.sharding != "none":  # every rank gathers the full weights and optimiser state; rank 0 writes them
-            from tokengym.agents.runtime.sharding import FullStateModule, full_state
-
-            modules = {key: FullStateModule(m) for key, m in modules.items()}
-            state = full_state(state)
-        if self.dp.distributed:  # every rank takes part: check the ranks agree, collect their RNG states
-            if (bad := self.dp.all_same(modules)) is not None:
-                raise RuntimeError(f"data-parallel ranks diverged at step {step}: {bad} differs from rank 0's")
-            state["rank_rng"] = self.dp.all_gather_object(R.rng_state())
-            if not self.dp.is_main:
-                return
-        R.save_checkpoint(self.run_dir, step, modules, state, keep=self.run.keep_checkpoints)
-
-    def finish(self) -> None:
-        self.progress.close()
-        self.save(self.agent.global_step)
-        save_model(self.agent.policy, self.run_dir, self.dp)
-        self.agent.logger.close()
-
-
-def save_model(model: Any, run_dir: str, dp: Any = None) -> None:
-    """Write ``run_dir/model`` (``save_pretrained`` format) atomically: a kill mid-write leaves no half-made folder.
-
-    With ``dp`` (every rank calls it) rank 0 writes; a sharded policy's full weights are gathered first."""
-    from tokengym.agents.runtime.sharding import full_state, is_sharded, unwrapped
-
-    if dp is not None and is_sharded(model):
-        weights = full_state(dict(model.model.state_dict(keep_vars=True)))
-        if dp.is_main:
-            with unwrapped(model.model):
-                R.write_folder_atomic(os.path.join(run_dir, "model"), lambda path: model.save_pretrained(path, state_dict=weights))
-        return
-    if dp is None or dp.is_main:
-        R.write_folder_atomic(os.path.join(run_dir, "model"), model.save_pretrained)
-
-
-def initial_eval(trainer: Trainer, agent: Any, eval_env: Any, samples: Any) -> None:
-    from tokengym.agents.engine.rollout import evaluate
-
-    if trainer.start_step == 0 and eval_env is not None:
-        agent.policy.eval()
-        res = evaluate(agent.policy, eval_env, samples, greedy=True)
-        trainer.progress.update(agent.logger.log(0, {f"eval/{k}": v for k, v in res.items()}))
-
-
-def summary(history: list[dict[str, Any]], key: str = "eval/accuracy") -> dict[str, Any]:
-    values = [r[key] for r in history if r.get(key) is not None]
-    calls = [r["eval/replies_per_episode"] for r in history if r.get("eval/replies_per_episode") is not None]
-    out = {"start": values[0], "final": values[-1]} if values else {}
-    if out and calls:  # a multi-turn env: its replies (a tool env's calls) per episode
-        out["replies"] = (calls[0], calls[-1])
-    return out
 
 
 # ---------------------------------------------------------------------------------------------- algorithms
@@ -386,10 +251,7 @@ def on_policy_job(run: RunConfig, cfg: Any, agent: Any, env: Any, total: int) ->
     eval_env, samples = eval_setup(run, agent.policy.tokenizer)
 
     def job(run_dir: str, resume: bool) -> dict[str, Any]:
-        trainer = Trainer(run, run_dir, resume, total, agent, env)
-        initial_eval(trainer, agent, eval_env, samples)
-        agent.learn(env, eval_env, samples, callback=trainer.callback)
-        trainer.finish()
+        agent.train_in_folder(Trainer(run, run_dir, resume, total, agent, env), env, eval_env, samples)
         return summary(agent.logger.history)
 
     return job

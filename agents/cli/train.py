@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 import time
 from typing import Any
 
@@ -30,16 +31,18 @@ import torch
 
 from tokengym.agents.cli.offline_jobs import BUILDERS
 from tokengym.agents.cli.runner import (RESUMABLE, WARM_STARTS, RunConfig, algorithms, build_on_policy,
-                                        run_fields, run_fields_for)
+                                        resolve_env_id, run_fields, run_fields_for)
 from tokengym.agents.runtime import runs as R
 from tokengym.agents.runtime.config_io import renamed_settings
+from tokengym.agents.runtime.session import create_run_folder, jsonable
 
 __all__ = ["RunConfig", "algorithms", "train", "resolve", "run_fields", "run_fields_for"]
 
 
 # ---------------------------------------------------------------------------------------------- entry point
 def _new_run_dir(run: RunConfig, algo: str) -> str:
-    name = run.name or f"{algo}-{run.env.split('/')[-1].lower()}-{time.strftime('%Y%m%d-%H%M%S')}"
+    env = re.sub(r"[^\w.-]+", "-", run.env.split("/")[-1]).lower()  # module:Class -> module-class
+    name = run.name or f"{algo}-{env}-{time.strftime('%Y%m%d-%H%M%S')}"
     path = R.run_path(run.runs_dir, name)
     if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
         raise R.UsageError(f"{path} already exists and is not empty; pick another --name or --resume {path}")
@@ -128,6 +131,7 @@ def _check_run(run: RunConfig, algo: str) -> None:
         check_device(run.device)
     except ValueError as e:
         raise R.UsageError(str(e)) from None
+    resolve_env_id(run)  # a bad env (module, class, id) is one line before anything loads
 
 
 def _check_sharding(run: RunConfig, algo: str, cfg: Any = None) -> None:
@@ -153,8 +157,7 @@ def _check_sharding(run: RunConfig, algo: str, cfg: Any = None) -> None:
                            "the two would be sharded twice; drop --share-trunk or --sharding")
 
 
-def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
+_jsonable = jsonable
 
 
 def warn_if_busy(threads: int) -> None:
@@ -216,15 +219,12 @@ def _train(algo: str, run: RunConfig, cfg: Any, run_dir: str, resume: bool, dp: 
         job = build(run, cfg) if build is not None else build_on_policy(spec, run, cfg)
         dp.barrier()  # every rank has built its job before rank 0 creates the folder
         if dp.is_main:
-            if not resume:
-                held.enter_context(R.RunLock(run_dir))  # creates the folder
-                if set(os.listdir(run_dir)) - {R.LOCK_FILE}:  # another run took the name meanwhile
-                    raise R.UsageError(f"{run_dir} already exists and is not empty; pick another --name")
-            R.clean_stale_tmp(run_dir)
-            if not resume:
-                R.write_json_atomic(os.path.join(run_dir, "config.json"), {
+            if resume:
+                R.clean_stale_tmp(run_dir)
+            else:  # creates and locks the folder (another run may have taken the name meanwhile), writes config.json
+                held.callback(create_run_folder(run_dir, {
                     "algorithm": algo, "preset": preset, "run": _jsonable(dataclasses.asdict(run)),
-                    "config": _jsonable(dataclasses.asdict(cfg))})
+                    "config": _jsonable(dataclasses.asdict(cfg))}).release)
         if dp.distributed:
             say(f"data parallel: {dp.world_size} processes, {run.device} (rank 0 writes the run)", flush=True)
         dp.barrier()

@@ -6,6 +6,10 @@ id's default keyword arguments, and the guide lines ``tokengym envs`` prints. :d
 ``resolve_task``, ``ENV_IDS``, ``ENV_GUIDE`` and Gymnasium's registry are views of this table, so a new task is
 its own file with a :func:`register_task` decorator (plus its import in ``tasks/__init__.py`` for a bundled one).
 
+A task from elsewhere joins by name (:func:`resolve_env`, what ``tokengym --env`` takes): ``module:Class`` (a Task
+class, registered on the fly as ``module/Class-v0``), ``module:EnvId-v0`` (an id the module registers when imported),
+or an id registered by an installed package's ``tokengym.envs`` entry point (loaded once, when an id is not found).
+
 Example:
     >>> import gymnasium as gym
     >>> from tokengym.envs.tasks import Task, register_task, unregister_task
@@ -29,7 +33,11 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import os
+import sys
 import types
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -37,7 +45,8 @@ import gymnasium as gym
 
 from .base import Task
 
-__all__ = ["TaskSpec", "TASK_SPECS", "TASKS", "register_task", "unregister_task", "register_envs", "TableView"]
+__all__ = ["TaskSpec", "TASK_SPECS", "TASKS", "register_task", "unregister_task", "register_envs", "TableView",
+           "resolve_env", "import_modules", "load_entry_points", "ENTRY_POINT_GROUP"]
 
 KINDS = ("procedural", "data", "toy")
 """``procedural``: prompts drawn from the seed alone, scored by the task's own verifier (the :data:`TASKS`);
@@ -145,3 +154,110 @@ class TableView(Mapping):
 
 TASKS: Mapping[str, type[Task]] = TableView(lambda: {s.name: s.cls for s in _SPECS.values() if s.kind == "procedural"})
 """The procedural tasks by name (a view of :data:`TASK_SPECS`)."""
+
+
+# ---------------------------------------------------------------------------------------------- envs from elsewhere
+ENTRY_POINT_GROUP = "tokengym.envs"
+"""The entry-point group of third-party tasks: each entry names a module (importing it registers its tasks), a
+Task class (registered as ``module:Class`` is) or a function called with no arguments to register them."""
+
+_entry_points_loaded = False
+
+
+def import_modules(modules: Any) -> None:
+    """Import each module (``--import``; the current folder first on ``sys.path``, as ``python -m`` has it); one that
+    cannot be imported raises ``ValueError`` naming it."""
+    for name in modules or ():
+        _import(name, "--import")
+
+
+def _import(module: str, what: str) -> types.ModuleType:
+    if os.getcwd() not in sys.path and "" not in sys.path:  # a console script's path lacks the folder it runs in
+        sys.path.insert(0, os.getcwd())
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ValueError(f"{what}: cannot import module {module!r} ({e}); run from the folder holding it or install "
+                         "its package") from None
+    except Exception as e:  # the module's own code failed
+        raise ValueError(f"{what}: importing module {module!r} failed: {type(e).__name__}: {e}") from None
+
+
+def _class_id(cls: type[Task]) -> str:
+    """The Gymnasium id a Task class named as ``module:Class`` gets: ``module/Class-v0`` (apart from tokengym's own)."""
+    return f"{cls.__module__}/{cls.__qualname__}-v0"
+
+
+def _register_class(cls: Any, spec: str) -> str:
+    """The id of Task class ``cls`` (named by ``spec``), registering it first if it is not in the table yet."""
+    if not (isinstance(cls, type) and issubclass(cls, Task)):
+        raise ValueError(f"{spec} is not a tokengym Task class (it is {type(cls).__name__} {cls!r:.60}); name a "
+                         "subclass of tokengym.envs.Task, or an env id the module registers")
+    known = next((s for s in _SPECS.values() if s.cls is cls), None)
+    if known is not None:
+        return known.env_id
+    doc = (cls.__doc__ or "").strip().splitlines()
+    register_task(f"{cls.__module__}:{cls.__qualname__}", cls, env_id=_class_id(cls),
+                  description=doc[0] if doc else f"{cls.__qualname__} from {cls.__module__}")
+    return _class_id(cls)
+
+
+def load_entry_points() -> None:
+    """Load the ``tokengym.envs`` entry points of installed packages, once; a broken one is one warning naming it."""
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    from importlib.metadata import entry_points
+
+    from tokengym.rewards.common import TokengymWarning
+
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            obj = ep.load()
+            if isinstance(obj, type):
+                _register_class(obj, f"{ep.value}")
+            elif callable(obj):
+                obj()
+        except Exception as e:  # anything a third-party package raises must not break unrelated commands
+            warnings.warn(f"entry point {ep.name!r} ({ep.value}) of group {ENTRY_POINT_GROUP!r} failed to load and is "
+                          f"skipped: {type(e).__name__}: {str(e).strip()[:160]}", TokengymWarning, stacklevel=2)
+
+
+def resolve_env(env: str, imports: Any = ()) -> str:
+    """The Gymnasium id (with a tokengym vector entry point) that ``env`` names, after importing ``imports``.
+
+    ``env`` is a registered id (``tokengym/Arithmetic-v0``, or one from ``imports`` or an entry point), ``module:Class``
+    (a Task class, registered on the fly) or ``module:EnvId-v0`` (the module registers the id when imported). Raises
+    ``ValueError``, one line naming the problem: a module that does not import, a missing attribute, a class that is
+    not a Task, an id nobody registered.
+    """
+    import gymnasium as gym
+
+    if not isinstance(env, str) or not env.strip():
+        raise ValueError(f"env must be an env id or module:Class, got {env!r}")
+    import_modules(imports)
+    if ":" in env:
+        module, _, attr = env.partition(":")
+        if not module or not attr:
+            raise ValueError(f"env {env!r}: write module:Class or module:EnvId-v0")
+        mod = _import(module, f"env {env!r}")
+        obj = getattr(mod, attr, None)
+        if obj is not None and not isinstance(obj, str):
+            env_id = _register_class(obj, env)
+        elif attr in gym.registry:
+            env_id = attr
+        else:
+            raise ValueError(f"env {env!r}: module {module!r} has no Task class {attr!r} and registers no env id {attr!r}")
+    else:
+        env_id = env
+        if env_id not in gym.registry:
+            load_entry_points()
+        if env_id not in gym.registry:
+            ids = ", ".join(s.env_id for s in _SPECS.values())
+            raise ValueError(f"unknown env id {env!r}; registered: {ids} (or name your own: module:Class, "
+                             "module:EnvId-v0, --import MODULE)")
+    if gym.registry[env_id].vector_entry_point is None:
+        raise ValueError(f"env {env!r}: {env_id} has no vector entry point; register it with register_task (a Task "
+                         "class) or give gymnasium.register a vector_entry_point such as TokenVectorEnv")
+    return env_id
