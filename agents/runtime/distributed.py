@@ -28,8 +28,8 @@ the same optimiser steps as a 1-process one with the same global batch (up to fl
 
 Why not ``DistributedDataParallel``: the policy calls its ``transformers`` model directly and the loss
 weights differ per rank; one all-reduce after ``backward`` is the same arithmetic. DDP's overlap of
-communication with the backward pass (buckets) would be the next step for large models, and sharding
-the model itself (FSDP) is not supported yet.
+communication with the backward pass (buckets) would be the next step for large models. Sharding the model
+itself is ``prepare(..., sharding="fsdp2")``: :mod:`~tokengym.agents.runtime.sharding`.
 """
 
 from __future__ import annotations
