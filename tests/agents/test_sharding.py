@@ -37,11 +37,14 @@ RUNS = {  # as in test_distributed.py: GRPO with minibatches, batch scaling and 
     "ppo": ["train", "ppo", "--steps", "3", "--prompts", "8", "--mu", "2", "--minibatches", "2", "--whiten-advantages", "true",
             "--aggregation", "seq-mean-token-mean", "--kl-target", "0.01", "--kl-horizon", "100", "--entropy-coef", "0.01", *COMMON],
     "dpo": ["train", "dpo", "--steps", "3", "--batch-size", "8", "--num-pairs", "64", *COMMON],
+    "rloo": ["train", "rloo", "--steps", "3", "--prompts", "2", "--group-size", "4", *COMMON],
+    "reinforce-pp": ["train", "reinforce-pp", "--steps", "3", "--prompts", "8", "--beta", "0.05", *COMMON],  # a KL reference
     "sft": ["train", "sft", "--steps", "3", "--batch-size", "8", "--warmup-steps", "1", "--log-every", "1", *COMMON,
             "--eval-prompts", "4"],  # a greedy held-out evaluation: a rollout on gathered weights, before and after
 }
-OPTIMIZER_STEPS = {"grpo": 6, "ppo": 24, "dpo": 3, "sft": 3}
-N_TERMS = {"grpo": 4 * 42 * 352, "ppo": 4 * 42 * 352, "dpo": 16 * 42 * 352, "sft": 8 * 42 * 352}  # see test_distributed
+OPTIMIZER_STEPS = {"grpo": 6, "ppo": 24, "dpo": 3, "rloo": 3, "reinforce-pp": 3, "sft": 3}
+N_TERMS = {"grpo": 4 * 42 * 352, "ppo": 4 * 42 * 352, "dpo": 16 * 42 * 352, "rloo": 8 * 42 * 352, "reinforce-pp": 8 * 42 * 352,
+           "sft": 8 * 42 * 352}  # see test_distributed
 FSDP2 = ["--sharding", "fsdp2"]
 
 
@@ -83,6 +86,9 @@ def test_fsdp2_matches_one_process(sharded, name):
     for r2, r1 in zip(m2, m1):
         assert r2.keys() == r1.keys()
         for k in r1:
+            if k.startswith("mismatch/") and k.endswith("_max"):  # a rounding gap itself: bounded, not reproduced
+                assert abs(r2[k]) < 1e-3, (name, r1["step"], k)
+                continue
             assert r2[k] == pytest.approx(r1[k], rel=1e-4, abs=1e-5), (name, r1["step"], k)
 
 
@@ -90,7 +96,8 @@ def test_fsdp2_checkpoints_hold_full_unsharded_state(sharded):
     """A sharded run's checkpoint is an unsharded run's: intact manifest, the same modules (PPO: policy, critic,
     reference) with whole tensors, and optimiser moments of the parameters' full shapes, equal to the reference's."""
     two, one, _ = sharded
-    for name, modules in (("ppo", {"policy", "critic", "ref"}), ("dpo", {"policy", "ref"}), ("grpo", {"policy"})):
+    for name, modules in (("ppo", {"policy", "critic", "ref"}), ("dpo", {"policy", "ref"}), ("grpo", {"policy"}),
+                          ("reinforce-pp", {"policy", "ref"})):
         ckpt = two / name / "checkpoints" / "step-00000002"
         assert R.verify_checkpoint(str(ckpt)) is None
         for key in modules:
