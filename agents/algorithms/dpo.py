@@ -195,7 +195,8 @@ class DPOLearner:
             ``config.precompute_ref`` nothing is kept and the reference log-probs come from the policy
             itself at the start of each ``fit`` (before any update of that call), which for the first
             call is the same initial policy.
-        run_dir: where to write TensorBoard events and ``metrics.jsonl`` (None = memory only).
+        run_dir: where to write TensorBoard events and ``metrics.jsonl`` (None = memory only); a whole run
+            folder (config, checkpoints, ``model/``) comes from ``fit(..., run_dir=...)`` instead.
 
     Logged (every ``log_every`` steps, averaged): ``train/loss``, ``rewards/chosen``,
     ``rewards/rejected``, ``rewards/accuracies``, ``rewards/margins``, ``logps/chosen``,
@@ -399,7 +400,7 @@ class DPOLearner:
         cfg = self.config
         resume, self._resume_fit = self._resume_fit, None
         per_epoch = math.ceil(len(data) / cfg.batch_size)
-        total = cfg.steps if cfg.steps is not None else cfg.epochs * per_epoch
+        total = self.fit_steps(data)
         digest = _fingerprint(data)
         if resume is not None and resume["pairs"] == digest:
             if resume["total"] != total:
@@ -417,6 +418,11 @@ class DPOLearner:
             "eval_ref": self.reference_logps(eval_data, cfg.eval_batch_size) if precompute and eval_data is not None else None,
         }
 
+    def fit_steps(self, data: PairData) -> int:
+        """Optimiser steps of one fit over ``data``: ``config.steps``, else ``epochs`` passes of ``batch_size`` pairs."""
+        cfg = self.config
+        return cfg.steps if cfg.steps is not None else cfg.epochs * math.ceil(len(data) / cfg.batch_size)
+
     def fit(
         self,
         pairs: Any,
@@ -424,6 +430,10 @@ class DPOLearner:
         eval_env: Any = None,
         eval_samples: list | None = None,
         callback: Callable[[dict[str, float]], Any] | None = None,
+        *,
+        run_dir: str | None = None,
+        resume: bool = False,
+        save_every: int = 10,
     ) -> list[dict[str, float]]:
         """Train on ``pairs``; return the records logged during this call.
 
@@ -440,7 +450,21 @@ class DPOLearner:
                 :func:`~tokengym.agents.engine.rollout.heldout_samples`) for greedy accuracy, logged with the evals.
             callback: called with every training record, after the evaluation due at that step;
                 returning ``False`` stops right there (a checkpoint saved in it resumes exactly).
+            run_dir: write the folder ``tokengym train dpo`` writes (``config.json`` recording ``eval_env``'s env,
+                ``metrics.jsonl`` with held-out metrics at step 0 too, checkpoints every ``save_every`` steps,
+                ``model/``), so that ``tokengym eval/plot/sample --run`` work on it. A folder that is not empty is
+                refused unless ``resume=True``, which continues it from its newest checkpoint as ``--resume`` does
+                (on the same pairs and config; a missing or empty folder starts the run).
         """
+        if run_dir is not None:
+            from tokengym.agents.runtime.session import RunSettings, jsonable, python_run, run_in_folder
+
+            data = self.prepare(pairs)
+            settings = RunSettings(save_every=save_every)
+            config = {"algorithm": "dpo", "preset": None, "config": jsonable(asdict(self.config)),
+                      "run": python_run(eval_env, self.policy, eval_samples, settings, rollout=False)}
+            return run_in_folder(run_dir, resume, config, self, None, self.fit_steps(data), settings=settings,
+                                 body=lambda trainer: self.fit_in_folder(trainer, data, eval_pairs, eval_env, eval_samples, callback))
         cfg = self.config
         data = self.prepare(pairs)
         eval_data = self.prepare(eval_pairs) if eval_pairs is not None else None
@@ -497,6 +521,17 @@ class DPOLearner:
                 break
         self.policy.eval()
         return self.logger.history[history_start:]
+
+    def fit_in_folder(self, trainer: Any, pairs: Any, eval_pairs: Any = None, eval_env: Any = None,
+                      eval_samples: list | None = None, callback: Callable[[dict[str, float]], Any] | None = None) -> None:
+        """The fit in its run folder (``tokengym train dpo`` and ``fit(run_dir=...)``): held-out greedy metrics at
+        step 0 of a new run, :meth:`fit` with the trainer's checkpoints, then the final checkpoint and ``model/``."""
+        from tokengym.agents.algorithms.onpolicy import both
+        from tokengym.agents.runtime.session import initial_eval
+
+        initial_eval(trainer, self, eval_env, eval_samples, evaluate)
+        self.fit(pairs, eval_pairs, eval_env, eval_samples, callback=both(trainer.callback, callback))
+        trainer.finish()
 
     # ------------------------------------------------------------------ evaluation
     def _evaluate_all(self, eval_data, eval_ref, eval_env, eval_samples) -> dict[str, float]:

@@ -98,7 +98,7 @@ class SFTConfig(Renamed, renames={"grad_clip": Rename("max_grad_norm", _clip_off
     log_every: int = 50
     """Record/print the training loss every this many steps (0: never print; loss is still recorded)."""
     run_dir: str | None = None
-    """If set, write ``metrics.jsonl`` and TensorBoard events there."""
+    """If set, :meth:`SFTLearner.fit` writes the run folder ``tokengym train sft`` writes there (as ``fit(run_dir=...)``)."""
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> None:
@@ -250,7 +250,8 @@ class SFTLearner:
     ``checkpoint_modules`` / ``state_dict`` / ``load_state_dict`` hold the weights, the optimiser, the step, the
     data stream's and the policy's generators and the history; after a restore, :meth:`fit` runs the remaining
     steps with the same batches, learning rates and logged records as one uninterrupted fit.
-    ``logger`` (a :class:`~tokengym.agents.runtime.logger.RunLogger` of ``config.run_dir``) writes the metrics.
+    ``logger`` (a :class:`~tokengym.agents.runtime.logger.RunLogger`) holds the metrics; a fit in a run folder
+    (``fit(run_dir=...)`` or ``config.run_dir``) writes them there.
     Data parallel (``dp``, set by :func:`~tokengym.agents.runtime.distributed.prepare` under torchrun): every rank draws
     the global batch and trains on its rows, its loss weighted by its share of the batch's completion tokens,
     and the summed gradients give every rank the 1-process step.
@@ -273,7 +274,7 @@ class SFTLearner:
                                          schedule=cfg.lr_scheduler_type, warmup=cfg.warmup_steps, min_ratio=cfg.min_lr_ratio,
                                          max_grad_norm=cfg.max_grad_norm, sync=lambda params: self.dp.sync_gradients(params),
                                          clip_params=[list(policy.model.parameters())])
-        self.logger = RunLogger(cfg.run_dir)
+        self.logger = RunLogger(None)  # a run folder's logger comes with its fit (see fit)
         self.global_step = 0
         self.dp = LOCAL
         self.hist: dict[str, Any] = {"step": [], "loss": [], "lr": [], "eval": [], "config": dataclasses.asdict(cfg)}
@@ -303,13 +304,44 @@ class SFTLearner:
 
     # ------------------------------------------------------------------ loop
     def fit(self, log: Callable[[int, dict[str, float]], None] | None = None,
-            callback: Callable[[dict[str, Any]], Any] | None = None) -> dict[str, Any]:
+            callback: Callable[[dict[str, Any]], Any] | None = None, *, run_dir: str | None = None,
+            resume: bool = False, save_every: int = 10) -> dict[str, Any]:
         """Train up to ``config.steps`` (or ``stop_at_accuracy``); return the history (see :func:`train_sft`).
 
         ``log(step, metrics)`` sees every training and evaluation record; ``callback(record)`` is called after
         every step with ``{"step": ..., **what was logged at it}``, and returning ``False`` stops right there
         (a checkpoint saved in it resumes exactly).
+
+        ``run_dir`` (default ``config.run_dir``): write the folder ``tokengym train sft`` writes (``config.json``
+        recording the task, ``metrics.jsonl``, checkpoints every ``save_every`` steps, ``model/``), so that
+        ``tokengym eval/plot/sample --run`` work on it. A folder that is not empty is refused unless
+        ``resume=True``, which continues it from its newest checkpoint as ``--resume`` does (a missing or empty
+        folder starts the run).
         """
+        run_dir = run_dir if run_dir is not None else self.config.run_dir
+        if run_dir is not None:
+            from tokengym.agents.runtime.session import RunSettings, jsonable, python_run, run_in_folder
+
+            settings = RunSettings(save_every=save_every)
+            config = {"algorithm": "sft", "preset": None,  # the folder is the run's: config.json names none
+                      "config": jsonable(dataclasses.asdict(dataclasses.replace(self.config, run_dir=None))),
+                      "run": python_run(self.eval_env, self.policy, self.heldout, settings, rollout=False)}
+            run_in_folder(run_dir, resume, config, self, None, self.config.steps, settings=settings,
+                          body=lambda trainer: self.fit_in_folder(trainer, log, callback))
+            return self.hist
+        return self._train(log, callback)
+
+    def fit_in_folder(self, trainer: Any, log: Callable[[int, dict[str, float]], None] | None = None,
+                      callback: Callable[[dict[str, Any]], Any] | None = None) -> None:
+        """The fit in its run folder (``tokengym train sft`` and ``fit(run_dir=...)``): the training loop with the
+        trainer's checkpoints, then the final checkpoint and ``model/``."""
+        from tokengym.agents.algorithms.onpolicy import both
+
+        self._train(log, callback=both(trainer.callback, callback))
+        trainer.finish()
+
+    def _train(self, log: Callable[[int, dict[str, float]], None] | None,
+               callback: Callable[[dict[str, Any]], Any] | None) -> dict[str, Any]:
         cfg, model, hist = self.config, self.policy.model, self.hist
         autocast = torch.autocast(self.policy.device.type, dtype=torch.bfloat16) if cfg.bf16 else nullcontext()
         if log is None:

@@ -12,8 +12,8 @@ from typing import Any, Callable
 import numpy as np
 
 from tokengym.agents.runtime import runs as R
-from tokengym.agents.cli.runner import (Job, Progress, RunConfig, Trainer, eval_setup, first_line, initial_eval, load_policy,
-                                        make_agent, make_env, phase_progress, save_model, summary)
+from tokengym.agents.cli.runner import (Job, Progress, RunConfig, Trainer, eval_setup, first_line, load_policy, make_agent,
+                                        make_env, phase_progress, save_model, summary)
 
 
 def heldout_prompts(run: RunConfig, task: Any) -> set[str]:
@@ -57,8 +57,6 @@ def on_policy(run: RunConfig, task: Any, exclude: set[str]) -> list[dict[str, An
 
 
 def build_dpo(run: RunConfig, cfg: Any) -> Job:
-    import math
-
     from tokengym.agents.algorithms.dpo import DPOLearner
 
     policy = load_policy(run, cfg.seed)
@@ -72,13 +70,10 @@ def build_dpo(run: RunConfig, cfg: Any) -> Job:
         eval_data = learner.prepare(pairs[:n_eval]) if n_eval else None
     except ValueError as e:
         raise R.UsageError(f"pairs: {first_line(e)}") from None
-    total = cfg.steps if cfg.steps is not None else cfg.epochs * math.ceil(len(train_data) / cfg.batch_size)
+    total = learner.fit_steps(train_data)
 
     def job(run_dir: str, resume: bool) -> dict[str, Any]:
-        trainer = Trainer(run, run_dir, resume, total, learner)
-        initial_eval(trainer, learner, eval_env, samples)
-        learner.fit(train_data, eval_data, eval_env, samples, callback=trainer.callback)
-        trainer.finish()
+        learner.fit_in_folder(Trainer(run, run_dir, resume, total, learner), train_data, eval_data, eval_env, samples)
         return summary(learner.logger.history)
 
     return job
@@ -95,9 +90,7 @@ def build_sft(run: RunConfig, cfg: Any) -> Job:
     learner = SFTLearner(policy, task, dataclasses.replace(cfg, run_dir=None))  # the Trainer gives it the run's logger
 
     def job(run_dir: str, resume: bool) -> dict[str, Any]:
-        trainer = Trainer(run, run_dir, resume, cfg.steps, learner)
-        learner.fit(log=lambda step, metrics: None, callback=trainer.callback)
-        trainer.finish()
+        learner.fit_in_folder(Trainer(run, run_dir, resume, cfg.steps, learner), log=lambda step, metrics: None)
         return summary(learner.logger.history)
 
     return job

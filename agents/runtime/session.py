@@ -197,7 +197,7 @@ def save_model(model: Any, run_dir: str, dp: Any = None) -> None:
 
 def initial_eval(trainer: Trainer, agent: Any, eval_env: Any, samples: Any, evaluate: Callable) -> None:
     """Log held-out greedy metrics at step 0 of a new run (``evaluate`` is the engine's, passed down to this layer)."""
-    if trainer.start_step == 0 and eval_env is not None:
+    if trainer.start_step == 0 and eval_env is not None and samples:
         agent.policy.eval()
         res = evaluate(agent.policy, eval_env, samples, greedy=True)
         trainer.progress.update(agent.logger.log(0, {f"eval/{k}": v for k, v in res.items()}))
@@ -280,13 +280,18 @@ def _is_json(v: Any) -> bool:
     return True
 
 
-def python_run(env: Any, policy: Any, eval_samples: Any, settings: RunSettings) -> dict[str, Any]:
-    """The ``run`` section of ``config.json`` for a run started from Python (the CLI's ``RunConfig`` fields it knows)."""
+def python_run(env: Any, policy: Any, eval_samples: Any, settings: RunSettings, rollout: bool = True) -> dict[str, Any]:
+    """The ``run`` section of ``config.json`` for a run started from Python (the CLI's ``RunConfig`` fields it knows).
+
+    ``env``: the env the run trains on (``rollout``: an on-policy run, whose batch it also records) or evaluates on
+    (an offline learner's); ``None`` records no env (``tokengym eval/sample --run`` then need ``--env``)."""
     model = getattr(getattr(getattr(policy, "model", None), "config", None), "_name_or_path", None) or None
-    return {**env_record(env), "imports": None, "model": model, "prompts": env.num_envs // env.group_size,
-            "group_size": env.group_size, "temperature": float(getattr(policy, "temperature", 1.0)),
-            "eval_prompts": len(eval_samples or ()), "save_every": settings.save_every,
-            "keep_checkpoints": settings.keep_checkpoints, "device": str(env.device)}
+    run = {**(env_record(env) if env is not None else {}), "imports": None, "model": model}
+    if rollout:
+        run.update(prompts=env.num_envs // env.group_size, group_size=env.group_size)
+    return {**run, "temperature": float(getattr(policy, "temperature", 1.0)), "eval_prompts": len(eval_samples or ()),
+            "save_every": settings.save_every, "keep_checkpoints": settings.keep_checkpoints,
+            "device": str(env.device if env is not None else policy.device)}
 
 
 def run_in_folder(run_dir: str | os.PathLike, resume: bool, config: dict[str, Any], agent: Any, env: Any, total: int,

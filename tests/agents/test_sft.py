@@ -2,7 +2,6 @@
 cross-entropy, config validation, a tiny model that learns easy addition, the command line, and the
 shipped warm-start checkpoint scoring what its card says."""
 
-import dataclasses
 import io
 import json
 import math
@@ -205,39 +204,36 @@ def _roundtrip(obj):
 
 
 @pytest.mark.parametrize("k", [3, 4])  # inside a log window (log_every=2) and at its end; evals every 3 steps
-def test_stopped_and_restored_fit_equals_an_uninterrupted_one(tmp_path, one_thread, k):
+def test_stopped_and_restored_fit_equals_an_uninterrupted_one(one_thread, k):
     """k steps, a checkpoint (weights + state through torch.save), a fresh learner on a differently initialised
     policy restored from it, the remaining steps: the same weights, history and metrics.jsonl as 2k straight."""
     task = ArithmeticTask(n_operands=2, digits=1, operators="+")
     cfg = SFTConfig(steps=2 * k, batch_size=8, lr=3e-3, warmup_steps=2, eval_every=3, eval_prompts=8, log_every=2, seed=5)
 
-    def learner(seed, run):
-        return SFTLearner(Policy(*build_preset("tiny", seed=seed)), task, dataclasses.replace(cfg, run_dir=str(tmp_path / run)))
+    def learner(seed):
+        return SFTLearner(Policy(*build_preset("tiny", seed=seed)), task, cfg)
 
-    def records(run):
-        return [{k: v for k, v in json.loads(line).items() if k != "time"} for line in open(tmp_path / run / "metrics.jsonl")]
+    def records(*learners):  # the run folder's metrics.jsonl: tests/agents/test_fit_run_dir.py
+        return [{k: v for k, v in r.items() if k != "time"} for one in learners for r in one.logger.history]
 
     def same(h):
         return {key: [{k: v for k, v in e.items() if k != "wall_s"} for e in h[key]] if key == "eval" else h[key]
                 for key in ("step", "loss", "lr", "eval", "steps_done")}
 
-    full = learner(0, "full")
+    full = learner(0)
     want = full.fit(log=lambda *a: None)
-    full.logger.close()
-    part = learner(0, "split")
+    part = learner(0)
     part.fit(log=lambda *a: None, callback=lambda rec: rec["step"] < k)
     assert part.global_step == k and len(part.hist["eval"]) == 1 + (k >= 3)  # stopped before the final eval
     weights, state = _roundtrip(part.policy.model.state_dict()), _roundtrip(part.state_dict())
-    part.logger.close()
-    rest = learner(99, "split")
+    rest = learner(99)
     rest.policy.model.load_state_dict(weights)
     rest.load_state_dict(state)
     got = rest.fit(log=lambda *a: None)
-    rest.logger.close()
     for (name, p), q in zip(full.policy.model.named_parameters(), rest.policy.model.parameters()):
         assert torch.equal(p, q), name
     assert same(got) == same(want) and want["steps_done"] == 2 * k
-    assert records("split") == records("full") and any("train/loss" in r for r in records("full"))
+    assert records(part, rest) == records(full) and any("train/loss" in r for r in records(full))
 
 
 def test_stop_at_accuracy_ends_early(one_thread):
