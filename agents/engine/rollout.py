@@ -33,8 +33,11 @@ class Rollout:
     tokens and, in multi-turn envs, the env's replies between its turns). Per-token tensors ``[N, M]`` are aligned
     with ``tokens[:, P:]``; ``action_mask`` (the env's) is 1 on the agent's tokens only: losses, KL, entropy and
     advantages cover those, and env tokens are context. ``turn_rewards`` are the env's per-turn rewards (on the token
-    that ended each turn, also included in ``rewards``); ``turn_counts`` holds each episode's multi-turn events. ``values``/``last_values`` are filled only when a critic was given (``last_values`` is the
-    bootstrap value V(s_M) for truncated rows and 0 for terminated ones).
+    that ended each turn, also included in ``rewards``); for a task whose ``outcome_is_return`` (a library env's adapter,
+    whose rewards are all turn rewards) they are folded into ``outcome`` instead, so that metrics and evaluation read
+    the episode's return, and ``turn_rewards`` is ``None``. ``turn_counts`` holds each episode's multi-turn events.
+    ``values``/``last_values`` are filled only when a critic was given (``last_values`` is the bootstrap value V(s_M)
+    for truncated rows and 0 for terminated ones).
     """
 
     tokens: torch.Tensor
@@ -227,6 +230,10 @@ def _snapshot(env, logps: torch.Tensor, slots: list[int] | None = None) -> Rollo
     pick = range(env.num_envs) if slots is None else slots
     multi_turn = getattr(env, "multi_turn", False)
     action_mask = env.action_mask[idx, P:].clone()
+    outcome = env.outcome[idx].clone()
+    turn_rewards = env.turn_rewards[idx].clone() if multi_turn else None
+    if turn_rewards is not None and getattr(env.task, "outcome_is_return", False):
+        outcome, turn_rewards = outcome + turn_rewards.sum(1), None  # the sum ``Rollout.returns`` takes, taken once
     return Rollout(
         tokens=env.tokens[idx].clone(),
         attention_mask=env.attention_mask[idx].clone(),
@@ -236,7 +243,7 @@ def _snapshot(env, logps: torch.Tensor, slots: list[int] | None = None) -> Rollo
         rewards=env.rewards[idx].clone(),
         process_rewards=env.process_rewards[idx].clone(),
         step_end=env.step_end[idx].clone(),
-        outcome=env.outcome[idx].clone(),
+        outcome=outcome,
         terminated=env.terminated[idx].clone(),
         truncated=env.truncated[idx].clone(),
         group_id=env.group_id[idx].clone(),
@@ -245,7 +252,7 @@ def _snapshot(env, logps: torch.Tensor, slots: list[int] | None = None) -> Rollo
         samples=[env.samples[i] for i in pick],
         step_scores=[list(env.step_scores[i]) for i in pick],
         reward_components=_components(env, pick),
-        turn_rewards=env.turn_rewards[idx].clone() if multi_turn else None,
+        turn_rewards=turn_rewards,
         turn_counts={k: v[idx].clone() for k, v in env.turn_counts.items()} if multi_turn else {},
     )
 

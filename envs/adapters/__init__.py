@@ -13,7 +13,8 @@ name                    extra (``pip install``)     what
 
 Library envs act on whole turns; :class:`~tokengym.envs.adapters.episodes.EpisodeTask` runs them as tokengym
 multi-turn tasks: their observations are replies (context, not actions) and their rewards are turn rewards on the
-agent token that ended the turn. Each name is imported on first use, so this package needs none of the libraries.
+agent token that ended the turn; a rollout reports their sum, the library's return, as the episode's outcome.
+Each name is imported on first use, so this package needs none of the libraries.
 """
 
 from __future__ import annotations

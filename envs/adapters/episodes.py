@@ -4,7 +4,10 @@ A library env acts on whole turns: ``reset`` gives the first observation, ``step
 with an observation, a reward and whether the episode is over. :class:`EpisodeTask` turns that into a tokengym
 multi-turn task: the first observation is the prompt, each answer is the env's reply (context, not actions), and each
 reward is a turn reward on the agent token that ended the turn (``Reply.reward``), so it lands on an action column
-and GRPO/PPO see it in the episode's return. An adapter only says how to start an episode (:meth:`start`).
+and GRPO/PPO see it in the episode's return. The task's own outcome reward is 0 and it declares ``outcome_is_return``:
+a rollout then reports the episode's return (the library's) as its outcome, which ``reward/mean``,
+``reward/accuracy`` and ``evaluate`` read, and a return of 1 or more (a won game, a passed rubric) counts as solved;
+the advantages still see each reward once. An adapter only says how to start an episode (:meth:`start`).
 
 ``respond(sample, history)`` is a function of the prompt and the turns so far, while library envs are stateful
 objects. The live episode after each answer is parked under ``(key, *history)`` and taken back at the next turn;
@@ -88,7 +91,8 @@ class Episode(Protocol):
 
 
 def no_outcome(prompts: list[Any], completions: list[str], **_: Any) -> list[float]:
-    """The outcome reward of adapter tasks: 0, since the library's rewards arrive as turn rewards."""
+    """The outcome reward of adapter tasks at the env: 0, since the library's rewards arrive as turn rewards (a
+    rollout folds them into its outcome: ``EpisodeTask.outcome_is_return``)."""
     return [0.0] * len(completions)
 
 
@@ -113,6 +117,8 @@ class EpisodeTask(Task):
     """
 
     reply_timeout = 60.0
+    outcome_is_return = True
+    """A rollout's ``outcome`` is the episode's return (the library's turn rewards), not the env's outcome reward (0)."""
 
     def __init__(self, name: str, *, chat: bool = False, system_prompt: str | None = None,
                  turn_stop_strings: tuple[str, ...] = (), max_turns: int | None = None, max_new_tokens: int = 256,

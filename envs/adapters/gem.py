@@ -28,9 +28,12 @@ class _GEMEpisode:
         return str(obs)
 
     def step(self, action: str) -> Turn:
+        from gem.utils.constants import TERMINAL_STATE
+
         with self.rng:
             obs, reward, terminated, truncated, _ = self.env.step(action)
-        return Turn(str(obs), float(reward), bool(terminated or truncated))
+        done = bool(terminated or truncated)
+        return Turn(None if done and obs == TERMINAL_STATE else str(obs), float(reward), done)  # GEM's "nothing more"
 
     def close(self) -> None:
         close = getattr(self.env, "close", None)

@@ -2,6 +2,7 @@
 checks, a scripted episode whose rewards are known, and two GRPO steps; and a tokengym task driven as TRL's and
 GEM's envs drive theirs. Each test skips when its library is not installed."""
 
+import dataclasses
 import random
 
 import numpy as np
@@ -30,6 +31,40 @@ def play(task, turns, seed=0):
         if env.all_done:
             break
     return env
+
+
+def play_group(task, rows, seed=0):
+    """One group of episodes of the same prompt, row ``i`` playing the agent turns ``rows[i](sample)``; the env after it."""
+    env = TokenVectorEnv(len(rows), task, group_size=len(rows), max_new_tokens=400)
+    env.reset(seed=seed)
+    tok = env.tokenizer
+    queues = [[t for turn in script(env.samples[i]) for t in tok(turn, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]]
+              for i, script in enumerate(rows)]
+    while not env.all_done:
+        env.step(torch.tensor([q.pop(0) if q else tok.eos_token_id for q in queues]))
+    return env
+
+
+def assert_outcome_is_the_return(env, returns, solved):
+    """A rollout of ``env``'s finished episodes reports each library return as its outcome (what ``reward/mean``,
+    ``reward/accuracy`` and ``evaluate`` read), while GRPO's advantages are the pure function's of those returns."""
+    from tokengym.agents import GRPOAgent, GRPOConfig, Policy
+    from tokengym.agents import functional as F
+    from tokengym.agents.algorithms.grpo import grpo_advantages
+    from tokengym.agents.engine.models import build_preset
+    from tokengym.agents.engine.rollout import _snapshot
+
+    assert env.outcome.tolist() == [0.0] * env.num_envs  # at the env, the rewards are turn rewards only
+    assert env.turn_rewards.sum(1).tolist() == pytest.approx(returns)
+    ro = _snapshot(env, torch.zeros(env.num_envs, env.max_new_tokens))
+    assert ro.outcome.tolist() == pytest.approx(returns) and torch.equal(ro.returns, ro.outcome)
+    agent = GRPOAgent(Policy(*build_preset("tiny"), seed=0), GRPOConfig(steps=1))
+    for i, won in enumerate(solved):
+        one = agent.rollout_metrics(dataclasses.replace(ro.select([i]), group_size=1), {}, 1.0)
+        assert float(one["reward/mean"]) == pytest.approx(returns[i]) and float(one["reward/accuracy"]) == float(won)
+    for scale in ("group", "none"):  # each reward counted once: the advantages of the returns, bit for bit
+        want = F.group_advantages(env.turn_rewards.sum(1), ro.group_size, scale=scale)[:, None] * ro.action_mask
+        assert torch.equal(grpo_advantages(ro, "outcome", scale), want)
 
 
 def assert_replies_are_context(env):
@@ -81,6 +116,10 @@ def test_gem_guess_the_number():
     want = LanguageGameReward.internal_step_reward + LanguageGameReward.success_reward
     assert float(env.turn_rewards[0].sum()) == pytest.approx(want) and float(env.outcome[0]) == 0.0
     assert_replies_are_context(env)
+    won = lambda sample: [f"\\boxed{{{gem_target('game:GuessTheNumber-v0-easy', sample['key'])}}}"]  # noqa: E731
+    env = play_group(task, [won, lambda sample: ["no guess"]], seed=3)
+    assert_outcome_is_the_return(env, [LanguageGameReward.success_reward, LanguageGameReward.format_error_reward],
+                                 solved=[True, False])
     grpo_two_steps(task)
 
 
@@ -187,6 +226,9 @@ def test_verifiers_single_turn_env_scores_with_its_parser_and_rubric():
     assert bool(env.terminated[0]) and float(env.turn_rewards[0].sum()) == 1.0
     env = play(task, ["<answer>0</answer>"], seed=0)
     assert bool(env.terminated[0]) and float(env.turn_rewards[0].sum()) == 0.0
+    right = lambda sample: [f"<answer>{eval(sample['prompt'].splitlines()[-1])}</answer>"]  # noqa: E731
+    env = play_group(task, [lambda sample: ["<answer>0</answer>"], right], seed=0)
+    assert_outcome_is_the_return(env, [0.0, 1.0], solved=[False, True])  # the rubric failed, then passed
     grpo_two_steps(task)
 
 
@@ -264,6 +306,9 @@ def test_openenv_in_process_environment():
     assert env.history[0][1].strip() == "lower" and env.history[0][3].strip() == "correct"
     assert bool(env.terminated[0]) and float(env.turn_rewards[0].sum()) == 1.0
     assert_replies_are_context(env)
+    found = lambda sample: ["9", str(random.Random(sample["key"]).randint(1, 8))]  # noqa: E731
+    env = play_group(task, [found, lambda sample: ["9", "9", "9"]], seed=0)
+    assert_outcome_is_the_return(env, [1.0, 0.0], solved=[True, False])
     # a space ends a turn too, so that the untrained model's turns end within the budget
     grpo_two_steps(OpenEnvTask(GuessEnvironment, GuessAction, name="openenv/guess", turn_stop_strings=(" ",)))
 
