@@ -23,6 +23,7 @@ What tokengym adds around ``fully_shard`` (no sharding of its own):
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -45,16 +46,18 @@ def unsupported_reason() -> str | None:
     return None
 
 
-def _fsdp_modules(module: nn.Module) -> list[nn.Module]:
-    from torch.distributed.fsdp import FSDPModule
-
-    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+def _fsdp_modules(module: Any) -> list[nn.Module]:
+    """The FSDP2 units in ``module`` (a model, or a Policy holding one); none for an unsharded module or torch."""
+    # a module was sharded only if FSDP was imported: an unsharded run never imports it, here either
+    fsdp = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
+    if fsdp is None or not isinstance(module, nn.Module):
+        return []
+    return [m for m in module.modules() if isinstance(m, fsdp)]
 
 
 def is_sharded(module: Any) -> bool:
-    """Whether ``module`` (or a Policy's ``model``) is wrapped by :func:`shard`."""
-    module = getattr(module, "model", module)
-    return isinstance(module, nn.Module) and unsupported_reason() is None and bool(_fsdp_modules(module))
+    """Whether ``module`` (a model, or a Policy holding one) is wrapped by :func:`shard`."""
+    return bool(_fsdp_modules(module))
 
 
 def unwrapped_class(module: nn.Module) -> type:
@@ -137,8 +140,7 @@ def full_weights(module: Any) -> Iterator[None]:
 
     Every rank must enter it (it all-gathers), and the same number of times.
     """
-    module = getattr(module, "model", module)
-    mods = _fsdp_modules(module) if is_sharded(module) else []
+    mods = _fsdp_modules(module)  # (one walk over the modules per rollout)
     if not mods:
         yield
         return
@@ -167,8 +169,7 @@ def full_state(obj: Any, _memo: dict[int, Any] | None = None) -> Any:
             memo[id(obj)] = obj.full_tensor().detach().to("cpu", copy=True)  # its own storage (safetensors needs it)
         return memo[id(obj)]
     if isinstance(obj, dict):
-        return type(obj)((k, full_state(v, memo)) for k, v in obj.items()) if type(obj) is not dict else \
-            {k: full_state(v, memo) for k, v in obj.items()}
+        return type(obj)((k, full_state(v, memo)) for k, v in obj.items())
     if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
         return type(obj)(full_state(v, memo) for v in obj)
     return obj
