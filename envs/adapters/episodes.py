@@ -99,6 +99,13 @@ def no_outcome(prompts: list[Any], completions: list[str], **_: Any) -> list[flo
 no_outcome.name = "env_turn_rewards"  # type: ignore[attr-defined]
 
 
+def close_env(env: Any) -> None:
+    """Close a library's env if it has a ``close``: what an :class:`Episode` over one does on :meth:`Episode.close`."""
+    close = getattr(env, "close", None)
+    if callable(close):
+        close()
+
+
 class EpisodeTask(Task):
     """A tokengym task whose episodes are run by a library env (see the module docstring).
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Hashable
 
-from .episodes import EpisodeTask, GlobalRandom, Turn, require
+from .episodes import EpisodeTask, close_env, GlobalRandom, Turn, require
 
 __all__ = ["GEMTask"]
 
@@ -36,9 +36,7 @@ class _GEMEpisode:
         return Turn(None if done and obs == TERMINAL_STATE else str(obs), float(reward), done)  # GEM's "nothing more"
 
     def close(self) -> None:
-        close = getattr(self.env, "close", None)
-        if callable(close):
-            close()
+        close_env(self.env)
 
 
 class GEMTask(EpisodeTask):

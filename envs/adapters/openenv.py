@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any, Callable, Hashable
 
-from .episodes import EpisodeTask, Turn, require
+from .episodes import EpisodeTask, close_env, Turn, require
 
 __all__ = ["OpenEnvTask", "observation_text"]
 
@@ -58,9 +58,7 @@ class _Session:
         return self._turn(self.env.step(self.action(action)))
 
     def close(self) -> None:
-        close = getattr(self.env, "close", None)
-        if callable(close):
-            close()
+        close_env(self.env)
 
 
 class OpenEnvTask(EpisodeTask):
