@@ -7,7 +7,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from tokengym.agents import variants as V
 from tokengym.agents.algorithms.onpolicy_config import OnPolicyConfig
 
 __all__ = ["CriticFreeConfig", "LOSSES"]
@@ -49,14 +48,6 @@ class CriticFreeConfig(OnPolicyConfig):
     """The penalty at the token budget (soft overlong punishment)."""
     mask_truncated: bool = False
     """DAPO overlong filtering: episodes cut at the token budget take no part in the loss."""
-    correction: str = "none"
-    """Rollout/trainer mismatch correction: none, tis (truncated importance sampling) or mis (masked); pi_old is then
-    recomputed by the trainer and each token's loss is weighted by min(pi_old/pi_sampler, cap) (tis) or dropped
-    above the cap (mis)."""
-    correction_level: str = "token"
-    """Importance ratio of the correction per token or per sequence (the product over its tokens)."""
-    correction_cap: float = 2.0
-    """Cap of the correction's importance ratio."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -64,19 +55,22 @@ class CriticFreeConfig(OnPolicyConfig):
         if self.loss == "gspo" and self.aggregation != "seq-mean-token-mean":
             raise ValueError(f"{name}: loss='gspo' averages a sequence-level ratio over sequences; aggregation="
                              f"{self.aggregation!r} does not apply to it (use aggregation='seq-mean-token-mean')")
-        if self.correction != "none" and self.loss != "clip":
+        if self.dynamic_sampling and self.async_mode != "off":
+            raise ValueError(f"{name}: dynamic_sampling draws extra rollouts within a step, which the async workers' "
+                             "one-rollout-per-step schedule does not serve; use async_mode='off' or drop dynamic_sampling")
+        if self.correction not in ("none", "auto") and self.loss != "clip":
             raise ValueError(f"{name}: correction={self.correction!r} weights the token-level clip loss; it does not "
                              f"combine with loss={self.loss!r}")
 
     def checks(self) -> dict[str, bool]:
         return {"cov_select_ratio": 0 < self.cov_select_ratio <= 1, "cov_high": self.cov_high >= self.cov_low,
                 "max_extra_rollouts": self.max_extra_rollouts >= 0, "overlong_buffer": 0 <= self.overlong_buffer < 1,
-                "overlong_penalty": self.overlong_penalty >= 0, "correction_cap": self.correction_cap >= 1}
+                "overlong_penalty": self.overlong_penalty >= 0}
 
     def choices(self) -> dict[str, Iterable[Any]]:
-        return {"loss": LOSSES, "correction": ("none", *V.CORRECTION_MODES), "correction_level": V.CORRECTION_LEVELS}
+        return {"loss": LOSSES}
 
     @property
-    def reuse_rollout_logprobs(self) -> bool:
-        """pi_old log-probs come from the rollout (no extra forward) unless recompute or a correction asks for them."""
-        return not (self.recompute_old_logprobs or self.correction != "none")
+    def correction_mode(self) -> str:
+        """The correction in force: ``auto`` is tis in async modes with the clip loss (the only one it weights)."""
+        return "none" if self.correction == "auto" and self.loss != "clip" else super().correction_mode

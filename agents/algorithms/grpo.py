@@ -110,9 +110,6 @@ class GRPOAgent(OnPolicyAgent):
             batch["mask"], batch["adv"] = ro.action_mask * keep, batch["adv"] * keep
         if ref_logp is not None:
             batch["ref_logp"] = ref_logp
-        if cfg.correction != "none":  # old_logp is the trainer's own (recomputed); the sampler's are the rollout's
-            batch["weights"] = V.importance_weights(old_logp, ro.logprobs, ro.action_mask, cfg.correction,
-                                                    cfg.correction_level, cfg.correction_cap)
         return batch, dict(self._sampling_stats)
 
     def inert_rows(self, batch: dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor | None:

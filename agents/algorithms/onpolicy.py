@@ -28,6 +28,7 @@ from tokengym.agents.algorithms.onpolicy_config import OnPolicyConfig
 from tokengym.agents.engine.policy import make_reference
 from tokengym.agents.engine.resources import check_fits
 from tokengym.agents.engine.rollout import Rollout, collect, evaluate, trimmed_logprobs, used_slice
+from tokengym.agents.engine.workers import RolloutWorkers
 
 __all__ = ["OnPolicyAgent", "OnPolicyConfig", "Minibatch", "both"]
 
@@ -91,6 +92,9 @@ class OnPolicyAgent:
         self._resume_step: int | None = None  # set by load_state_dict: learn() continues its schedule from here
         self._shuffle = torch.Generator().manual_seed(cfg.seed)
         self.dp = LOCAL  # data parallel: set by distributed.prepare under torchrun
+        self._workers: RolloutWorkers | None = None  # async modes: the rollout worker processes, while learn() runs
+        self._async_state: dict[str, Any] | None = None  # their checkpointed state (resume), until learn() starts them
+        self._async_metrics: dict[str, float] = {}
 
     # ------------------------------------------------------------------ what an algorithm supplies
     @staticmethod
@@ -145,7 +149,11 @@ class OnPolicyAgent:
         return self.dp.weighted(stats, next(iter(shares.values()), 1.0))
 
     def collect(self, env) -> Rollout:
-        """One rollout batch of the current policy."""
+        """One rollout batch of the current policy (async modes: the workers' rollout for this step, of an older
+        policy version)."""
+        if self._workers is not None:
+            ro, self._async_metrics = self._workers.take(self.global_step)
+            return ro
         return collect(env, self.policy, seed=self.config.seed if self.global_step == 0 else None)
 
     def check_env(self, env) -> None:
@@ -170,9 +178,13 @@ class OnPolicyAgent:
         pass
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything but module weights needed to continue exactly (``torch.load(weights_only=True)``-safe)."""
-        return {"global_step": self.global_step, **self.optim.state_dict(), **self.extra_state(),
-                "shuffle_rng": self._shuffle.get_state(), "policy_rng": self.policy.generator.get_state()}
+        """Everything but module weights needed to continue exactly (``torch.load(weights_only=True)``-safe); in
+        async modes also the rollout workers' state (:meth:`RolloutWorkers.state_dict`)."""
+        state = {"global_step": self.global_step, **self.optim.state_dict(), **self.extra_state(),
+                 "shuffle_rng": self._shuffle.get_state(), "policy_rng": self.policy.generator.get_state()}
+        if self.config.async_mode != "off":
+            state["async"] = self._workers.state_dict() if self._workers is not None else self._async_state
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; the next :meth:`learn` call runs the rest of the interrupted schedule."""
@@ -184,6 +196,7 @@ class OnPolicyAgent:
         self.load_extra_state(state)
         self._shuffle.set_state(state["shuffle_rng"])
         self.policy.generator.set_state(state["policy_rng"])
+        self._async_state = state.get("async")
         self._resume_step = self.global_step
 
     # ------------------------------------------------------------------ the step's parts
@@ -285,8 +298,7 @@ class OnPolicyAgent:
         ref_logp = self._logprobs(self.ref, ro) if self.ref is not None else None
         ro, old_logp, ref_logp = self.dp.gather(ro, old_logp, ref_logp)  # data parallel: the global batch
         old_logp = ro.logprobs if old_logp is None else old_logp
-        batch, stats = self.prepare(ro, old_logp, ref_logp)
-        batch.setdefault("old_logp", old_logp)
+        batch, stats = self.frozen_batch(ro, old_logp, ref_logp)
         if recompute:  # the sampler's log-probs against the trainer's pi_old, over the whole batch
             stats.update({f"mismatch/{k}": v for k, v in V.logprob_mismatch(ro.logprobs, old_logp, ro.action_mask).items()})
         t_up = time.perf_counter()
@@ -296,11 +308,26 @@ class OnPolicyAgent:
         timing["time/update"] = time.perf_counter() - t_up
         self.after_update(ro, stats)
         self.global_step += 1
+        if self._workers is not None:  # the new version to the workers, before metrics and evaluation
+            self._workers.publish(self.global_step)
+            metrics.update(self._async_metrics)
         metrics.update(stats, **timing)
         metrics.update(self.rollout_metrics(ro, batch, time.perf_counter() - t_start))
         if self.log_iteration or cfg.iterations > 1:
             metrics["iteration"] = iteration
         return metrics
+
+    def frozen_batch(self, ro: Rollout, old_logp: torch.Tensor, ref_logp: torch.Tensor | None):
+        """:meth:`prepare`'s ``(batch, stats)`` with ``old_logp`` and the rollout correction's ``weights``: pi_old
+        (the trainer's recomputed log-probs, the ratio's anchor) over the behaviour policy (the sampler's, in async
+        modes a worker's older version), truncated or masked at ``correction_cap``."""
+        cfg = self.config
+        batch, stats = self.prepare(ro, old_logp, ref_logp)
+        batch.setdefault("old_logp", old_logp)
+        if (mode := cfg.correction_mode) != "none":
+            batch["weights"] = V.importance_weights(old_logp, ro.logprobs, ro.action_mask, mode, cfg.correction_level,
+                                                    cfg.correction_cap)
+        return batch, stats
 
     def loss_kinds(self) -> list[str]:
         """The aggregations of the loss terms (data-parallel weights are computed for each)."""
@@ -334,6 +361,30 @@ class OnPolicyAgent:
         self.check_env(env)
         if self.global_step == 0:
             self.policy.seed(cfg.seed)
+        if cfg.async_mode == "off":
+            return self._learn(env, eval_env, eval_samples, callback)
+        self._workers = self.start_workers(env)
+        try:
+            history = self._learn(env, eval_env, eval_samples, callback)
+            self._async_state = self._workers.state_dict()  # a later learn() call continues the workers' streams
+            return history
+        finally:
+            workers, self._workers = self._workers, None
+            workers.close()
+
+    def start_workers(self, env) -> RolloutWorkers:
+        """The rollout worker processes of an async run, from the checkpointed state after a resume."""
+        cfg = self.config
+        if self.dp.distributed:
+            raise ValueError(f"async_mode={cfg.async_mode!r} runs in one learner process; data-parallel learners "
+                             "(torchrun) with rollout workers are not supported yet")
+        return RolloutWorkers(env, self.policy, workers=cfg.rollout_workers, max_staleness=cfg.max_staleness,
+                              exact=cfg.async_mode == "one-step" or cfg.max_staleness == 0, version=self.global_step,
+                              state=self._async_state, seed=cfg.seed, threads=cfg.worker_threads, bf16=cfg.bf16,
+                              timeout=cfg.sync_timeout)
+
+    def _learn(self, env, eval_env, eval_samples, callback) -> list[dict[str, float]]:
+        cfg = self.config
         start = len(self.logger.history)
         done, self._resume_step = self._resume_step or 0, None  # steps of this schedule already taken (resume)
         evaluating = eval_env is not None and bool(eval_samples)

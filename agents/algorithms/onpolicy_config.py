@@ -14,6 +14,8 @@ from typing import Any, Iterable
 import torch
 
 from tokengym.agents import functional as F
+from tokengym.agents import variants as V
+from tokengym.agents.engine.workers import ASYNC_MODES
 from tokengym.agents.runtime.config import check_config
 from tokengym.agents.runtime.optim import LR_SCHEDULES
 from tokengym.rewards.common import Renamed, check_field_types
@@ -69,6 +71,28 @@ class OnPolicyConfig(Renamed, renames={"lr_schedule": "lr_scheduler_type"}):
     """Evaluate on held-out prompts every this many sampling steps when learn() gets eval samples (0 = only at the end)."""
     seed: int = 0
     """Seeds the env's prompt stream, the policy's sampler, minibatch shuffling and any freshly built head (PPO's critic)."""
+    correction: str = "auto"
+    """Rollout/trainer correction: none, tis (truncated importance sampling) or mis (masked), or auto (tis in async
+    modes, none otherwise). pi_old is then recomputed by the trainer (the proximal policy the ratio is clipped
+    against) and each token's loss is weighted by min(pi_old/pi_behaviour, cap) (tis) or dropped above the cap (mis),
+    pi_behaviour being the sampler's log-probs (in async modes: the worker's, of an older policy version)."""
+    correction_level: str = "token"
+    """Importance ratio of the correction per token or per sequence (the product over its tokens)."""
+    correction_cap: float = 2.0
+    """Cap of the correction's importance ratio."""
+    async_mode: str = "off"
+    """Rollouts in worker processes while the learner updates: off, one-step (each rollout sampled by the policy one
+    update older: a fixed schedule, deterministic and exactly resumable) or bounded (the newest weights a worker
+    holds, at most max_staleness updates old); see tokengym.agents.engine.workers."""
+    max_staleness: int = 1
+    """Async: the most policy updates a rollout may lag the update it trains (one-step: 1; bounded: 0 = synchronous
+    training through the workers, bit for bit)."""
+    rollout_workers: int = 1
+    """Async: rollout worker processes (worker i samples rollouts i, i + n, ...; its prompts and samples use seed + i)."""
+    worker_threads: int = 1
+    """Async: torch CPU threads of each rollout worker."""
+    sync_timeout: float = 300.0
+    """Async: seconds a weight sync may wait for a worker before the run stops with an error naming it."""
 
     def __post_init__(self) -> None:
         check_field_types(self)  # types first: the bounds below compare values
@@ -78,10 +102,17 @@ class OnPolicyConfig(Renamed, renames={"lr_schedule": "lr_scheduler_type"}):
             "minibatches": self.minibatches >= 1, "clip_eps": self.clip_eps > 0,
             "clip_eps_high": self.clip_eps_high is None or self.clip_eps_high > 0, "beta": self.beta >= 0,
             "entropy_coef": self.entropy_coef >= 0, "max_grad_norm": self.max_grad_norm >= 0,
-            "eval_every": self.eval_every >= 0,
+            "eval_every": self.eval_every >= 0, "correction_cap": self.correction_cap >= 1,
+            "max_staleness": self.max_staleness >= 0, "rollout_workers": self.rollout_workers >= 1,
+            "worker_threads": self.worker_threads >= 1, "sync_timeout": self.sync_timeout > 0,
         }
-        choices = {"lr_scheduler_type": LR_SCHEDULES, "kl_estimator": F.KL_ESTIMATORS, "aggregation": F.AGGREGATIONS}
+        choices = {"lr_scheduler_type": LR_SCHEDULES, "kl_estimator": F.KL_ESTIMATORS, "aggregation": F.AGGREGATIONS,
+                   "correction": ("auto", "none", *V.CORRECTION_MODES), "correction_level": V.CORRECTION_LEVELS,
+                   "async_mode": ASYNC_MODES}
         check_config(self, {**checks, **self.checks()}, {**choices, **self.choices()})
+        if self.async_mode == "one-step" and self.max_staleness != 1:
+            raise ValueError(f"{type(self).__name__}: async_mode='one-step' samples each rollout exactly one update "
+                             f"behind (max_staleness=1), not max_staleness={self.max_staleness}; use async_mode='bounded'")
         z = torch.zeros(1, 1)
         try:  # the loss's own argument checks (clip ranges) now, not after the first rollout
             F.policy_loss(z, z, z, z, self.clip_eps, self.clip_eps_high, self.aggregation)
@@ -97,6 +128,14 @@ class OnPolicyConfig(Renamed, renames={"lr_schedule": "lr_scheduler_type"}):
         return {}
 
     @property
+    def correction_mode(self) -> str:
+        """The correction in force (``auto`` resolved): none, tis or mis."""
+        if self.correction == "auto":
+            return "tis" if self.async_mode != "off" else "none"
+        return self.correction
+
+    @property
     def reuse_rollout_logprobs(self) -> bool:
-        """pi_old log-probs come from the rollout (no extra forward) unless a setting needs the trainer's own."""
-        return not self.recompute_old_logprobs
+        """pi_old log-probs come from the rollout (no extra forward) unless recompute or a correction asks for the
+        trainer's own."""
+        return not (self.recompute_old_logprobs or self.correction_mode != "none")

@@ -32,7 +32,7 @@ from tokengym.agents.algorithms.onpolicy import Minibatch, OnPolicyAgent
 from tokengym.agents.algorithms.onpolicy_config import OnPolicyConfig
 from tokengym.agents.runtime.optim import adamw
 from tokengym.agents.algorithms.registry import register
-from tokengym.agents.engine.rollout import Rollout, collect, turn_metrics
+from tokengym.agents.engine.rollout import Rollout, attach_values, collect, turn_metrics
 
 __all__ = ["PPOConfig", "PPOAgent", "AdaptiveKLController", "ppo_rewards"]
 
@@ -160,6 +160,8 @@ class PPOAgent(OnPolicyAgent):
         self.critic.train(on)
 
     def collect(self, env) -> Rollout:
+        if self._workers is not None:  # async: the workers sample; the values are the learner's critic's, now
+            return attach_values(super().collect(env), self.critic)
         return collect(env, self.policy, self.critic, seed=self.config.seed if self.global_step == 0 else None)
 
     def extra_state(self) -> dict[str, Any]:
@@ -215,8 +217,9 @@ class PPOAgent(OnPolicyAgent):
 
     def loss(self, mb: Minibatch, batch: dict[str, torch.Tensor]):
         cfg, am = self.config, mb.action_mask
+        weights = mb.take(batch["weights"]) if "weights" in batch else None  # the rollout correction's
         pg, pstats = F.policy_loss(mb.logp, mb.take(batch["old_logp"]), mb.take(batch["adv"]), am,
-                                   cfg.clip_eps, cfg.clip_eps_high, cfg.aggregation)
+                                   cfg.clip_eps, cfg.clip_eps_high, cfg.aggregation, weights)
         vf, vstats = F.value_loss(mb.extra["values"], mb.take(batch["values"]), mb.take(batch["ret"]), am, cfg.value_clip)
         terms = [(pg, cfg.aggregation), (vf, "token-mean")]
         if cfg.entropy_coef > 0:

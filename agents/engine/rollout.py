@@ -22,7 +22,7 @@ from tokengym.agents.engine.resources import check_fits
 from tokengym.agents.engine.sampler import SamplerCapabilities, capabilities_of
 from tokengym.agents.runtime.sharding import full_weights
 
-__all__ = ["Rollout", "collect", "collect_episodes", "evaluate", "heldout_samples", "turn_metrics", "used_columns", "used_slice", "trimmed_logprobs"]
+__all__ = ["Rollout", "attach_values", "collect", "collect_episodes", "evaluate", "heldout_samples", "turn_metrics", "used_columns", "used_slice", "trimmed_logprobs"]
 
 
 @dataclass
@@ -200,16 +200,20 @@ def collect(env, policy, critic=None, *, greedy: bool = False, seed: int | None 
     if env.autoreset_mode.name != "DISABLED":
         raise ValueError("collect() runs lockstep batches: create the env with autoreset_mode='disabled'")
     check_fits(policy, env)
-    P, M = env.max_prompt_len, env.max_new_tokens
     with torch.inference_mode():
         logps = _run_episodes(env, policy, greedy, seed, samples, compact, share_prefix)
     ro = _snapshot(env, logps.clone())
-    if critic is not None:
-        with torch.no_grad():
-            v = critic(ro.tokens, ro.attention_mask, P)  # [N, M + 1]: V(s_0) .. V(s_M)
-        ro.values = v[:, :M] * ro.action_mask
-        after = v.gather(1, ro.episode_lengths[:, None])[:, 0]  # V after the last token (M unless a reply overflowed)
-        ro.last_values = torch.where(ro.truncated, after, torch.zeros_like(after))
+    return ro if critic is None else attach_values(ro, critic)
+
+
+def attach_values(ro: Rollout, critic) -> Rollout:
+    """Fill ``ro.values`` and ``ro.last_values`` with ``critic``'s values in one pass; return ``ro``."""
+    M = ro.action_mask.shape[1]
+    with torch.no_grad():
+        v = critic(ro.tokens, ro.attention_mask, ro.prompt_len)  # [N, M + 1]: V(s_0) .. V(s_M)
+    ro.values = v[:, :M] * ro.action_mask
+    after = v.gather(1, ro.episode_lengths[:, None])[:, 0]  # V after the last token (M unless a reply overflowed)
+    ro.last_values = torch.where(ro.truncated, after, torch.zeros_like(after))
     return ro
 
 

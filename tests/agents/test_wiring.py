@@ -105,7 +105,7 @@ def test_tis_weights_are_the_trainers_over_the_samplers_probability_capped(rollo
     up[::2] = True
     old = ro.logprobs + torch.where(up, math.log(3.0), math.log(0.5)) * am
     agent = GRPOAgent(policy, GRPOConfig(correction="tis", correction_cap=2.0))
-    batch, _ = agent.prepare(ro, old, None)
+    batch, _ = agent.frozen_batch(ro, old, None)
     w = batch["weights"]
     assert torch.allclose(w[am & up], torch.full_like(w[am & up], 2.0), rtol=0, atol=1e-6)
     assert torch.allclose(w[am & ~up], torch.full_like(w[am & ~up], 0.5), rtol=0, atol=1e-6)
@@ -155,3 +155,36 @@ def test_grpo_loss_terms_are_the_clipped_surrogate_and_beta_times_the_configured
     assert torch.equal(terms[0][0], pg) and torch.equal(terms[1][0], 0.04 * kl) and torch.equal(terms[2][0], ent)
     (sum(t for t, _ in terms)).backward()
     assert mb.logp.grad is not None  # the loss reaches the policy's log-probs, and nothing else requires grad
+
+
+def test_ppo_loss_weights_the_surrogate_by_the_rollout_correction(rollout):
+    """PPO's policy term with ``correction="tis"`` is the clipped surrogate weighted by the skeleton's TIS weights
+    (pi_old over the sampler's log-probs), which are constants; without a correction there are no weights."""
+    policy, ro, _ = rollout
+    old = ro.logprobs + 0.4 * torch.randn(ro.logprobs.shape, generator=torch.Generator().manual_seed(4)) * ro.action_mask
+    critic = Critic.from_policy(policy, seed=0)
+    agent = PPOAgent(policy, PPOConfig(correction="tis", correction_cap=1.5), critic=critic)
+    batch, _ = agent.frozen_batch(ro, old, None)
+    want_w = V.importance_weights(old, ro.logprobs, ro.action_mask, "tis", "token", 1.5)
+    assert torch.equal(batch["weights"], want_w) and not batch["weights"].requires_grad
+    mb = _minibatch(ro)
+    mb.extra = {"values": ro.values.clone().requires_grad_()}
+    terms, _ = agent.loss(mb, batch)
+    cfg = agent.config
+    pg, _ = F.policy_loss(mb.logp, old, batch["adv"], ro.action_mask, cfg.clip_eps, cfg.clip_eps_high, cfg.aggregation,
+                          want_w)
+    assert torch.equal(terms[0][0], pg)
+    unweighted, _ = F.policy_loss(mb.logp, old, batch["adv"], ro.action_mask, cfg.clip_eps, cfg.clip_eps_high,
+                                  cfg.aggregation)
+    assert not torch.equal(pg, unweighted)  # the weights matter on this input
+    assert "weights" not in PPOAgent(policy, PPOConfig(correction="none"), critic=critic).frozen_batch(ro, old, None)[0]
+
+
+@pytest.mark.parametrize("cls", [GRPOConfig, PPOConfig])
+def test_auto_correction_is_tis_in_async_modes_and_none_otherwise(cls):
+    assert cls().correction == "auto" and cls().correction_mode == "none" and cls().reuse_rollout_logprobs
+    for mode in ("one-step", "bounded"):
+        cfg = cls(async_mode=mode)
+        assert cfg.correction_mode == "tis" and not cfg.reuse_rollout_logprobs
+    assert cls(async_mode="one-step", correction="none").correction_mode == "none"
+    assert GRPOConfig(async_mode="one-step", loss="gspo", clip_eps=3e-4).correction_mode == "none"  # weights clip only

@@ -1,0 +1,357 @@
+"""Rollout worker processes: rollouts of an older policy version while the learner updates (async training).
+
+:class:`RolloutWorkers` starts ``workers`` processes (``torch.multiprocessing``, spawn). Each holds its own copy of
+the env (tool replies of a multi-turn env run there) and of the policy, takes the learner's weights over
+:class:`~tokengym.agents.runtime.weight_sync.WeightSync`, and sends back finished rollouts tagged with the policy
+version that sampled them. Rollout ``j`` (the ``j``-th the learner will train on) is worker ``j % workers``'s, and is
+sampled with a policy version ``v`` where ``v >= j - max_staleness``; the learner trains on it at step ``j``
+(version ``j``), so its staleness ``j - v`` is at most ``max_staleness``.
+
+* ``exact`` (one-step-off, and ``max_staleness = 0``): ``v = max(0, j - max_staleness)`` exactly. The schedule is
+  fixed, so a run is deterministic, and ``max_staleness = 0`` is synchronous training, bit for bit.
+* otherwise (bounded staleness): the newest version the worker holds when it starts the rollout, at least
+  ``j - max_staleness``; which one depends on timing.
+
+Worker ``i`` draws prompts and samples from its own stream (env seed and sampler seed ``seed + i``; worker 0's is
+the synchronous run's). A checkpoint after step ``s`` holds rollouts ``s .. s + max_staleness - 1`` (sampled with
+versions before ``s``, which it does not hold) and each worker's stream position after the newest of its rollouts
+that it keeps; rollouts further ahead are dropped and sampled again after a resume. So exact modes resume bit for
+bit, and bounded runs resume within their staleness bound.
+
+Faults: a worker that dies or fails stops the run with one line naming it (its checkpoints stay intact); workers
+exit when the learner does, however it ends (the kernel kills them if it dies: ``PR_SET_PDEATHSIG``), and ignore
+Ctrl-C, which the learner handles.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import queue as queue_mod
+import signal
+import sys
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+import torch
+
+from tokengym.agents.engine.rollout import Rollout, collect
+from tokengym.agents.runtime.weight_sync import STOP, WeightSync, WeightSyncError
+
+__all__ = ["ASYNC_MODES", "RolloutWorkers", "WorkerError", "rollout_state", "rollout_from_state"]
+
+ASYNC_MODES = ("off", "one-step", "bounded")
+
+
+class WorkerError(RuntimeError):
+    """A rollout worker died or failed; the message names it."""
+
+
+def rollout_state(ro: Rollout) -> dict[str, Any]:
+    """A :class:`Rollout` as a plain dict (checkpoints, the workers' queue)."""
+    return {f.name: getattr(ro, f.name) for f in dataclasses.fields(ro)}
+
+
+def rollout_from_state(state: dict[str, Any]) -> Rollout:
+    return Rollout(**state)
+
+
+def _die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when its parent dies (Linux), so no worker outlives a killed learner."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+class RolloutWorkers:
+    """The learner's handle on its rollout workers (see the module docstring).
+
+    Args:
+        env, policy: the run's env and policy; each worker gets a copy (weights follow over the weight sync).
+        workers: how many worker processes.
+        max_staleness: ``K``; ``exact``: the fixed version schedule ``max(0, j - K)`` (one-step-off, ``K = 0``).
+        version: the learner's policy version now (its ``global_step``); published at once.
+        state: :meth:`state_dict` of a checkpoint (resume), else ``None`` (a fresh run from rollout 0).
+        seed: the run's seed (worker ``i`` seeds its env and sampler with ``seed + i``).
+        threads: torch threads of each worker; ``bf16``: the rollout's autocast; ``timeout``: a weight sync's limit.
+    """
+
+    def __init__(self, env: Any, policy: Any, *, workers: int, max_staleness: int, exact: bool, version: int,
+                 state: dict[str, Any] | None, seed: int, threads: int = 1, bf16: bool = False, timeout: float = 300.0):
+        import torch.multiprocessing as mp
+
+        self.workers, self.k, self.exact, self.timeout = workers, max_staleness, exact, timeout
+        self.params = list(policy.model.parameters())
+        state = state or {"next": 0, "queue": [], "streams": [None] * workers, "counts": {}}
+        if len(state["streams"]) != workers:
+            raise ValueError(f"the checkpoint's async state has {len(state['streams'])} rollout workers' streams, and this "
+                             f"run has rollout_workers={workers}; resume with the same number of workers")
+        self.next = int(state["next"])  # the next rollout the learner trains on
+        self.received: dict[int, tuple] = {int(m["index"]): (rollout_from_state(m["rollout"]), int(m["version"]),
+                                                              int(m["worker"]), m["stream"], 0.0) for m in state["queue"]}
+        self.streams: list[Any] = list(state["streams"])  # each worker's stream after its newest kept rollout
+        self.counts: Counter = Counter({int(k): int(v) for k, v in state["counts"].items()})
+        first = self.next + len(self.received)  # the first rollout a worker samples
+        ctx = mp.get_context("spawn")
+        self.results = ctx.Queue()
+        store = WeightSync.serve(workers, timeout)
+        self.procs = []
+        device = str(policy.device)
+        script_classes = _needs_main(env)
+        try:
+            for i in range(workers):
+                spec = {"env": env, "policy": policy, "workers": workers, "worker": i, "k": max_staleness, "exact": exact,
+                        "start": first, "stream": self.streams[i], "seed": seed + i, "port": store.port,
+                        "threads": threads, "bf16": bf16, "device": device}
+                proc = ctx.Process(target=_worker_main, args=(_pack(spec), self.results), name=f"tokengym-rollout-{i}",
+                                   daemon=True)
+                with contextlib.nullcontext() if script_classes else _script_not_rerun():
+                    proc.start()
+                self.procs.append(proc)
+            ready: set[int] = set()
+            try:
+                while len(ready) < workers:  # a worker that fails to start is named, not waited for
+                    ready.add(self._message()[1])
+            except WorkerError as e:
+                if not script_classes:
+                    raise
+                raise WorkerError(f"{e}. The env uses a class defined in your script (__main__), so the workers run the "
+                                  "script again to find it: put its training under `if __name__ == \"__main__\":`, or "
+                                  "define the class in a module") from None
+            self.sync = WeightSync(store, 0, workers, timeout, device)
+            self._previous_sigterm = None
+            if threading.current_thread() is threading.main_thread():  # SIGTERM unwinds the learner, closing the workers
+                self._previous_sigterm = signal.signal(signal.SIGTERM, _raise_exit)
+            self.sync_seconds = self.publish(version)
+        except BaseException:
+            self.close()
+            raise
+
+    def names(self) -> dict[int, str]:
+        return {i + 1: f"rollout worker {i} (pid {p.pid})" for i, p in enumerate(self.procs)}
+
+    def publish(self, version: int) -> float:
+        """Send the policy's weights as ``version`` to every worker; return the seconds it took."""
+        try:
+            self.sync_seconds = self.sync.publish(version, self.params, self.names())
+        except WeightSyncError as e:
+            self._check_alive()
+            raise WorkerError(str(e)) from None
+        return self.sync_seconds
+
+    def _check_alive(self) -> None:
+        for i, p in enumerate(self.procs):
+            if p.exitcode is not None:
+                how = f"signal {-p.exitcode}" if p.exitcode < 0 else f"exit code {p.exitcode}"
+                raise WorkerError(f"rollout worker {i} (pid {p.pid}) died ({how}) before rollout {self.next}; the run "
+                                  "stops (its checkpoints are intact: resume it)")
+
+    def _message(self) -> tuple:
+        """The workers' next message; a worker's error or death is a :class:`WorkerError` naming it."""
+        while True:
+            try:
+                msg = self.results.get(timeout=0.5)
+            except queue_mod.Empty:
+                self._check_alive()
+                continue
+            if msg[0] == "error":
+                _, i, text = msg
+                raise WorkerError(f"rollout worker {i} (pid {self.procs[i].pid}) failed: {text}")
+            return msg
+
+    def _receive(self, index: int) -> float:
+        """Wait until rollout ``index`` has arrived; return the seconds waited."""
+        t0 = time.perf_counter()
+        while index not in self.received:
+            _, j, version, i, packed, seconds = self._message()
+            ro, stream = _unpack(packed)
+            self.received[j] = (rollout_from_state(ro), version, i, stream, seconds)
+        return time.perf_counter() - t0
+
+    def take(self, step: int) -> tuple[Rollout, dict[str, float]]:
+        """The rollout the learner trains on at ``step`` (its policy version) and its ``async/*`` metrics."""
+        if step != self.next:
+            raise RuntimeError(f"the learner asked for rollout {step}, and the next one is {self.next}")
+        waited = self._receive(self.next)
+        ro, version, i, stream, seconds = self.received.pop(self.next)
+        self.streams[i] = stream
+        self.next += 1
+        lag = step - version
+        if not 0 <= lag <= self.k:  # the schedule makes this impossible; a broken invariant must not train silently
+            raise RuntimeError(f"rollout {step} was sampled by policy version {version}: staleness {lag} is outside "
+                               f"[0, max_staleness={self.k}]")
+        self.counts[lag] += 1
+        return ro, {"async/staleness": float(lag), "async/policy_version": float(version),
+                    "async/wait_seconds": waited, "async/worker_rollout_seconds": seconds,
+                    "async/sync_seconds": self.sync_seconds}
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint after the learner's current step keeps (see the module docstring): waits for the
+        rollouts sampled with versions before it."""
+        keep = range(self.next, self.next + self.k)
+        for j in keep:
+            self._receive(j)
+        streams = list(self.streams)
+        for j in keep:
+            _, _, i, stream, _ = self.received[j]
+            streams[i] = stream  # j ascending: the newest kept rollout of worker i wins
+        queue = [{"index": j, "version": self.received[j][1], "worker": self.received[j][2],
+                  "stream": self.received[j][3], "rollout": rollout_state(self.received[j][0])} for j in keep]
+        return {"next": self.next, "queue": queue, "streams": streams, "counts": dict(self.counts)}
+
+    def close(self) -> None:
+        """Stop the workers (a stop message, then SIGTERM and SIGKILL for any that linger); idempotent."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
+        if getattr(self, "_previous_sigterm", None) is not None:
+            signal.signal(signal.SIGTERM, self._previous_sigterm)
+        sync = getattr(self, "sync", None)
+        if sync is not None and all(p.exitcode is None for p in self.procs):
+            with contextlib.suppress(Exception):
+                sync.publish(STOP, [])
+        for p in self.procs:
+            p.join(timeout=2.0)
+            if p.exitcode is None:
+                p.terminate()
+                p.join(timeout=2.0)
+            if p.exitcode is None:
+                p.kill()
+                p.join()
+        with contextlib.suppress(Exception):
+            self.results.close()
+            self.results.cancel_join_thread()
+
+
+def _needs_main(env: Any) -> bool:
+    """Whether ``env`` pickles a reference to ``__main__`` (a task class defined in the user's script)."""
+    import pickle
+
+    try:
+        return b"__main__" in pickle.dumps(env)
+    except Exception:  # the spawn's own pickling reports what cannot go to a worker
+        return False
+
+
+@contextlib.contextmanager
+def _script_not_rerun():
+    """Start a spawned worker without running the user's script (``__main__``) again in it: a plain script that
+    trains without an ``if __name__ == "__main__":`` guard must not train again in every worker."""
+    import types
+
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
+
+
+def _raise_exit(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+# ---------------------------------------------------------------------------------------------- in the worker
+def _pack(obj: Any) -> bytes:
+    """``obj`` as bytes (``torch.save``): the workers' messages carry plain bytes, not torch's shared-memory tensors
+    (whose file descriptors fail for some storages and outlive a killed sender)."""
+    import io
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _unpack(data: bytes) -> Any:
+    import io
+
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _worker_main(packed: bytes, results: Any) -> None:
+    """A rollout worker's process: receive weights in a thread, sample rollouts by the version schedule, send them."""
+    _die_with_parent()
+    spec = _unpack(packed)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the learner stops us
+    code = 0
+    try:
+        _worker_loop(spec, results)
+    except BaseException as e:  # one line to the learner, which names this worker
+        code = 1
+        with contextlib.suppress(Exception):
+            results.put(("error", spec["worker"], f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]))
+    with contextlib.suppress(Exception):
+        results.close()
+        results.join_thread()  # what was put reaches the learner before the process ends
+    os._exit(code)
+
+
+def _worker_loop(spec: dict[str, Any], results: Any) -> None:
+    torch.set_num_threads(spec["threads"])
+    env, policy, w, i, k, exact = (spec[key] for key in ("env", "policy", "workers", "worker", "k", "exact"))
+    policy.train(False)
+    params = list(policy.model.parameters())
+    store = WeightSync.connect(spec["port"], w)
+    results.put(("ready", i))  # the learner joins the group only once every worker got this far
+    sync = WeightSync(store, i + 1, w, WeightSync.WORKER_TIMEOUT, spec["device"])
+    versions: dict[int, list[torch.Tensor]] = {}
+    cond = threading.Condition()
+    status: dict[str, Any] = {"stop": False, "error": None}
+
+    def receive() -> None:
+        try:
+            while True:
+                v, flats = sync.receive(params)
+                with cond:
+                    if v == STOP:
+                        status["stop"] = True
+                    else:
+                        if not exact:
+                            versions.clear()  # bounded: only the newest is ever used
+                        versions[v] = flats
+                    cond.notify_all()
+                if v == STOP:
+                    return
+        except BaseException as e:  # the learner is gone or the channel broke
+            with cond:
+                status["error"], status["stop"] = e, True
+                cond.notify_all()
+
+    threading.Thread(target=receive, name="weight-sync", daemon=True).start()
+    j = spec["start"] + (i - spec["start"]) % w  # this worker's first rollout
+    seed = None
+    if spec["stream"] is not None:
+        env.load_state_dict(spec["stream"]["env"])
+        policy.generator.set_state(spec["stream"]["rng"])
+    else:
+        policy.seed(spec["seed"])
+        seed = spec["seed"]
+    loaded = None
+    device = torch.device(spec["device"])
+    while True:
+        lo = max(0, j - k)
+        with cond:
+            cond.wait_for(lambda: status["stop"] or (lo in versions if exact else any(v >= lo for v in versions)))
+            if status["stop"]:
+                break
+            v = lo if exact else max(versions)
+            for old in [u for u in versions if u < v]:
+                del versions[old]
+            flats = versions[v]
+        if v != loaded:
+            WeightSync.load(params, flats)
+            loaded = v
+        t0 = time.perf_counter()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=spec["bf16"]):
+            ro = collect(env, policy, seed=seed)
+        seed = None
+        stream = {"env": env.state_dict(), "rng": policy.generator.get_state()}
+        results.put(("rollout", j, v, i, _pack((rollout_state(ro), stream)), time.perf_counter() - t0))
+        j += w
+    if status["error"] is not None and not isinstance(status["error"], SystemExit):
+        raise RuntimeError(f"the weight sync broke (is the learner gone?): {status['error']}")
