@@ -383,6 +383,10 @@ class OnPolicyAgent:
                               state=self._async_state, seed=cfg.seed, threads=cfg.worker_threads, bf16=cfg.bf16,
                               timeout=cfg.sync_timeout)
 
+    def worker_pids(self) -> list[int]:
+        """Process ids of the rollout workers (async modes, while :meth:`learn` runs; else empty)."""
+        return [p.pid for p in self._workers.procs] if self._workers is not None else []
+
     def _learn(self, env, eval_env, eval_samples, callback) -> list[dict[str, float]]:
         cfg = self.config
         start = len(self.logger.history)

@@ -274,6 +274,7 @@ def _unknown_flag(flag: str, args: argparse.Namespace) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from tokengym.agents.engine.workers import WorkerError
     from tokengym.agents.runtime.runs import UsageError
     from tokengym.rewards.common import TokengymDeprecationWarning
 
@@ -327,6 +328,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except UsageError as e:
             print(f"tokengym: error: {e}", file=sys.stderr)
             return 2
+        except WorkerError as e:  # a rollout worker died or a weight sync timed out: one line naming it
+            print(f"tokengym: error: {e}", file=sys.stderr)
+            return 1
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:

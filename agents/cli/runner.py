@@ -91,7 +91,8 @@ def run_fields(algo: str) -> set[str]:
     return {f.name for f in dataclasses.fields(RunConfig) if f.name not in optional or f.name in own}
 
 # Keys that may differ when resuming; everything else must match the saved config.
-RESUMABLE = {"save_every", "keep_checkpoints", "threads", "progress", "device", "sharding"}
+RESUMABLE = {"save_every", "keep_checkpoints", "threads", "progress", "device", "sharding", "worker_threads",
+             "sync_timeout"}
 """(A checkpoint holds full weights whatever the sharding, so a run resumes sharded or not, with any process count.)"""
 
 

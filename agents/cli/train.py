@@ -96,6 +96,7 @@ def resolve(algo: str, values_file: dict[str, Any], values_flags: dict[str, Any]
         raise R.UsageError(str(e)) from None
     _check_run(run, algo)
     _check_sharding(run, algo, cfg)
+    _check_async(cfg)
     if saved:
         changed = [(k, saved[part][k], v) for part, obj in (("run", run), ("config", cfg))
                    for k, v in _jsonable(dataclasses.asdict(obj)).items()
@@ -155,6 +156,14 @@ def _check_sharding(run: RunConfig, algo: str, cfg: Any = None) -> None:
     if cfg is not None and getattr(cfg, "share_trunk", False):
         raise R.UsageError(f"--sharding {run.sharding} cannot share the policy's trunk with the critic (share_trunk): "
                            "the two would be sharded twice; drop --share-trunk or --sharding")
+
+
+def _check_async(cfg: Any) -> None:
+    """``--async-mode``: one learner process (not under torchrun) for now."""
+    mode = getattr(cfg, "async_mode", "off")
+    if mode != "off" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise R.UsageError(f"--async-mode {mode} runs one learner process with rollout workers; data-parallel learners "
+                           "(torchrun) with rollout workers are not supported yet: launch it without torchrun")
 
 
 _jsonable = jsonable

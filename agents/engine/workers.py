@@ -187,8 +187,7 @@ class RolloutWorkers:
                                f"[0, max_staleness={self.k}]")
         self.counts[lag] += 1
         return ro, {"async/staleness": float(lag), "async/policy_version": float(version),
-                    "async/wait_seconds": waited, "async/worker_rollout_seconds": seconds,
-                    "async/sync_seconds": self.sync_seconds}
+                    "time/async_wait": waited, "time/worker_rollout": seconds, "time/weight_sync": self.sync_seconds}
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint after the learner's current step keeps (see the module docstring): waits for the

@@ -109,8 +109,9 @@ class Trainer:
         else:  # a checkpoint holds full weights and optimiser state: load them first, then shard (see save)
             self.dp = dataclasses.replace(distributed.DataParallel.current(), sharding=sharding)
         self.start_step = 0
-        kill = os.environ.get("TOKENGYM_SIGKILL_AFTER_STEP")
+        kill, kill_worker = os.environ.get("TOKENGYM_SIGKILL_AFTER_STEP"), os.environ.get("TOKENGYM_SIGKILL_WORKER_AFTER_STEP")
         self.kill_at = int(kill) if kill else None
+        self.kill_worker_at = int(kill_worker) if kill_worker else None  # testing hook: an async run's rollout worker 0
         main = self.dp.is_main
         say = print if main else (lambda *a, **k: None)
         ckpt = None
@@ -154,6 +155,8 @@ class Trainer:
             self.save(step)
         if self.kill_at is not None and step == self.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.kill_worker_at is not None and step == self.kill_worker_at:
+            os.kill(self.agent.worker_pids()[0], signal.SIGKILL)
         return True
 
     def save(self, step: int) -> None:

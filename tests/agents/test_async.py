@@ -1,0 +1,237 @@
+"""Async training: rollout worker processes, the versioned weight sync, staleness, exact resume and faults.
+
+Every run here uses one torch thread in the learner and in each worker, so that the synchronous run it is compared
+with does the same arithmetic (a thread count changes float rounding).
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tokengym.agents import GRPOAgent, GRPOConfig, Policy, PPOAgent, PPOConfig
+from tokengym.agents.engine.workers import RolloutWorkers, WorkerError
+from tokengym.envs import TokenVectorEnv
+
+FAST = dict(steps=4, lr=1e-3, mu=2, minibatches=2, seed=3)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def train(cls, cfg_cls, **kw):
+    env = TokenVectorEnv(8, "arithmetic", group_size=4, max_new_tokens=12)
+    agent = cls(Policy.from_pretrained("tiny-arithmetic"), cfg_cls(**{**FAST, **kw}))
+    return agent, agent.learn(env)
+
+
+def deterministic(history):
+    return [{k: v for k, v in r.items() if k != "time" and not k.startswith(("time/", "perf/"))} for r in history]
+
+
+@pytest.mark.parametrize("cls,cfg_cls,correction", [(GRPOAgent, GRPOConfig, "tis"), (GRPOAgent, GRPOConfig, "none"),
+                                                    (PPOAgent, PPOConfig, "tis")])
+def test_max_staleness_0_through_the_workers_is_synchronous_training_bit_for_bit(cls, cfg_cls, correction):
+    """K = 0: each rollout is sampled in a worker process by exactly the learner's current weights (sent over the
+    weight sync), so every metric and every final weight equals the synchronous run's."""
+    sync_agent, sync = train(cls, cfg_cls, correction=correction)
+    async_agent, hist = train(cls, cfg_cls, correction=correction, async_mode="bounded", max_staleness=0)
+    assert [r["async/staleness"] for r in hist] == [0.0] * FAST["steps"]
+    assert [r["async/policy_version"] for r in hist] == [0.0, 1.0, 2.0, 3.0]
+    assert [{k: v for k, v in r.items() if not k.startswith("async/")} for r in deterministic(hist)] == deterministic(sync)
+    for p, q in zip(sync_agent.policy.parameters(), async_agent.policy.parameters()):
+        assert torch.equal(p, q)
+    assert async_agent.worker_pids() == []  # learn() stopped its workers
+
+
+def test_one_step_trains_each_step_on_the_rollout_of_the_previous_weights():
+    """One-step-off: rollout j is sampled by version max(0, j - 1), so the staleness is 0 then 1 on every step; with
+    correction auto the update recomputes pi_old and weights the loss (the mismatch is logged over the batch)."""
+    agent, hist = train(GRPOAgent, GRPOConfig, async_mode="one-step")
+    assert [r["async/staleness"] for r in hist] == [0.0, 1.0, 1.0, 1.0]
+    assert [r["async/policy_version"] for r in hist] == [0.0, 0.0, 1.0, 2.0]
+    assert agent.config.correction_mode == "tis"
+    assert all("mismatch/abs_gap_mean" in r for r in hist)
+    assert hist[1]["mismatch/abs_gap_mean"] > 0  # stale rollouts: the trainer's pi_old differs from the sampler's
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_bounded_staleness_never_exceeds_k(k):
+    """Bounded: whatever the timing, no step trains on a rollout more than K versions old, and the versions a
+    worker samples with never go back."""
+    agent, hist = train(GRPOAgent, GRPOConfig, async_mode="bounded", max_staleness=k, steps=6)
+    lags = [r["async/staleness"] for r in hist]
+    versions = [r["async/policy_version"] for r in hist]
+    assert all(0 <= x <= k for x in lags), lags
+    assert versions == sorted(versions)
+    assert [r["step"] for r in hist] == list(range(1, 7))
+
+
+def test_the_learner_refuses_a_rollout_beyond_the_staleness_bound():
+    """The invariant is checked where the learner takes a rollout, so a broken schedule cannot train silently."""
+    workers = RolloutWorkers.__new__(RolloutWorkers)
+    workers.k, workers.next, workers.counts, workers.streams, workers.sync_seconds = 1, 5, {}, [None], 0.0
+    workers.received = {5: (None, 3, 0, None, 0.0)}
+    with pytest.raises(RuntimeError, match="rollout 5 was sampled by policy version 3: staleness 2 is outside"):
+        workers.take(5)
+
+
+def test_a_killed_worker_stops_the_run_with_one_line_naming_it():
+    env = TokenVectorEnv(8, "arithmetic", group_size=4, max_new_tokens=12)
+    agent = GRPOAgent(Policy.from_pretrained("tiny-arithmetic"), GRPOConfig(**{**FAST, "steps": 20}, async_mode="one-step"))
+    pids = []
+
+    def kill_worker(record):
+        if record["step"] == 2:
+            pids.extend(agent.worker_pids())
+            os.kill(pids[0], signal.SIGKILL)
+
+    with pytest.raises(WorkerError, match=r"^rollout worker 0 \(pid (\d+)\) died \(signal 9\) before rollout \d+") as e:
+        agent.learn(env, callback=kill_worker)
+    assert str(pids[0]) in str(e.value) and "\n" not in str(e.value)
+    assert agent.global_step < 20 and agent.worker_pids() == []
+
+
+def test_a_weight_sync_that_times_out_names_the_worker():
+    """A worker that stops taking weights (frozen here with SIGSTOP) ends the run after sync_timeout with one line
+    naming it, not a silent hang."""
+    env = TokenVectorEnv(8, "arithmetic", group_size=4, max_new_tokens=12)
+    agent = GRPOAgent(Policy.from_pretrained("tiny-arithmetic"),
+                      GRPOConfig(**{**FAST, "steps": 20}, async_mode="bounded", max_staleness=2, sync_timeout=2.0))
+
+    def freeze_worker(record):
+        if record["step"] == 1:
+            os.kill(agent.worker_pids()[0], signal.SIGSTOP)
+
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match=r"weight sync of policy version \d+ failed: rollout worker 0 \(pid \d+\) did "
+                                          r"not take it within 2 s \(sync_timeout\)"):
+        agent.learn(env, callback=freeze_worker)
+    assert time.monotonic() - t0 < 120  # bounded by the timeout (and the close's kill), never a hang
+    assert agent.worker_pids() == []
+
+
+# ---------------------------------------------------------------------------------------------- the command line
+ARGS = ["train", "grpo", "--steps", "5", "--prompts", "2", "--group-size", "4", "--lr", "1e-3", "--mu", "2",
+        "--minibatches", "2", "--save-every", "2", "--eval-prompts", "8", "--threads", "1", "--progress", "false",
+        "--seed", "3", "--async-mode", "one-step"]
+
+
+def cli(args, env_extra=None, **kw):
+    env = dict(os.environ, **(env_extra or {}))
+    return subprocess.run([sys.executable, "-m", "tokengym.agents.cli", *args], capture_output=True, text=True, env=env,
+                          timeout=600, **kw)
+
+
+def metrics(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return deterministic([json.loads(line) for line in f])
+
+
+def same_model(a, b):
+    x, y = (load_file(os.path.join(d, "model", "model.safetensors")) for d in (a, b))
+    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+def marked_processes(mark):
+    """Live processes started with ``TOKENGYM_TEST_MARK=mark`` in their environment (the CLI and its workers)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read()
+            with open(f"/proc/{pid}/stat") as f:
+                zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        except OSError:
+            continue
+        if f"TOKENGYM_TEST_MARK={mark}".encode() in env.split(b"\0") and not zombie:
+            found.append(int(pid))
+    return found
+
+
+def no_orphans(mark, within=15.0):
+    deadline = time.monotonic() + within
+    while marked_processes(mark) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return marked_processes(mark) == []
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("async")
+    r = cli([*ARGS, "--runs-dir", str(root), "--name", "full"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    return str(root / "full")
+
+
+def test_one_step_sigkill_then_resume_equals_uninterrupted_and_leaves_no_orphans(tmp_path, full_run):
+    """The learner SIGKILLs itself after step 3 (its checkpoint at step 2 holds rollout 2, sampled by version 1, and
+    the worker's stream after it): no worker outlives it, and the resumed run ends as the uninterrupted one did."""
+    mark = uuid.uuid4().hex
+    killed = cli([*ARGS, "--runs-dir", str(tmp_path), "--name", "killed"],
+                 {"TOKENGYM_SIGKILL_AFTER_STEP": "3", "TOKENGYM_TEST_MARK": mark})
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert no_orphans(mark)
+    run = os.path.join(str(tmp_path), "killed")
+    assert open(os.path.join(run, "checkpoints", "latest")).read().strip() == "step-00000002"
+    resumed = cli(["train", "grpo", "--resume", run, "--progress", "false"])
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert metrics(run) == metrics(full_run)
+    assert [r.get("async/staleness") for r in metrics(run)] == [None, 0.0, 1.0, 1.0, 1.0, 1.0, None]
+    assert same_model(run, full_run)
+
+
+def test_a_killed_worker_ends_the_cli_with_one_line_and_the_run_resumes(tmp_path, full_run):
+    run = os.path.join(str(tmp_path), "w")
+    r = cli([*ARGS, "--runs-dir", str(tmp_path), "--name", "w"], {"TOKENGYM_SIGKILL_WORKER_AFTER_STEP": "2"})
+    assert r.returncode == 1, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("tokengym: error: rollout worker 0 (pid ") and "died (signal 9)" in last, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+    resumed = cli(["train", "grpo", "--resume", run, "--progress", "false"])
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert metrics(run) == metrics(full_run) and same_model(run, full_run)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_or_ctrl_c_stops_the_learner_and_every_worker(tmp_path, sig):
+    """SIGTERM to the learner, or Ctrl-C (SIGINT to the whole process group, as a terminal sends it): the learner
+    exits, stopping its workers, and no process of the run is left."""
+    mark = uuid.uuid4().hex
+    run = os.path.join(str(tmp_path), "long")
+    env = dict(os.environ, TOKENGYM_TEST_MARK=mark)
+    args = [a if a != "5" else "500" for a in ARGS]  # --steps 500
+    proc = subprocess.Popen([sys.executable, "-m", "tokengym.agents.cli", *args, "--runs-dir", str(tmp_path),
+                             "--name", "long"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None:
+            path = os.path.join(run, "metrics.jsonl")
+            if os.path.exists(path) and sum(1 for _ in open(path)) >= 3:  # training, workers running
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None and len(marked_processes(mark)) >= 2
+        if sig == signal.SIGINT:
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode in (128 + sig, -sig, 1), proc.stderr.read()[-2000:]
+    assert no_orphans(mark)
