@@ -239,9 +239,11 @@ class OnPolicyAgent:
             extra = self.forward_extra(tokens, mask, p, m)
         return Minibatch(rows, m, ro.action_mask[rows, :m], logp, ent, extra)
 
-    def _update(self, ro: Rollout, batch: dict[str, torch.Tensor], kinds: list[str], measure_mismatch: bool) -> dict[str, float]:
+    def _update(self, ro: Rollout, batch: dict[str, torch.Tensor], kinds: list[str], measure_mismatch: bool,
+                old_from_forward: bool = False) -> dict[str, float]:
         """``mu`` epochs of minibatch steps. ``measure_mismatch``: log the rollout's log-probs against the trainer's
-        from the first minibatch's forward, which runs at pi_old's weights."""
+        from the first minibatch's forward, which runs at pi_old's weights. ``old_from_forward`` (one epoch of one
+        minibatch): that forward's log-probs are pi_old, and the correction's weights are computed from them."""
         cfg, dp = self.config, self.dp
         self.train_mode(True)
         # Data parallel: each loss term is weighted by this rank's share of its aggregation's denominator (1 alone).
@@ -262,7 +264,11 @@ class OnPolicyAgent:
                     rows = torch.cat([rows[~inert], rows[inert]])
                 mb = self._forward(ro, rows, n_live)
                 if count == 0 and measure_mismatch:
-                    mismatch = V.logprob_mismatch(mb.take(batch["old_logp"]), mb.logp.detach(), mb.action_mask)
+                    mismatch = V.logprob_mismatch(mb.take(ro.logprobs), mb.logp.detach(), mb.action_mask)
+                if old_from_forward:
+                    batch["old_logp"] = batch["old_logp"].clone()
+                    batch["old_logp"][mb.rows, : mb.m] = mb.logp.detach()
+                    self._add_correction(batch, ro)
                 terms, stats = self.loss(mb, batch)
                 loss = terms[0][0] * shares[terms[0][1]]
                 for term, kind in terms[1:]:
@@ -294,16 +300,19 @@ class OnPolicyAgent:
         t_start = time.perf_counter()
         ro, timing = self._rollout(env)
         recompute = not cfg.reuse_rollout_logprobs
-        old_logp = self._logprobs(self.policy, ro) if recompute else None
+        # one epoch of one minibatch: the update's own forward runs at pi_old's weights, so it gives pi_old (no pass)
+        from_update = recompute and cfg.mu == 1 and cfg.minibatches == 1
+        old_logp = self._logprobs(self.policy, ro) if recompute and not from_update else None
         ref_logp = self._logprobs(self.ref, ro) if self.ref is not None else None
         ro, old_logp, ref_logp = self.dp.gather(ro, old_logp, ref_logp)  # data parallel: the global batch
         old_logp = ro.logprobs if old_logp is None else old_logp
-        batch, stats = self.frozen_batch(ro, old_logp, ref_logp)
-        if recompute:  # the sampler's log-probs against the trainer's pi_old, over the whole batch
+        batch, stats = self.frozen_batch(ro, old_logp, ref_logp, correct=not from_update)
+        if recompute and not from_update:  # the sampler's log-probs against the trainer's pi_old, over the whole batch
             stats.update({f"mismatch/{k}": v for k, v in V.logprob_mismatch(ro.logprobs, old_logp, ro.action_mask).items()})
         t_up = time.perf_counter()
         lr = self.optim.set_lr(self.global_step, self.total_steps)  # from global_step: a resumed run continues it
-        metrics = self._update(ro, batch, self.loss_kinds(), measure_mismatch=not recompute)
+        metrics = self._update(ro, batch, self.loss_kinds(), measure_mismatch=not recompute or from_update,
+                               old_from_forward=from_update)
         metrics["train/lr"] = lr
         timing["time/update"] = time.perf_counter() - t_up
         self.after_update(ro, stats)
@@ -317,17 +326,21 @@ class OnPolicyAgent:
             metrics["iteration"] = iteration
         return metrics
 
-    def frozen_batch(self, ro: Rollout, old_logp: torch.Tensor, ref_logp: torch.Tensor | None):
-        """:meth:`prepare`'s ``(batch, stats)`` with ``old_logp`` and the rollout correction's ``weights``: pi_old
-        (the trainer's recomputed log-probs, the ratio's anchor) over the behaviour policy (the sampler's, in async
-        modes a worker's older version), truncated or masked at ``correction_cap``."""
-        cfg = self.config
+    def frozen_batch(self, ro: Rollout, old_logp: torch.Tensor, ref_logp: torch.Tensor | None, correct: bool = True):
+        """:meth:`prepare`'s ``(batch, stats)`` with ``old_logp`` and (``correct``) the rollout correction's
+        ``weights``: pi_old (the trainer's recomputed log-probs, the ratio's anchor) over the behaviour policy (the
+        sampler's, in async modes a worker's older version), truncated or masked at ``correction_cap``."""
         batch, stats = self.prepare(ro, old_logp, ref_logp)
         batch.setdefault("old_logp", old_logp)
-        if (mode := cfg.correction_mode) != "none":
-            batch["weights"] = V.importance_weights(old_logp, ro.logprobs, ro.action_mask, mode, cfg.correction_level,
-                                                    cfg.correction_cap)
+        if correct:
+            self._add_correction(batch, ro)
         return batch, stats
+
+    def _add_correction(self, batch: dict[str, torch.Tensor], ro: Rollout) -> None:
+        cfg = self.config
+        if (mode := cfg.correction_mode) != "none":
+            batch["weights"] = V.importance_weights(batch["old_logp"], ro.logprobs, ro.action_mask, mode,
+                                                    cfg.correction_level, cfg.correction_cap)
 
     def loss_kinds(self) -> list[str]:
         """The aggregations of the loss terms (data-parallel weights are computed for each)."""

@@ -335,9 +335,12 @@ def _worker_loop(spec: dict[str, Any], results: Any) -> None:
     while True:
         lo = max(0, j - k)
         with cond:
-            cond.wait_for(lambda: status["stop"] or (lo in versions if exact else any(v >= lo for v in versions)))
+            cond.wait_for(lambda: status["stop"] or any(v >= lo for v in versions))
             if status["stop"]:
                 break
+            if exact and lo not in versions:  # a version it needs was skipped: fail in one line, never wait forever
+                raise RuntimeError(f"rollout {j} needs policy version {lo} exactly, and the learner sent version "
+                                   f"{min(versions)} instead")
             v = lo if exact else max(versions)
             for old in [u for u in versions if u < v]:
                 del versions[old]

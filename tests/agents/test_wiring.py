@@ -188,3 +188,37 @@ def test_auto_correction_is_tis_in_async_modes_and_none_otherwise(cls):
         assert cfg.correction_mode == "tis" and not cfg.reuse_rollout_logprobs
     assert cls(async_mode="one-step", correction="none").correction_mode == "none"
     assert GRPOConfig(async_mode="one-step", loss="gspo", clip_eps=3e-4).correction_mode == "none"  # weights clip only
+
+
+def test_one_minibatch_takes_pi_old_and_the_correction_from_the_updates_own_forward():
+    """mu = 1 with one minibatch: the update's forward runs at pi_old's weights, so its detached log-probs are pi_old
+    (no extra pass), and the TIS weights the loss sees are pi_old over the sampler's log-probs, as a separate
+    recomputation gives them (to float rounding: the two passes batch the rows differently)."""
+    from tokengym.agents.engine.rollout import trimmed_logprobs
+
+    torch.manual_seed(0)
+    policy = Policy.from_pretrained("tiny-arithmetic", seed=0, temperature=1.3)  # sampler != trainer: weights differ from 1
+    env = TokenVectorEnv(8, "arithmetic", group_size=4, max_new_tokens=12)
+    agent = GRPOAgent(policy, GRPOConfig(correction="tis", correction_cap=1.5, skip_zero_advantage=False, seed=0))
+    seen = {}
+    loss = agent.loss
+
+    def spy(mb, batch):
+        seen.update(rows=mb.rows, m=mb.m, old=batch["old_logp"].clone(), weights=batch["weights"].clone())
+        return loss(mb, batch)
+
+    agent.loss = spy
+    collect_ = agent.collect
+    agent.collect = lambda e: seen.setdefault("ro", collect_(e))
+    agent.step(env)
+    ro = seen["ro"]
+    # the policy's weights after the step are not pi_old's: recompute pi_old with a fresh copy of the start weights
+    fresh = Policy.from_pretrained("tiny-arithmetic", seed=0, temperature=1.3)
+    with torch.no_grad():
+        want_old = trimmed_logprobs(fresh, ro)
+    am = ro.action_mask.bool()
+    tol = 1e-5 * want_old.abs().max().item() + 1e-6
+    assert torch.allclose(seen["old"][am], want_old[am], rtol=0, atol=tol)
+    want_w = V.importance_weights(seen["old"], ro.logprobs, ro.action_mask, "tis", "token", 1.5)
+    assert torch.equal(seen["weights"], want_w)
+    assert (seen["weights"][am] != 1).any()  # the correction is not a no-op on this rollout
