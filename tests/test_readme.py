@@ -113,8 +113,15 @@ def check_printed_claims(code: str, stdout: str) -> None:
         assert found, f"the README says this block prints {claim}, but it printed:\n{stdout[-2000:]}"
 
 
+def check_async(out: str) -> None:
+    """The async example: its staleness never above max_staleness=2 (and a real mean, not a constant)."""
+    m = re.search(r"staleness: mean ([\d.]+), max (\d+)", out)
+    assert m, out[-2000:]
+    assert 0 <= float(m.group(1)) <= int(m.group(2)) <= 2, m.group(0)
+
+
 CHECKS = {"tool_env": check_tool_env, "calculator": check_calculator, "first-run": check_first_run, "recipes": check_recipes, "agents": check_agents, "prm": check_prm,
-          "own-task": check_own_task}
+          "own-task": check_own_task, "async": check_async}
 
 
 def _params():

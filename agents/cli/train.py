@@ -251,6 +251,10 @@ def _train(algo: str, run: RunConfig, cfg: Any, run_dir: str, resume: bool, dp: 
             print("env replies (tool calls) per held-out episode: {:.2f} -> {:.2f}".format(*result["replies"]))
     elif result:
         print(f"{result['label']}: {result['final']:.1%}")
+    if "staleness" in result:
+        hist = result["staleness"]
+        mean = sum(k * n for k, n in hist.items()) / sum(hist.values())
+        print(f"rollout staleness (updates behind): mean {mean:.2f}, max {max(hist)}; steps per staleness {hist}")
     print(f"done: model in {run_dir}/model, metrics in {run_dir}/metrics.jsonl")
     return 0
 

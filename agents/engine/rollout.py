@@ -61,6 +61,9 @@ class Rollout:
     reward_components: dict[str, torch.Tensor] = field(default_factory=dict)
     turn_rewards: torch.Tensor | None = None
     turn_counts: dict[str, torch.Tensor] = field(default_factory=dict)
+    policy_version: int | None = None
+    """The policy version that sampled the batch: in async modes the learner's number of updates when a worker took
+    its weights; ``None``: the policy as it stood (synchronous training)."""
 
     @property
     def num_episodes(self) -> int:

@@ -298,21 +298,26 @@ def _worker_loop(spec: dict[str, Any], results: Any) -> None:
     store = WeightSync.connect(spec["port"], w)
     results.put(("ready", i))  # the learner joins the group only once every worker got this far
     sync = WeightSync(store, i + 1, w, WeightSync.WORKER_TIMEOUT, spec["device"])
-    versions: dict[int, list[torch.Tensor]] = {}
+    versions: dict[int, list[torch.Tensor]] = {}  # received, not loaded yet: version -> its tensors
+    free: list[list[torch.Tensor]] = []  # buffers to receive into, reused (a fresh one costs page faults)
     cond = threading.Condition()
     status: dict[str, Any] = {"stop": False, "error": None}
 
     def receive() -> None:
         try:
             while True:
-                v, flats = sync.receive(params)
+                with cond:
+                    into = free.pop() if free else None
+                into = into or [torch.empty_like(p) for p in params]
+                v = sync.receive(into)
                 with cond:
                     if v == STOP:
                         status["stop"] = True
                     else:
-                        if not exact:
-                            versions.clear()  # bounded: only the newest is ever used
-                        versions[v] = flats
+                        if not exact:  # bounded: only the newest is ever used
+                            free.extend(versions.values())
+                            versions.clear()
+                        versions[v] = into
                     cond.notify_all()
                 if v == STOP:
                     return
@@ -330,27 +335,30 @@ def _worker_loop(spec: dict[str, Any], results: Any) -> None:
     else:
         policy.seed(spec["seed"])
         seed = spec["seed"]
-    loaded = None
+    loaded = -1  # the version in the policy's weights (none yet)
     device = torch.device(spec["device"])
     while True:
-        lo = max(0, j - k)
+        lo = max(0, j - k)  # the oldest version rollout j may use; exact modes use it and no other
         with cond:
-            cond.wait_for(lambda: status["stop"] or any(v >= lo for v in versions))
+            cond.wait_for(lambda: status["stop"] or loaded >= lo or any(u >= lo for u in versions))
             if status["stop"]:
                 break
-            if exact and lo not in versions:  # a version it needs was skipped: fail in one line, never wait forever
-                raise RuntimeError(f"rollout {j} needs policy version {lo} exactly, and the learner sent version "
-                                   f"{min(versions)} instead")
-            v = lo if exact else max(versions)
+            v = lo if exact else max([loaded, *versions])
+            if v != loaded and v not in versions:  # exact: a version it needs was skipped; fail, never wait forever
+                raise RuntimeError(f"rollout {j} needs policy version {lo} exactly, and the worker holds versions "
+                                   f"{sorted(versions) or [loaded]}")
+            slot = versions.pop(v) if v != loaded else None
             for old in [u for u in versions if u < v]:
-                del versions[old]
-            flats = versions[v]
-        if v != loaded:
-            WeightSync.load(params, flats)
+                free.append(versions.pop(old))
+        if slot is not None:
+            WeightSync.load(params, slot)
             loaded = v
+            with cond:
+                free.append(slot)
         t0 = time.perf_counter()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=spec["bf16"]):
             ro = collect(env, policy, seed=seed)
+        ro.policy_version = v
         seed = None
         stream = {"env": env.state_dict(), "rng": policy.generator.get_state()}
         results.put(("rollout", j, v, i, _pack((rollout_state(ro), stream)), time.perf_counter() - t0))

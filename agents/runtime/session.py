@@ -212,6 +212,9 @@ def summary(history: list[dict[str, Any]], key: str = "eval/accuracy") -> dict[s
     out = {"start": values[0], "final": values[-1]} if values else {}
     if out and calls:  # a multi-turn env: its replies (a tool env's calls) per episode
         out["replies"] = (calls[0], calls[-1])
+    lags = [int(r["async/staleness"]) for r in history if r.get("async/staleness") is not None]
+    if lags:  # an async run: how many steps trained on rollouts of each staleness
+        out["staleness"] = {k: lags.count(k) for k in sorted(set(lags))}
     return out
 
 

@@ -2,7 +2,7 @@
 
 The learner is rank 0 of its own process group (gloo on CPU, nccl on CUDA), apart from any data-parallel group;
 each rollout worker is one further rank. A sync is one broadcast of a header ``[version, 0]`` and one broadcast
-per dtype of the model's parameters, flattened. Every worker receives every version in order (a thread of its
+per parameter tensor (no flat copy of the model). Every worker receives every version in order (a thread of its
 own, so a sync never waits for a rollout to finish) and acknowledges it in the group's store, so a sync that
 fails or times out names the workers that did not take it instead of hanging: :class:`WeightSyncError`.
 """
@@ -23,13 +23,6 @@ STOP = -1
 
 class WeightSyncError(RuntimeError):
     """A weight sync that failed or timed out; the message names the workers that did not take it."""
-
-
-def _groups(params: Iterable[torch.Tensor]) -> dict[torch.dtype, list[torch.Tensor]]:
-    out: dict[torch.dtype, list[torch.Tensor]] = {}
-    for p in params:
-        out.setdefault(p.dtype, []).append(p)
-    return out
 
 
 class WeightSync:
@@ -79,17 +72,20 @@ class WeightSync:
 
         t0 = time.perf_counter()
         try:
-            header = torch.tensor([version, 0], dtype=torch.int64, device=self._comm_device)
-            self.group.broadcast([header], dist.BroadcastOptions()).wait()
+            self._broadcast(torch.tensor([version, 0], dtype=torch.int64, device=self._comm_device))
             if version != STOP:
-                for flat in self._flats(params):
-                    self.group.broadcast([flat], dist.BroadcastOptions()).wait()
+                with torch.no_grad():
+                    for p in params:  # each tensor as it is: no flat copy of the model
+                        self._broadcast(p.detach().contiguous().to(self._comm_device))
                 self._wait_acks(version)
         except (RuntimeError, dist.DistBackendError) as e:
             if isinstance(e, WeightSyncError):
                 raise
             raise WeightSyncError(self._lagging(version, names, f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")) from None
         return time.perf_counter() - t0
+
+    def _broadcast(self, t: torch.Tensor) -> None:
+        self.group.broadcast([t], dist.BroadcastOptions()).wait()
 
     def _wait_acks(self, version: int) -> None:
         try:
@@ -108,34 +104,23 @@ class WeightSync:
     def _comm_device(self) -> torch.device:
         return self.device if self.device.type == "cuda" else torch.device("cpu")
 
-    def _flats(self, params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-        with torch.no_grad():
-            return [torch.cat([p.detach().reshape(-1) for p in ps]).to(self._comm_device)
-                    for ps in _groups(params).values()]
-
     # ------------------------------------------------------------------ worker
-    def receive(self, params: list[torch.Tensor]) -> tuple[int, list[torch.Tensor] | None]:
-        """Wait for the next version; return ``(version, flats)`` (``flats`` in the order of ``_groups(params)``),
-        or ``(STOP, None)``. The version is acknowledged in the store once every flat has arrived."""
+    def receive(self, into: list[torch.Tensor]) -> int:
+        """Wait for the next version and receive it into ``into`` (tensors shaped like the learner's params, in its
+        order); return the version, or ``STOP``. The version is acknowledged in the store once all of it arrived."""
         header = torch.zeros(2, dtype=torch.int64, device=self._comm_device)
-        self.group.broadcast([header], dist.BroadcastOptions()).wait()
+        self._broadcast(header)
         version = int(header[0])
         if version == STOP:
-            return STOP, None
-        flats = []
-        for ps in _groups(params).values():
-            flat = torch.empty(sum(p.numel() for p in ps), dtype=ps[0].dtype, device=self._comm_device)
-            self.group.broadcast([flat], dist.BroadcastOptions()).wait()
-            flats.append(flat)
+            return STOP
+        for t in into:
+            self._broadcast(t)
         self.store.set(f"ack/{self.rank}/{version}", "1")
-        return version, flats
+        return version
 
     @staticmethod
     @torch.no_grad()
-    def load(params: list[torch.Tensor], flats: list[torch.Tensor]) -> None:
-        """Copy received ``flats`` into ``params`` (the order :meth:`receive` used)."""
-        for ps, flat in zip(_groups(params).values(), flats):
-            offset = 0
-            for p in ps:
-                p.copy_(flat[offset: offset + p.numel()].view_as(p))
-                offset += p.numel()
+    def load(params: list[torch.Tensor], received: list[torch.Tensor]) -> None:
+        """Copy a received version into ``params``."""
+        for p, t in zip(params, received):
+            p.copy_(t)

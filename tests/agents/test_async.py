@@ -56,12 +56,35 @@ def test_max_staleness_0_through_the_workers_is_synchronous_training_bit_for_bit
     assert async_agent.worker_pids() == []  # learn() stopped its workers
 
 
+def test_a_multi_turn_tool_env_runs_in_the_workers():
+    """The Calculator tool env: each worker holds its own copy and the tool replies run there; with K = 0 the run
+    is the synchronous one, tool calls included."""
+    import gymnasium as gym
+
+    def run(**kw):
+        env = gym.make_vec("tokengym/Calculator-v0", num_envs=8, vectorization_mode="vector_entry_point", group_size=4)
+        agent = GRPOAgent(Policy.from_pretrained("tiny-calculator"), GRPOConfig(**{**FAST, "steps": 3}, **kw))
+        return agent, agent.learn(env)
+
+    sync_agent, sync = run()
+    async_agent, hist = run(async_mode="bounded", max_staleness=0, correction="none")
+    assert any(r["env/replies_per_episode"] > 0 for r in hist)  # the workers' episodes called the tool
+    assert [{k: v for k, v in r.items() if not k.startswith("async/")} for r in deterministic(hist)] == deterministic(sync)
+    assert all(torch.equal(p, q) for p, q in zip(sync_agent.policy.parameters(), async_agent.policy.parameters()))
+
+
 def test_one_step_trains_each_step_on_the_rollout_of_the_previous_weights():
     """One-step-off: rollout j is sampled by version max(0, j - 1), so the staleness is 0 then 1 on every step; with
     correction auto the update recomputes pi_old and weights the loss (the mismatch is logged over the batch)."""
     agent, hist = train(GRPOAgent, GRPOConfig, async_mode="one-step")
     assert [r["async/staleness"] for r in hist] == [0.0, 1.0, 1.0, 1.0]
     assert [r["async/policy_version"] for r in hist] == [0.0, 0.0, 1.0, 2.0]
+    seen = []
+    take = agent.collect
+    agent.collect = lambda env: seen.append(take(env)) or seen[-1]
+    agent.config.steps = 2  # a second learn() call: two more steps
+    agent.learn(TokenVectorEnv(8, "arithmetic", group_size=4, max_new_tokens=12))  # continues the workers' streams
+    assert [ro.policy_version for ro in seen] == [3, 4]  # every batch carries the version that sampled it
     assert agent.config.correction_mode == "tis"
     assert all("mismatch/abs_gap_mean" in r for r in hist)
     assert hist[1]["mismatch/abs_gap_mean"] > 0  # stale rollouts: the trainer's pi_old differs from the sampler's
