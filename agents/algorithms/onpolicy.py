@@ -279,6 +279,8 @@ class OnPolicyAgent:
                 else:  # every row is inert: the gradient is exactly 0, and AdamW still takes its (momentum) step
                     for p in self.optim.params:
                         p.grad = torch.zeros_like(p)
+                if self._workers is not None:  # the weight sync of the last version reads them until here
+                    self._workers.settle()
                 report = self.optim.step()  # one flat all-reduce of every optimiser's gradients, clip each, step each
                 stats.update((name, report[name]) for name in self.grad_norm_names)
                 total = terms[0][0].detach()
@@ -317,8 +319,8 @@ class OnPolicyAgent:
         timing["time/update"] = time.perf_counter() - t_up
         self.after_update(ro, stats)
         self.global_step += 1
-        if self._workers is not None:  # the new version to the workers, before metrics and evaluation
-            self._workers.publish(self.global_step)
+        if self._workers is not None:  # the new version to the workers, while the learner goes on (settled
+            self._workers.publish(self.global_step, wait=False)  # before its next optimiser step)
             metrics.update(self._async_metrics)
         metrics.update(stats, **timing)
         metrics.update(self.rollout_metrics(ro, batch, time.perf_counter() - t_start))

@@ -331,6 +331,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except WorkerError as e:  # a rollout worker died or a weight sync timed out: one line naming it
             print(f"tokengym: error: {e}", file=sys.stderr)
             return 1
+        except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback (a run's checkpoints stay as they were)
+            print("tokengym: interrupted", file=sys.stderr)
+            return 130
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:

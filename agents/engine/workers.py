@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import queue as queue_mod
 import signal
@@ -50,12 +51,18 @@ class WorkerError(RuntimeError):
     """A rollout worker died or failed; the message names it."""
 
 
-def rollout_state(ro: Rollout) -> dict[str, Any]:
-    """A :class:`Rollout` as a plain dict (checkpoints, the workers' queue)."""
-    return {f.name: getattr(ro, f.name) for f in dataclasses.fields(ro)}
+def rollout_state(ro: Rollout, checkpoint: bool = False) -> dict[str, Any]:
+    """A :class:`Rollout` as a plain dict (the workers' messages); ``checkpoint``: loadable with
+    ``torch.load(weights_only=True)``, the task's samples (any Python values; no update reads them) as JSON text."""
+    state = {f.name: getattr(ro, f.name) for f in dataclasses.fields(ro)}
+    if checkpoint:
+        state["samples"] = json.dumps(state["samples"], default=repr)
+    return state
 
 
 def rollout_from_state(state: dict[str, Any]) -> Rollout:
+    if isinstance(state["samples"], str):
+        state = {**state, "samples": json.loads(state["samples"])}
     return Rollout(**state)
 
 
@@ -86,6 +93,8 @@ class RolloutWorkers:
         import torch.multiprocessing as mp
 
         self.workers, self.k, self.exact, self.timeout = workers, max_staleness, exact, timeout
+        self._pending: threading.Thread | None = None  # a sync in flight (publish(wait=False))
+        self._failed: WeightSyncError | None = None
         self.params = list(policy.model.parameters())
         state = state or {"next": 0, "queue": [], "streams": [None] * workers, "counts": {}}
         if len(state["streams"]) != workers:
@@ -127,7 +136,8 @@ class RolloutWorkers:
             self._previous_sigterm = None
             if threading.current_thread() is threading.main_thread():  # SIGTERM unwinds the learner, closing the workers
                 self._previous_sigterm = signal.signal(signal.SIGTERM, _raise_exit)
-            self.sync_seconds = self.publish(version)
+            self.sync_seconds = 0.0
+            self.publish(version)
         except BaseException:
             self.close()
             raise
@@ -135,14 +145,36 @@ class RolloutWorkers:
     def names(self) -> dict[int, str]:
         return {i + 1: f"rollout worker {i} (pid {p.pid})" for i, p in enumerate(self.procs)}
 
-    def publish(self, version: int) -> float:
-        """Send the policy's weights as ``version`` to every worker; return the seconds it took."""
+    def publish(self, version: int, wait: bool = True) -> None:
+        """Send the policy's weights as ``version`` to every worker. ``wait=False``: in a thread, while the learner
+        goes on; the weights must not change until :meth:`settle` (the learner calls it before its optimiser
+        step, so the next update's forward and backward overlap the sync)."""
+        self.settle()
+        if wait:
+            self._publish(version)
+            self._raise_failed()
+            return
+        self._pending = threading.Thread(target=self._publish, args=(version,), name="weight-publish", daemon=True)
+        self._pending.start()
+
+    def _publish(self, version: int) -> None:
         try:
             self.sync_seconds = self.sync.publish(version, self.params, self.names())
         except WeightSyncError as e:
+            self._failed = e
+
+    def settle(self) -> None:
+        """Wait for a sync started with ``wait=False``; raise its failure as a :class:`WorkerError`."""
+        pending, self._pending = getattr(self, "_pending", None), None
+        if pending is not None:
+            pending.join()
+        self._raise_failed()
+
+    def _raise_failed(self) -> None:
+        failed, self._failed = getattr(self, "_failed", None), None
+        if failed is not None:
             self._check_alive()
-            raise WorkerError(str(e)) from None
-        return self.sync_seconds
+            raise WorkerError(str(failed)) from None
 
     def _check_alive(self) -> None:
         for i, p in enumerate(self.procs):
@@ -158,6 +190,8 @@ class RolloutWorkers:
                 msg = self.results.get(timeout=0.5)
             except queue_mod.Empty:
                 self._check_alive()
+                if self._pending is not None and not self._pending.is_alive():
+                    self.settle()  # a sync that failed meanwhile: its worker will send nothing
                 continue
             if msg[0] == "error":
                 _, i, text = msg
@@ -192,6 +226,7 @@ class RolloutWorkers:
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint after the learner's current step keeps (see the module docstring): waits for the
         rollouts sampled with versions before it."""
+        self.settle()
         keep = range(self.next, self.next + self.k)
         for j in keep:
             self._receive(j)
@@ -200,7 +235,8 @@ class RolloutWorkers:
             _, _, i, stream, _ = self.received[j]
             streams[i] = stream  # j ascending: the newest kept rollout of worker i wins
         queue = [{"index": j, "version": self.received[j][1], "worker": self.received[j][2],
-                  "stream": self.received[j][3], "rollout": rollout_state(self.received[j][0])} for j in keep]
+                  "stream": self.received[j][3], "rollout": rollout_state(self.received[j][0], checkpoint=True)}
+                 for j in keep]
         return {"next": self.next, "queue": queue, "streams": streams, "counts": dict(self.counts)}
 
     def close(self) -> None:
@@ -208,6 +244,8 @@ class RolloutWorkers:
         if getattr(self, "_closed", False):
             return
         self._closed = True
+        with contextlib.suppress(Exception):
+            self.settle()
         if getattr(self, "_previous_sigterm", None) is not None:
             signal.signal(signal.SIGTERM, self._previous_sigterm)
         sync = getattr(self, "sync", None)
