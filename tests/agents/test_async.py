@@ -261,3 +261,17 @@ def test_sigterm_or_ctrl_c_stops_the_learner_and_every_worker(tmp_path, sig):
     if sig == signal.SIGINT:
         assert err.strip().splitlines()[-1] == "tokengym: interrupted" and "Traceback" not in err, err[-2000:]
     assert no_orphans(mark)
+
+
+@pytest.mark.parametrize("extra,env_extra,message", [
+    (["--max-staleness", "2"], {}, "async_mode='one-step' samples each rollout exactly one update behind"),
+    (["--dynamic-sampling", "true"], {}, "dynamic_sampling draws extra rollouts within a step"),
+    (["--rollout-workers", "0"], {}, "rollout_workers"),
+    (["--async-mode", "sometimes"], {}, "async_mode"),
+    ([], {"WORLD_SIZE": "2"}, "data-parallel learners (torchrun) with rollout workers are not supported yet"),
+])
+def test_bad_async_settings_are_one_line_and_write_nothing(tmp_path, extra, env_extra, message):
+    r = cli([*ARGS, *extra, "--runs-dir", str(tmp_path), "--name", "bad"], env_extra)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.startswith("tokengym: error: ") and message in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not os.path.exists(os.path.join(str(tmp_path), "bad"))
