@@ -34,7 +34,6 @@ import signal
 import sys
 import threading
 import time
-from collections import Counter
 from typing import Any
 
 import torch
@@ -42,7 +41,7 @@ import torch
 from tokengym.agents.engine.rollout import Rollout, collect
 from tokengym.agents.runtime.weight_sync import STOP, WeightSync, WeightSyncError
 
-__all__ = ["ASYNC_MODES", "RolloutWorkers", "WorkerError", "rollout_state", "rollout_from_state"]
+__all__ = ["ASYNC_MODES", "RolloutWorkers", "WorkerError"]
 
 ASYNC_MODES = ("off", "one-step", "bounded")
 
@@ -51,19 +50,15 @@ class WorkerError(RuntimeError):
     """A rollout worker died or failed; the message names it."""
 
 
-def rollout_state(ro: Rollout, checkpoint: bool = False) -> dict[str, Any]:
-    """A :class:`Rollout` as a plain dict (the workers' messages); ``checkpoint``: loadable with
-    ``torch.load(weights_only=True)``, the task's samples (any Python values; no update reads them) as JSON text."""
+def _rollout_checkpoint(ro: Rollout) -> dict[str, Any]:
+    """A :class:`Rollout` as a dict that ``torch.load(weights_only=True)`` loads: the task's samples (any Python
+    values; no update reads them) as JSON text."""
     state = {f.name: getattr(ro, f.name) for f in dataclasses.fields(ro)}
-    if checkpoint:
-        state["samples"] = json.dumps(state["samples"], default=repr)
-    return state
+    return {**state, "samples": json.dumps(state["samples"], default=repr)}
 
 
-def rollout_from_state(state: dict[str, Any]) -> Rollout:
-    if isinstance(state["samples"], str):
-        state = {**state, "samples": json.loads(state["samples"])}
-    return Rollout(**state)
+def _rollout_from_checkpoint(state: dict[str, Any]) -> Rollout:
+    return Rollout(**{**state, "samples": json.loads(state["samples"])})
 
 
 def _die_with_parent() -> None:
@@ -96,15 +91,14 @@ class RolloutWorkers:
         self._pending: threading.Thread | None = None  # a sync in flight (publish(wait=False))
         self._failed: WeightSyncError | None = None
         self.params = list(policy.model.parameters())
-        state = state or {"next": 0, "queue": [], "streams": [None] * workers, "counts": {}}
+        state = state or {"next": 0, "queue": [], "streams": [None] * workers}
         if len(state["streams"]) != workers:
             raise ValueError(f"the checkpoint's async state has {len(state['streams'])} rollout workers' streams, and this "
                              f"run has rollout_workers={workers}; resume with the same number of workers")
         self.next = int(state["next"])  # the next rollout the learner trains on
-        self.received: dict[int, tuple] = {int(m["index"]): (rollout_from_state(m["rollout"]), int(m["version"]),
+        self.received: dict[int, tuple] = {int(m["index"]): (_rollout_from_checkpoint(m["rollout"]), int(m["version"]),
                                                               int(m["worker"]), m["stream"], 0.0) for m in state["queue"]}
         self.streams: list[Any] = list(state["streams"])  # each worker's stream after its newest kept rollout
-        self.counts: Counter = Counter({int(k): int(v) for k, v in state["counts"].items()})
         first = self.next + len(self.received)  # the first rollout a worker samples
         ctx = mp.get_context("spawn")
         self.results = ctx.Queue()
@@ -165,13 +159,13 @@ class RolloutWorkers:
 
     def settle(self) -> None:
         """Wait for a sync started with ``wait=False``; raise its failure as a :class:`WorkerError`."""
-        pending, self._pending = getattr(self, "_pending", None), None
+        pending, self._pending = self._pending, None
         if pending is not None:
             pending.join()
         self._raise_failed()
 
     def _raise_failed(self) -> None:
-        failed, self._failed = getattr(self, "_failed", None), None
+        failed, self._failed = self._failed, None
         if failed is not None:
             self._check_alive()
             raise WorkerError(str(failed)) from None
@@ -204,7 +198,7 @@ class RolloutWorkers:
         while index not in self.received:
             _, j, version, i, packed, seconds = self._message()
             ro, stream = _unpack(packed)
-            self.received[j] = (rollout_from_state(ro), version, i, stream, seconds)
+            self.received[j] = (ro, version, i, stream, seconds)
         return time.perf_counter() - t0
 
     def take(self, step: int) -> tuple[Rollout, dict[str, float]]:
@@ -219,7 +213,6 @@ class RolloutWorkers:
         if not 0 <= lag <= self.k:  # the schedule makes this impossible; a broken invariant must not train silently
             raise RuntimeError(f"rollout {step} was sampled by policy version {version}: staleness {lag} is outside "
                                f"[0, max_staleness={self.k}]")
-        self.counts[lag] += 1
         return ro, {"async/staleness": float(lag), "async/policy_version": float(version),
                     "time/async_wait": waited, "time/worker_rollout": seconds, "time/weight_sync": self.sync_seconds}
 
@@ -235,9 +228,9 @@ class RolloutWorkers:
             _, _, i, stream, _ = self.received[j]
             streams[i] = stream  # j ascending: the newest kept rollout of worker i wins
         queue = [{"index": j, "version": self.received[j][1], "worker": self.received[j][2],
-                  "stream": self.received[j][3], "rollout": rollout_state(self.received[j][0], checkpoint=True)}
+                  "stream": self.received[j][3], "rollout": _rollout_checkpoint(self.received[j][0])}
                  for j in keep]
-        return {"next": self.next, "queue": queue, "streams": streams, "counts": dict(self.counts)}
+        return {"next": self.next, "queue": queue, "streams": streams}
 
     def close(self) -> None:
         """Stop the workers (a stop message, then SIGTERM and SIGKILL for any that linger); idempotent."""
@@ -399,7 +392,7 @@ def _worker_loop(spec: dict[str, Any], results: Any) -> None:
         ro.policy_version = v
         seed = None
         stream = {"env": env.state_dict(), "rng": policy.generator.get_state()}
-        results.put(("rollout", j, v, i, _pack((rollout_state(ro), stream)), time.perf_counter() - t0))
+        results.put(("rollout", j, v, i, _pack((ro, stream)), time.perf_counter() - t0))
         j += w
     if status["error"] is not None and not isinstance(status["error"], SystemExit):
         raise RuntimeError(f"the weight sync broke (is the learner gone?): {status['error']}")

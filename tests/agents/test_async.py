@@ -105,7 +105,7 @@ def test_bounded_staleness_never_exceeds_k(k):
 def test_the_learner_refuses_a_rollout_beyond_the_staleness_bound():
     """The invariant is checked where the learner takes a rollout, so a broken schedule cannot train silently."""
     workers = RolloutWorkers.__new__(RolloutWorkers)
-    workers.k, workers.next, workers.counts, workers.streams, workers.sync_seconds = 1, 5, {}, [None], 0.0
+    workers.k, workers.next, workers.streams, workers.sync_seconds = 1, 5, [None], 0.0
     workers.received = {5: (None, 3, 0, None, 0.0)}
     with pytest.raises(RuntimeError, match="rollout 5 was sampled by policy version 3: staleness 2 is outside"):
         workers.take(5)
