@@ -54,6 +54,7 @@ from gymnasium.vector.utils import batch_space
 
 from tokengym.envs.chat import check_chat_template, check_roles, encode_prompts, end_of_turn_ids, is_messages, prompt_texts, template_overhead
 from tokengym.envs.multiturn import TURN_EVENTS, DaemonPool, MultiTurnMixin, chat_reply_wrapper
+from tokengym.envs.rollout_env import StopRule
 from tokengym.envs.tasks.base import Task
 from tokengym.envs.tasks.registry import TASK_SPECS
 from tokengym.envs.tokenizer import load_tokenizer
@@ -212,6 +213,7 @@ class TokenVectorEnv(MultiTurnMixin, VectorEnv):
         for i in [*(eos if isinstance(eos, (list, tuple)) else [eos]), *end_of_turn_ids(tok)]:
             is_stop[int(i)] = True
         self.stop_sequences: list[torch.Tensor] = []
+        texts: list[str] = []
         for s in stop_strings:
             ids = tok(s, add_special_tokens=False)["input_ids"]
             if not ids:
@@ -220,7 +222,10 @@ class TokenVectorEnv(MultiTurnMixin, VectorEnv):
                 is_stop[ids[0]] = True
             else:
                 self.stop_sequences.append(torch.tensor(ids, device=dev))
+                texts.append(s)
         self._is_stop = is_stop.to(dev)
+        self._stop_rule = StopRule(tuple(is_stop.nonzero().flatten().tolist()),
+                                   tuple(tuple(q.tolist()) for q in self.stop_sequences), tuple(texts))
         self._is_delim = None
         delim = self.task.step_delimiter
         self._turn_steps = self.process_reward_fn is not None and not delim and self.multi_turn  # each agent turn is a step
@@ -445,8 +450,12 @@ class TokenVectorEnv(MultiTurnMixin, VectorEnv):
             raise TypeError(f"actions must be integer token ids, got dtype {actions.dtype}")
         return actions.long()
 
-    def step(self, actions: Any):
-        """Append one token per active slot. Returns ``(obs, reward[N], terminated[N], truncated[N], info)``."""
+    def step(self, actions: Any, hold: Any = None):
+        """Append one token per active slot. Returns ``(obs, reward[N], terminated[N], truncated[N], info)``.
+
+        ``hold[N]`` (bool, optional): slots that sit this step out; their action is ignored and their episode does not
+        advance (a rollout loop's rows whose next token is not there yet: :class:`~tokengym.envs.rollout_env.RolloutEnv`).
+        """
         if not self._started:
             raise RuntimeError("call reset() before step()")
         a = self._check_actions(actions)
@@ -456,6 +465,13 @@ class TokenVectorEnv(MultiTurnMixin, VectorEnv):
         else:
             resetting = None
             active = ~(self.terminated | self.truncated | self.waiting)
+        if hold is not None:
+            hold = torch.as_tensor(hold, device=self.device)
+            if hold.shape != (self.num_envs,) or hold.dtype != torch.bool:
+                raise ValueError(f"hold must be a bool tensor of shape ({self.num_envs},), got {hold.dtype} {tuple(hold.shape)}")
+            active, going = active & ~hold, active  # held slots go on after this step
+        else:
+            going = active
         V, M, P = self.vocab_size, self.max_new_tokens, self.max_prompt_len
         invalid = active & ((a < 0) | (a >= V))
         a_safe = a.clamp(0, V - 1)
@@ -465,13 +481,15 @@ class TokenVectorEnv(MultiTurnMixin, VectorEnv):
         done_now = term_now | trunc_now
         delim_now = active & self._is_delim[a_safe] if self._is_delim is not None else None
         events = done_now if delim_now is None else done_now | delim_now
-        checks = [invalid.any(), active.any(), events.any(), (active & ~done_now).any(),
+        checks = [invalid.any(), active.any(), events.any(), (going & ~done_now).any(),
                   resetting.any() if resetting is not None else invalid.any(), term_now.any()]
         flags = torch.stack(checks).tolist()  # the one host sync per step
         if flags[0]:
             bad = int(invalid.nonzero()[0])
             raise ValueError(f"action {int(a[bad])} for env {bad} is outside the action space [0, {V})")
         if not flags[1] and not self._pending and not (resetting is not None and flags[4]):
+            if flags[3]:  # live slots, all held
+                raise ValueError("hold covers every live slot and no reply is out: the step would do nothing")
             raise RuntimeError("step() called after every episode ended (terminated or truncated); call reset() first")
 
         col = (self.gen_len + P).clamp(max=self.seq_len - 1).unsqueeze(1)
@@ -633,6 +651,43 @@ class TokenVectorEnv(MultiTurnMixin, VectorEnv):
     def done(self) -> torch.Tensor:
         """Bool ``[N]``: the slot's episode has ended (terminated or truncated)."""
         return self.terminated | self.truncated
+
+    @property
+    def pending_replies(self) -> bool:
+        """Whether any row waits for a reply still out (a multi-turn task's ``reply_grace``)."""
+        return bool(self._pending)
+
+    def stop_rule(self) -> StopRule:
+        """What ends an agent turn, as an inference engine can be told it (:class:`~tokengym.envs.rollout_env.StopRule`)."""
+        return self._stop_rule
+
+    def record(self, slots: Sequence[int] | None = None) -> dict[str, Any]:
+        """The episodes in ``slots`` (default: all) as they stand: the fields of a rollout batch but its log-probs
+        (``tokens``, masks, per-token rewards ``[n, M]``, ``outcome``, flags, group ids, texts, reward components,
+        multi-turn counts), every tensor a copy. A task whose ``outcome_is_return`` (an adapter of a library env,
+        whose rewards all come per turn) has its turn rewards folded into ``outcome`` (``turn_rewards`` is then
+        ``None``), so that metrics and evaluation read the episode's return, counted once."""
+        P = self.max_prompt_len
+        idx = slice(None) if slots is None else torch.tensor(list(slots), dtype=torch.long, device=self.device)
+        pick = range(self.num_envs) if slots is None else list(slots)
+        outcome = self.outcome[idx].clone()
+        turn_rewards = self.turn_rewards[idx].clone() if self.multi_turn else None
+        if turn_rewards is not None and getattr(self.task, "outcome_is_return", False):
+            outcome, turn_rewards = outcome + turn_rewards.sum(1), None
+        comps = [self.reward_components[i] for i in pick]
+        names = sorted({k for c in comps for k in c})
+        return dict(
+            tokens=self.tokens[idx].clone(), attention_mask=self.attention_mask[idx].clone(),
+            action_mask=self.action_mask[idx, P:].clone(), prompt_len=P, rewards=self.rewards[idx].clone(),
+            process_rewards=self.process_rewards[idx].clone(), step_end=self.step_end[idx].clone(), outcome=outcome,
+            terminated=self.terminated[idx].clone(), truncated=self.truncated[idx].clone(),
+            group_id=self.group_id[idx].clone(), group_size=self.group_size,
+            completions=[self.completions[i] for i in pick], samples=[self.samples[i] for i in pick],
+            step_scores=[list(self.step_scores[i]) for i in pick],
+            reward_components={k: torch.tensor([c.get(k, 0.0) for c in comps], device=self.device) for k in names},
+            turn_rewards=turn_rewards,
+            turn_counts={k: v[idx].clone() for k, v in self.turn_counts.items()} if self.multi_turn else {},
+        )
 
     @property
     def finished(self) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """Shared test set-up: deterministic hypothesis profiles and seeded torch/numpy."""
 
+import json
 import os
 import random
 
@@ -53,3 +54,21 @@ def _seed_everything():
     np.random.seed(0)
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture
+def bundled_env_kwargs(tmp_path):
+    """``kwargs(env_id)``: what a bundled env id needs beyond its defaults (a data file, a reasoning-gym dataset)."""
+
+    def kwargs(env_id):
+        if env_id == "tokengym/Dataset-v0":
+            path = tmp_path / "data.jsonl"
+            rows = [{"prompt": f"What is {i}+{i}?\n", "answer": str(2 * i)} for i in range(5)]
+            path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            return {"data": str(path)}
+        if env_id == "tokengym/ReasoningGym-v0":
+            pytest.importorskip("reasoning_gym")
+            return {"name": "leg_counting", "size": 20, "max_new_tokens": 8}
+        return {}
+
+    return kwargs

@@ -1,7 +1,5 @@
 """Every registered id: gymnasium's check_env, make_vec + check_vector_env; stable-baselines3 interop."""
 
-import json
-
 import gymnasium as gym
 import numpy as np
 import pytest
@@ -9,18 +7,6 @@ from gymnasium.utils.env_checker import check_env
 
 import tokengym.envs
 from tokengym.envs import ENV_IDS, check_vector_env
-
-
-def extra_kwargs(env_id, tmp_path):
-    if env_id == "tokengym/Dataset-v0":
-        path = tmp_path / "data.jsonl"
-        rows = [{"prompt": f"What is {i}+{i}?\n", "answer": str(2 * i)} for i in range(5)]
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        return {"data": str(path)}
-    if env_id == "tokengym/ReasoningGym-v0":
-        pytest.importorskip("reasoning_gym")
-        return {"name": "leg_counting", "size": 20, "max_new_tokens": 8}
-    return {}
 
 
 def test_all_ids_registered():
@@ -31,8 +17,8 @@ def test_all_ids_registered():
 
 
 @pytest.mark.parametrize("env_id", sorted(ENV_IDS))
-def test_check_env_and_check_vector_env(env_id, tmp_path):
-    kw = extra_kwargs(env_id, tmp_path)
+def test_check_env_and_check_vector_env(env_id, bundled_env_kwargs):
+    kw = bundled_env_kwargs(env_id)
     env = gym.make(env_id, **kw)
     assert isinstance(env.unwrapped, tokengym.envs.TokenEnv)
     check_env(env.unwrapped)
