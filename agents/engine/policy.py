@@ -56,7 +56,7 @@ def _signed(c: int) -> int:
 _GOLDEN, _MIX1, _MIX2 = (_signed(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
 
 
-def _splitmix64(z: torch.Tensor) -> torch.Tensor:
+def splitmix64(z: torch.Tensor) -> torch.Tensor:
     """SplitMix64's finaliser on int64 tensors (wrapping products; ``>>`` made logical by masking)."""
     z = z + _GOLDEN
     z = (z ^ ((z >> 30) & ((1 << 34) - 1))) * _MIX1
@@ -64,11 +64,13 @@ def _splitmix64(z: torch.Tensor) -> torch.Tensor:
     return z ^ ((z >> 31) & ((1 << 33) - 1))
 
 
-def row_uniforms(key: int, ids: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+def row_uniforms(key: int | torch.Tensor, ids: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     """One uniform in [0, 1) per ``(key, ids[i], steps[i])``: a counter-based stream, so an episode's draw at a step
     depends only on the rollout's key, the episode's id and the step, never on which other rows share the batch
-    (finished rows can leave it, new episodes can join it) or on the batch size."""
-    z = _splitmix64(_splitmix64(torch.full_like(ids, _signed(key & _MASK64)) ^ ids.long()) ^ steps.long())
+    (finished rows can leave it, new episodes can join it) or on the batch size. ``key`` may be one per row (signed
+    int64): the generation seam's per-request streams ``(key ^ id, step)``."""
+    k = key.long() if isinstance(key, torch.Tensor) else torch.full_like(ids, _signed(key & _MASK64))
+    z = splitmix64(splitmix64(k ^ ids.long()) ^ steps.long())
     return ((z >> 40) & ((1 << 24) - 1)).double().mul_(2.0**-24).float()
 
 
@@ -325,7 +327,11 @@ class Policy(nn.Module):
     def begin_rollout(self) -> None:
         """Start a rollout's sampling stream: one key drawn from the policy's generator (saved in checkpoints), from
         which :meth:`sample` derives each episode's per-step uniforms (see :func:`row_uniforms`)."""
-        self._stream_key = int(torch.randint(0, 2**62, (1,), generator=self.generator, device=self.generator.device))
+        self._stream_key = self.draw_key()
+
+    def draw_key(self) -> int:
+        """A rollout's stream key, drawn from the policy's generator (what :meth:`begin_rollout` keys a rollout by)."""
+        return int(torch.randint(0, 2**62, (1,), generator=self.generator, device=self.generator.device))
 
     def sample(self, logits: torch.Tensor, greedy: bool = False, ids: torch.Tensor | None = None,
                steps: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,6 +18,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from tokengym.agents.engine.generation import is_generation_backend
 from tokengym.agents.engine.resources import check_fits
 from tokengym.agents.engine.sampler import SamplerCapabilities, capabilities_of
 from tokengym.agents.runtime.sharding import full_weights
@@ -63,7 +64,12 @@ class Rollout:
     turn_counts: dict[str, torch.Tensor] = field(default_factory=dict)
     policy_version: int | None = None
     """The policy version that sampled the batch: in async modes the learner's number of updates when a worker took
-    its weights; ``None``: the policy as it stood (synchronous training)."""
+    its weights, with an inference engine the version its weights were loaded as; ``None``: the policy as it stood
+    (synchronous training)."""
+    generation_counts: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Rollouts through the generation seam (an engine's tokens replayed through the env): per episode, the
+    ``requests`` sent to the engine and the tokens it generated that were ``dropped`` because the env ended the turn
+    first (``{}`` for token-level rollouts)."""
 
     @property
     def num_episodes(self) -> int:
@@ -185,7 +191,10 @@ def collect(env, policy, critic=None, *, greedy: bool = False, seed: int | None 
 
     Args:
         env: a :class:`~tokengym.envs.TokenVectorEnv` in ``DISABLED`` autoreset mode.
-        policy: a :class:`~tokengym.agents.Policy` or any other :class:`~tokengym.agents.engine.sampler.Sampler`.
+        policy: a :class:`~tokengym.agents.Policy` or any other :class:`~tokengym.agents.engine.sampler.Sampler`, or
+            an inference engine that serves only the generation seam (:class:`~tokengym.agents.engine.generation.Generator`,
+            e.g. :class:`~tokengym.agents.engine.vllm_backend.VLLMSampler`), whose generations
+            :func:`~tokengym.agents.engine.replay.collect_generated` replays through the env.
         critic: optional :class:`~tokengym.agents.Critic`; its values are computed in one pass at the end.
         greedy: argmax decoding (evaluation).
         seed: passed to ``env.reset``.
@@ -202,6 +211,10 @@ def collect(env, policy, critic=None, *, greedy: bool = False, seed: int | None 
     _check_call("collect", env, greedy)
     if env.autoreset_mode.name != "DISABLED":
         raise ValueError("collect() runs lockstep batches: create the env with autoreset_mode='disabled'")
+    if is_generation_backend(policy):  # an inference engine: whole generations, replayed token by token
+        from tokengym.agents.engine.replay import collect_generated
+
+        return collect_generated(env, policy, critic, greedy=greedy, seed=seed, samples=samples)
     check_fits(policy, env)
     with torch.inference_mode():
         logps = _run_episodes(env, policy, greedy, seed, samples, compact, share_prefix)
@@ -230,38 +243,12 @@ def _check_call(fn: str, env: Any, greedy: Any) -> None:
 
 
 def _snapshot(env, logps: torch.Tensor, slots: list[int] | None = None) -> Rollout:
-    """A :class:`Rollout` of the episodes in ``env``'s ``slots`` (default: all) as they stand, with the sampled
-    log-probs ``logps[N, M]`` (every tensor a copy: built outside inference mode, it can be used in autograd)."""
-    P = env.max_prompt_len
+    """A :class:`Rollout` of the episodes in ``env``'s ``slots`` (default: all) as they stand (``env.record``), with
+    the sampled log-probs ``logps[N, M]`` (every tensor a copy: built outside inference mode, it can be used in
+    autograd)."""
+    record = env.record(slots)
     idx = slice(None) if slots is None else torch.tensor(slots, dtype=torch.long, device=env.device)
-    pick = range(env.num_envs) if slots is None else slots
-    multi_turn = getattr(env, "multi_turn", False)
-    action_mask = env.action_mask[idx, P:].clone()
-    outcome = env.outcome[idx].clone()
-    turn_rewards = env.turn_rewards[idx].clone() if multi_turn else None
-    if turn_rewards is not None and getattr(env.task, "outcome_is_return", False):
-        outcome, turn_rewards = outcome + turn_rewards.sum(1), None  # the sum ``Rollout.returns`` takes, taken once
-    return Rollout(
-        tokens=env.tokens[idx].clone(),
-        attention_mask=env.attention_mask[idx].clone(),
-        action_mask=action_mask,
-        prompt_len=P,
-        logprobs=logps[idx].masked_fill(~action_mask, 0.0),
-        rewards=env.rewards[idx].clone(),
-        process_rewards=env.process_rewards[idx].clone(),
-        step_end=env.step_end[idx].clone(),
-        outcome=outcome,
-        terminated=env.terminated[idx].clone(),
-        truncated=env.truncated[idx].clone(),
-        group_id=env.group_id[idx].clone(),
-        group_size=env.group_size,
-        completions=[env.completions[i] for i in pick],
-        samples=[env.samples[i] for i in pick],
-        step_scores=[list(env.step_scores[i]) for i in pick],
-        reward_components=_components(env, pick),
-        turn_rewards=turn_rewards,
-        turn_counts={k: v[idx].clone() for k, v in env.turn_counts.items()} if multi_turn else {},
-    )
+    return Rollout(**record, logprobs=logps[idx].masked_fill(~record["action_mask"], 0.0))
 
 
 def _prefix_copies(env, tokens: torch.Tensor, mask: torch.Tensor, share_prefix: bool | None) -> int:
@@ -344,8 +331,8 @@ def _decode_loop(env, policy, caps: SamplerCapabilities, logits: torch.Tensor, g
         a, lp = (policy.sample(logits, greedy=greedy, ids=env.episode_id[rows], steps=gen) if streams
                  else policy.sample(logits, greedy=greedy))
         actions[rows] = a
-        held = env.waiting[rows].clone() if multi_turn and env._pending else None  # rows whose actions the env ignores
-        skip = (env.done | env.idle)[rows]
+        held = env.waiting[rows].clone() if multi_turn and env.pending_replies else None  # actions the env ignores
+        skip = (env.done | env.finished)[rows]  # ended, or (next-step mode) idle: the action is ignored
         logps[rows, torch.where(skip if held is None else skip | held, M, gen)] = lp
         env.step(actions)
         if on_ended is not None and env.ended:
@@ -393,6 +380,9 @@ def collect_episodes(env, policy, samples: Sequence[Any] | None = None, n: int |
     if env.group_size != 1:  # the env refuses next_step with groups; this guards envs built otherwise
         raise ValueError(f"continuous batching needs group_size=1, got {env.group_size}: a GRPO group's episodes must "
                          "start together, which collect() does")
+    if is_generation_backend(policy):
+        raise ValueError(f"continuous batching (a 'next_step' env) runs token-level samplers; {type(policy).__name__} "
+                         "serves whole generations (an engine batches them itself): use collect() on a 'disabled' env")
     if (samples is None) == (n is None):
         raise ValueError("give collect_episodes() either samples or n (the task's next n prompts), not both")
     check_fits(policy, env)
@@ -443,13 +433,6 @@ def _cache_rows(env, held: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     at = torch.full((env.num_envs,), -1, dtype=torch.long, device=env.device)
     at[held] = torch.arange(len(held), device=env.device)
     return at[slots]
-
-
-def _components(env, pick: Sequence[int]) -> dict[str, torch.Tensor]:
-    """The named reward components of slots ``pick``, one ``[len(pick)]`` tensor per name."""
-    comps = [env.reward_components[i] for i in pick]
-    names = sorted({k for c in comps for k in c})
-    return {k: torch.tensor([c.get(k, 0.0) for c in comps], device=env.device) for k in names}
 
 
 def heldout_samples(task, n: int, seed: int = 10_007) -> list[dict[str, Any]]:

@@ -1,0 +1,323 @@
+"""The generation seam: what an inference engine can serve (vLLM, a remote worker), beside the token-level ``Sampler``.
+
+A :class:`Generator` takes whole requests and returns whole generations::
+
+    requests = [GenerationRequest(prompt_ids=history, max_tokens=M - g, stop_token_ids=..., stop_sequences=...,
+                                  stop_strings=..., sampling=gen.sampling, seed=..., step=g), ...]
+    for out in gen.generate(requests):       # one Generation per request, in order
+        out.token_ids, out.logprobs, out.finish_reason, out.version
+    gen.load_weights(named_tensors, version)  # the trainer's new weights, by name, with their version
+
+:func:`~tokengym.agents.engine.replay.collect_generated` turns generations into a ``Rollout`` by replaying each
+token through ``env.step``, so the env's contract (stops, step and PRM rewards, replies, the layout) is untouched.
+
+The contract every generator keeps:
+
+- **Tokens in = tokens out.** ``prompt_ids`` is the whole token history (a multi-turn episode's replies included);
+  a generator never decodes it to text and re-tokenizes it.
+- **Behaviour log-probs.** ``logprobs[i]`` is token ``i``'s log-probability under the distribution it was drawn from
+  (``sampling``'s temperature, top-k and top-p applied; greedy: under the temperature-scaled distribution).
+- **Its stop rule is the env's.** A generation ends after a ``stop_token_ids`` token, after a ``stop_sequences``
+  sequence completed inside it, or at ``max_tokens``; an engine that matches ``stop_strings`` (their texts) instead
+  may stop earlier (the replay then asks it to go on), never later.
+- **Streams.** With ``seed`` set, token ``i`` is drawn from the stream ``(seed, step + i)`` only, so an episode's draws
+  do not depend on its batch (the in-process :class:`PolicyGenerator` draws exactly what the token-level sampler
+  draws); an engine with per-request seeds derives one from ``(seed, step)``.
+
+:func:`~tokengym.agents.engine.conformance.check_generator` is the conformance check against the token-level path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
+
+import torch
+
+__all__ = ["FINISH_REASONS", "SAMPLERS", "Generation", "GenerationRequest", "Generator", "PolicyGenerator", "SamplingSettings",
+           "is_generation_backend", "make_sampler", "policy_generate", "request_seed", "stream_seed"]
+
+FINISH_REASONS = ("stop", "length")
+"""Why a generation ended: a stop token or sequence (``stop``), or its ``max_tokens`` budget (``length``)."""
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How tokens are drawn: ``temperature`` (> 0), then the ``top_k`` most likely (0 = off), then the smallest set
+    whose mass reaches ``top_p`` (1 = off)."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One row's request (see the module docstring)."""
+
+    prompt_ids: Sequence[int]
+    """The whole token history to continue (never re-tokenized)."""
+    max_tokens: int
+    """The most tokens to generate (the env's remaining budget)."""
+    sampling: SamplingSettings = SamplingSettings()
+    stop_token_ids: tuple[int, ...] = ()
+    stop_sequences: tuple[tuple[int, ...], ...] = ()
+    """Token-id sequences that end the generation when it completes one (multi-token stop strings)."""
+    stop_strings: tuple[str, ...] = ()
+    """The texts of ``stop_sequences``, for engines that match text."""
+    greedy: bool = False
+    seed: int | None = None
+    """The episode's sampling stream (``None``: the generator's own random state; greedy draws nothing)."""
+    step: int = 0
+    """The position of the first new token in the episode's stream (a multi-turn episode's later turns go on with it)."""
+
+
+@dataclass
+class Generation:
+    """One request's answer."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    version: int | None = None
+    """The policy version of the weights that generated it (``None``: unversioned weights)."""
+
+
+@runtime_checkable
+class Generator(Protocol):
+    """A backend of the generation seam (see the module docstring).
+
+    ``sampling``: the settings its rollouts use (the trainer scores tokens with the same temperature). ``version``: the
+    version of the weights it holds. ``row_offset``: the first row's index in the global batch (data-parallel ranks; 0
+    alone), added to episode ids when streams are keyed.
+    """
+
+    sampling: SamplingSettings
+    version: int | None
+    row_offset: int
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
+        """One :class:`Generation` per request, in order."""
+        ...
+
+    def rollout_key(self) -> int:
+        """A fresh key for a sampled rollout's streams, drawn from the generator's seeded state (checkpointed)."""
+        ...
+
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor] | None = None, version: int | None = None) -> None:
+        """Take the trainer's weights (named tensors, ``None``: it shares the trained module) as ``version``."""
+        ...
+
+
+SAMPLERS = ("tokengym", "vllm")
+"""Rollout backends by name (``sampler=`` in the on-policy configs, ``--sampler``): ``tokengym``, the policy's own
+fast decoder in process (the token-level seam); ``vllm``, an in-process vLLM engine
+(:class:`~tokengym.agents.engine.vllm_backend.VLLMSampler`)."""
+
+
+def make_sampler(name: str, policy: Any, *, rows: int = 64, row_len: int = 512, bf16: bool = False,
+                 version: int | None = None) -> Any:
+    """The rollout backend ``name`` (one of :data:`SAMPLERS`) for ``policy``: the policy itself, or a new engine
+    holding its current weights as ``version``, with KV cache room for ``rows`` rows of ``row_len`` tokens."""
+    if name == "tokengym":
+        return policy
+    if name == "vllm":
+        from tokengym.agents.engine.vllm_backend import VLLMSampler
+
+        return VLLMSampler(policy, bf16=bf16, max_rows=rows, row_len=row_len, version=version)
+    raise ValueError(f"unknown sampler {name!r}; choose one of {SAMPLERS}")
+
+
+def is_generation_backend(obj: Any) -> bool:
+    """Whether ``obj`` serves only the generation seam (a token-level ``Sampler`` such as ``Policy`` runs the
+    token-level loop, even though ``Policy`` can serve generations too: :class:`PolicyGenerator`)."""
+    from tokengym.agents.engine.sampler import Sampler
+
+    return isinstance(obj, Generator) and not isinstance(obj, Sampler)
+
+
+def stream_seed(key: int, episode: int) -> int:
+    """An episode's stream seed in a rollout keyed ``key``: the token-level sampler's per-row stream
+    (:func:`~tokengym.agents.engine.policy.row_uniforms` of ``(key, episode, step)``) is the stream ``(key ^ episode,
+    step)``."""
+    return (int(key) ^ int(episode)) & _MASK64
+
+
+def request_seed(seed: int, step: int) -> int:
+    """A 63-bit per-request seed for engines that take one seed per request: a hash of the stream ``(seed, step)``."""
+    from tokengym.agents.engine.policy import splitmix64
+
+    z = splitmix64(torch.tensor([_signed(seed) ^ step], dtype=torch.long))
+    return int(z) & ((1 << 63) - 1)
+
+
+def _signed(c: int) -> int:
+    c &= _MASK64
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+def check_requests(requests: Sequence[GenerationRequest], vocab_size: int | None = None) -> None:
+    """``ValueError`` naming the first request a generator cannot serve (an empty prompt, a budget below 1, ids
+    outside the vocabulary, sampling settings out of range)."""
+    for i, r in enumerate(requests):
+        s = r.sampling
+        if not len(r.prompt_ids):
+            raise ValueError(f"request {i} has an empty prompt: give at least one token id")
+        if int(r.max_tokens) < 1:
+            raise ValueError(f"request {i} asks for max_tokens={r.max_tokens}; ask for at least 1")
+        if not (s.temperature > 0 and s.top_k >= 0 and 0 < s.top_p <= 1):
+            raise ValueError(f"request {i} has sampling settings {s}: temperature > 0, top_k >= 0, 0 < top_p <= 1")
+        if vocab_size is not None and not all(0 <= t < vocab_size for t in r.prompt_ids):
+            raise ValueError(f"request {i}'s prompt holds a token id outside the vocabulary [0, {vocab_size})")
+
+
+# ---------------------------------------------------------------------------------------------- the in-process backend
+@dataclass
+class _Batch:
+    """Requests that one decode loop serves together: the same settings, stop rule and greedy flag."""
+
+    index: list[int] = field(default_factory=list)
+    requests: list[GenerationRequest] = field(default_factory=list)
+
+
+def policy_generate(policy: Any, requests: Sequence[GenerationRequest], version: int | None = None) -> list[Generation]:
+    """Serve ``requests`` with ``policy``'s KV-cached decoder (the fast path where the model has one): one prefill of
+    the left-padded histories (a group's identical prompts encoded once), then one decode step per token, with the
+    stop checks on the device and a host sync every few steps to drop finished rows (in chunks, as ``collect`` does).
+    Requests with different settings or stop rules run as separate batches."""
+    from tokengym.agents.runtime.sharding import full_weights
+
+    check_requests(requests, policy.model.config.vocab_size if hasattr(policy.model, "config") else None)
+    batches: dict[tuple, _Batch] = {}
+    for i, r in enumerate(requests):
+        b = batches.setdefault((r.sampling, r.stop_token_ids, r.stop_sequences, r.greedy, r.seed is None), _Batch())
+        b.index.append(i)
+        b.requests.append(r)
+    out: list[Generation | None] = [None] * len(requests)
+    with torch.inference_mode(), full_weights(policy):
+        for b in batches.values():
+            for i, g in zip(b.index, _decode_batch(policy, b.requests)):
+                g.version = version
+                out[i] = g
+    return out  # type: ignore[return-value]
+
+
+def _group_size(requests: Sequence[GenerationRequest]) -> int:
+    """G > 1 when the requests are groups of G consecutive identical prompts (a GRPO group's rows), else 1."""
+    first = requests[0].prompt_ids
+    g = 1
+    while g < len(requests) and list(requests[g].prompt_ids) == list(first):
+        g += 1
+    if g == 1 or len(requests) % g:
+        return 1
+    for s in range(0, len(requests), g):
+        p = list(requests[s].prompt_ids)
+        if any(list(requests[s + j].prompt_ids) != p for j in range(1, g)):
+            return 1
+    return g
+
+
+COMPACT_EVERY = 8
+"""Decode steps between host syncs that look for finished rows (and drop them from the cache)."""
+
+
+def _decode_batch(policy: Any, reqs: Sequence[GenerationRequest]) -> list[Generation]:
+    from tokengym.agents.engine.policy import row_uniforms, sample_logits
+
+    dev, R = policy.device, len(reqs)
+    first = reqs[0]
+    pad = int(policy.tokenizer.pad_token_id)
+    L = max(len(r.prompt_ids) for r in reqs)
+    tokens = torch.full((R, L), pad, dtype=torch.long)
+    mask = torch.zeros((R, L), dtype=torch.bool)
+    for i, r in enumerate(reqs):
+        tokens[i, L - len(r.prompt_ids):] = torch.tensor(list(r.prompt_ids), dtype=torch.long)
+        mask[i, L - len(r.prompt_ids):] = True
+    tokens, mask = tokens.to(dev), mask.to(dev)
+    budget = torch.tensor([int(r.max_tokens) for r in reqs], device=dev)
+    M = int(budget.max())
+    s = first.sampling
+    seeds = torch.tensor([_signed(r.seed or 0) for r in reqs], dtype=torch.long, device=dev)
+    steps0 = torch.tensor([int(r.step) for r in reqs], dtype=torch.long, device=dev)
+    is_stop = torch.zeros(max(int(policy.model.config.vocab_size), 1), dtype=torch.bool, device=dev)
+    if first.stop_token_ids:
+        is_stop[list(first.stop_token_ids)] = True
+    seqs = [torch.tensor(q, device=dev) for q in first.stop_sequences]
+    out_tok = torch.full((R, M), pad, dtype=torch.long, device=dev)
+    out_lp = torch.zeros((R, M), dtype=torch.float32, device=dev)
+    length = torch.zeros(R, dtype=torch.long, device=dev)
+    stopped = torch.zeros(R, dtype=torch.bool, device=dev)
+    finished = torch.zeros(R, dtype=torch.bool, device=dev)
+    g = _group_size(reqs)
+    caps = policy.capabilities(L + M)
+    try:
+        logits = (policy.prefill(tokens, mask, max_new_tokens=M, copies=g) if g > 1 and caps.shared_prefix
+                  else policy.prefill(tokens, mask, max_new_tokens=M))
+        rows = torch.arange(R, device=dev)  # the requests the cache holds, in cache order
+        compact = caps.compact
+        for t in range(M):
+            uniform = None if first.greedy or first.seed is None else row_uniforms(seeds[rows], torch.zeros_like(rows),
+                                                                                   steps0[rows] + t)
+            tok, lp = sample_logits(logits, s.temperature, s.top_k, s.top_p, first.greedy, policy.generator, uniform)
+            live = ~finished[rows]
+            out_tok[rows, t] = torch.where(live, tok, out_tok[rows, t])
+            out_lp[rows, t] = torch.where(live, lp, out_lp[rows, t])
+            hit = is_stop[tok]
+            for q in seqs:  # a stop sequence completed inside this generation
+                k = q.numel()
+                if t >= k - 1:
+                    hit |= (out_tok[rows, t - k + 1 : t + 1] == q).all(1)
+            now = live & (hit | (t + 1 >= budget[rows]))
+            stopped[rows] |= live & hit
+            length[rows] += live.long()
+            finished[rows] |= now
+            if t + 1 == M:
+                break
+            if t % COMPACT_EVERY == COMPACT_EVERY - 1:
+                live = ~finished[rows]
+                n_live = int(live.sum())
+                if n_live == 0:
+                    break
+                if compact and n_live <= 0.75 * len(rows):
+                    keep = live.nonzero().flatten()
+                    if policy.compact(keep):
+                        rows, tok, logits = rows[keep], tok[keep], logits[keep]
+                    else:
+                        compact = False
+            logits = policy.decode(tok)
+    finally:
+        policy.end_rollout()
+    toks, lps, lens, why = out_tok.tolist(), out_lp.tolist(), length.tolist(), stopped.tolist()
+    return [Generation(toks[i][: lens[i]], lps[i][: lens[i]], "stop" if why[i] else "length") for i in range(R)]
+
+
+class PolicyGenerator:
+    """A :class:`~tokengym.agents.Policy` as a :class:`Generator`: its fast decoder serves whole generations (what a
+    remote worker serves, and how the generation seam is checked against the token-level path). It shares the
+    policy's module, so the trainer's updates are its weights; :meth:`load_weights` records their version."""
+
+    def __init__(self, policy: Any):
+        self.policy = policy
+        self.model = policy.model  # what resource checks read (positions, vocabulary)
+        self.version: int | None = None
+
+    @property
+    def sampling(self) -> SamplingSettings:
+        p = self.policy
+        return SamplingSettings(p.temperature, p.top_k, p.top_p)
+
+    @property
+    def row_offset(self) -> int:
+        return self.policy.row_offset
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
+        return policy_generate(self.policy, requests, self.version)
+
+    def rollout_key(self) -> int:
+        return self.policy.draw_key()
+
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor] | None = None, version: int | None = None) -> None:
+        self.policy.load_weights(state_dict)
+        self.version = version
