@@ -6,6 +6,7 @@ The pure advantage/loss math lives in :mod:`tokengym.agents.functional` and :mod
 
 from . import functional, variants
 from .engine.critic import Critic
+from .engine.generation import Generation, GenerationRequest, Generator, PolicyGenerator, SamplingSettings
 from .algorithms.dpo import DPOConfig, DPOLearner
 from .algorithms.critic_free import CriticFreeConfig
 from .algorithms.grpo import GRPOAgent, GRPOConfig
@@ -20,6 +21,7 @@ from .algorithms.reinforce_pp import ReinforcePPAgent, ReinforcePPConfig
 from .algorithms.rloo import RLOOAgent, RLOOConfig
 from .engine.rollout import Rollout, collect, evaluate, heldout_samples
 from .engine.sampler import Sampler
+from .engine.vllm_backend import VLLMSampler
 from .algorithms.sft import SFTConfig, evaluate_policy, train_sft
 
 __all__ = [
@@ -28,6 +30,9 @@ __all__ = [
     "DPOConfig",
     "DPOLearner",
     "GRPOAgent",
+    "Generation",
+    "GenerationRequest",
+    "Generator",
     "GRPOConfig",
     "OnPolicyAgent",
     "OnPolicyConfig",
@@ -36,6 +41,7 @@ __all__ = [
     "PRESETS",
     "PairData",
     "Policy",
+    "PolicyGenerator",
     "RLOOAgent",
     "RLOOConfig",
     "ReinforcePPAgent",
@@ -44,6 +50,8 @@ __all__ = [
     "SFTConfig",
     "SPINConfig",
     "Sampler",
+    "SamplingSettings",
+    "VLLMSampler",
     "arithmetic_pairs",
     "build_preset",
     "collect",

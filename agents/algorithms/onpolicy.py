@@ -25,6 +25,7 @@ from tokengym.agents.runtime.logger import RunLogger
 from tokengym.agents.engine.models import enable_checkpointing
 from tokengym.agents.runtime.optim import OptimizerStep, adamw
 from tokengym.agents.algorithms.onpolicy_config import OnPolicyConfig
+from tokengym.agents.engine.generation import make_sampler
 from tokengym.agents.engine.policy import make_reference
 from tokengym.agents.engine.resources import check_fits
 from tokengym.agents.engine.rollout import Rollout, collect, evaluate, trimmed_logprobs, used_slice
@@ -92,6 +93,9 @@ class OnPolicyAgent:
         self._resume_step: int | None = None  # set by load_state_dict: learn() continues its schedule from here
         self._shuffle = torch.Generator().manual_seed(cfg.seed)
         self.dp = LOCAL  # data parallel: set by distributed.prepare under torchrun
+        self._engine = None  # sampler='vllm': the inference engine that samples rollouts (rollout_sampler)
+        self._engine_sync_seconds = 0.0  # time spent loading weights into it (cumulative)
+        self._engine_stale = False  # its weights may not be the policy's although their version matches (a restore)
         self._workers: RolloutWorkers | None = None  # async modes: the rollout worker processes, while learn() runs
         self._async_state: dict[str, Any] | None = None  # their checkpointed state (resume), until learn() starts them
         self._async_metrics: dict[str, float] = {}
@@ -154,14 +158,38 @@ class OnPolicyAgent:
         if self._workers is not None:
             ro, self._async_metrics = self._workers.take(self.global_step)
             return ro
-        return collect(env, self.policy, seed=self.config.seed if self.global_step == 0 else None)
+        return collect(env, self.rollout_sampler(env), seed=self.config.seed if self.global_step == 0 else None)
+
+    def rollout_sampler(self, env):
+        """What samples this agent's rollouts and evaluations: the policy itself (``sampler='tokengym'``) or an
+        inference engine (``sampler='vllm'``), started on first use with the policy's weights as version
+        ``global_step`` and sized for ``env``'s rows. Before it samples after an update, the new weights are loaded
+        into it by name as version ``global_step`` (``time/weight_sync``), and it checks that it holds them."""
+        cfg = self.config
+        if cfg.sampler == "tokengym":
+            return self.policy
+        if self._engine is None:
+            self._engine = make_sampler(cfg.sampler, self.policy, rows=env.num_envs, row_len=env.seq_len, bf16=cfg.bf16,
+                                        version=self.global_step)
+        if self._engine_stale or self._engine.version != self.global_step:
+            t0 = time.perf_counter()
+            self._engine.load_weights(None, self.global_step)
+            self._engine_sync_seconds += time.perf_counter() - t0
+            self._engine_stale = False
+        return self._engine
 
     def check_env(self, env) -> None:
-        """Raise ``ValueError`` if ``env`` cannot feed this agent."""
+        """Raise ``ValueError`` if ``env`` cannot feed this agent (an inference engine that cannot start: its one-line
+        ``ValueError`` or ``ImportError``)."""
         check_fits(self.policy, env)
         if self.config.minibatches > env.num_envs:
             raise ValueError(f"minibatches={self.config.minibatches} is more than the {env.num_envs} episodes of a rollout "
                              "batch: every minibatch needs at least one; use fewer minibatches or more prompts")
+        if self.config.sampler != "tokengym":
+            if self.dp.distributed:
+                raise ValueError(f"sampler={self.config.sampler!r} runs one engine in one learner process; data-parallel "
+                                 "learners (torchrun) sample with sampler='tokengym'")
+            self.rollout_sampler(env)
 
     # ------------------------------------------------------------------ checkpoint state
     def checkpoint_modules(self) -> dict[str, torch.nn.Module]:
@@ -198,6 +226,7 @@ class OnPolicyAgent:
         self.policy.generator.set_state(state["policy_rng"])
         self._async_state = state.get("async")
         self._resume_step = self.global_step
+        self._engine_stale = True  # an engine started before holds other weights: reload them before it samples
 
     # ------------------------------------------------------------------ the step's parts
     def _autocast(self, device: torch.device | str):
@@ -208,12 +237,15 @@ class OnPolicyAgent:
         self.policy.train(on)
 
     def _rollout(self, env) -> tuple[Rollout, dict[str, float]]:
-        t0, r0 = time.perf_counter(), env.reward_seconds
+        t0, r0, s0 = time.perf_counter(), env.reward_seconds, self._engine_sync_seconds
         self.train_mode(False)
         with self._autocast(env.device):
             ro = self.collect(env)
-        reward_t = env.reward_seconds - r0
-        return ro, {"time/rollout": time.perf_counter() - t0 - reward_t, "time/reward": reward_t}
+        reward_t, sync_t = env.reward_seconds - r0, self._engine_sync_seconds - s0
+        timing = {"time/rollout": time.perf_counter() - t0 - reward_t - sync_t, "time/reward": reward_t}
+        if self._engine is not None and self._workers is None:
+            timing["time/weight_sync"] = sync_t
+        return ro, timing
 
     @torch.no_grad()
     def _logprobs(self, fn, ro: Rollout) -> torch.Tensor:
@@ -393,10 +425,17 @@ class OnPolicyAgent:
         if self.dp.distributed:
             raise ValueError(f"async_mode={cfg.async_mode!r} runs in one learner process; data-parallel learners "
                              "(torchrun) with rollout workers are not supported yet")
-        return RolloutWorkers(env, self.policy, workers=cfg.rollout_workers, max_staleness=cfg.max_staleness,
+        return RolloutWorkers(env, self.policy, sampler=cfg.sampler, workers=cfg.rollout_workers, max_staleness=cfg.max_staleness,
                               exact=cfg.async_mode == "one-step" or cfg.max_staleness == 0, version=self.global_step,
                               state=self._async_state, seed=cfg.seed, threads=cfg.worker_threads, bf16=cfg.bf16,
                               timeout=cfg.sync_timeout)
+
+    def close(self) -> None:
+        """Shut down the agent's inference engine (``sampler='vllm'``; a later rollout starts a new one). One engine
+        runs in a process at a time, so close an agent's before starting another."""
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.close()
 
     def worker_pids(self) -> list[int]:
         """Process ids of the rollout workers (async modes, while :meth:`learn` runs; else empty)."""
@@ -429,14 +468,15 @@ class OnPolicyAgent:
         run, :meth:`learn` with the trainer's checkpoints, then the final checkpoint and ``model/``."""
         from tokengym.agents.runtime.session import initial_eval
 
-        initial_eval(trainer, self, eval_env, eval_samples, evaluate)
+        initial_eval(trainer, self, eval_env, eval_samples,
+                     lambda policy, env, samples, greedy: evaluate(self.rollout_sampler(env), env, samples, greedy=greedy))
         self.learn(env, eval_env, eval_samples, callback=both(trainer.callback, callback))
         trainer.finish()
 
     def evaluate(self, eval_env, samples: list) -> dict[str, float]:
         """Greedy held-out metrics of ``samples`` (``eval/accuracy``, ...)."""
         self.train_mode(False)
-        return {f"eval/{k}": v for k, v in evaluate(self.policy, eval_env, samples, greedy=True).items()}
+        return {f"eval/{k}": v for k, v in evaluate(self.rollout_sampler(eval_env), eval_env, samples, greedy=True).items()}
 
     def config_dict(self) -> dict[str, Any]:
         return asdict(self.config)

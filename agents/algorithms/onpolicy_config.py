@@ -15,6 +15,7 @@ import torch
 
 from tokengym.agents import functional as F
 from tokengym.agents import variants as V
+from tokengym.agents.engine.generation import SAMPLERS
 from tokengym.agents.engine.workers import ASYNC_MODES
 from tokengym.agents.runtime.config import check_config
 from tokengym.agents.runtime.optim import LR_SCHEDULES
@@ -73,13 +74,17 @@ class OnPolicyConfig(Renamed, renames={"lr_schedule": "lr_scheduler_type"}):
     """Seeds the env's prompt stream, the policy's sampler, minibatch shuffling and any freshly built head (PPO's critic)."""
     correction: str = "auto"
     """Rollout/trainer correction: none, tis (truncated importance sampling) or mis (masked), or auto (tis in async
-    modes, none otherwise). pi_old is then recomputed by the trainer (the proximal policy the ratio is clipped
+    modes and with sampler=vllm, none otherwise). pi_old is then recomputed by the trainer (the proximal policy the ratio is clipped
     against) and each token's loss is weighted by min(pi_old/pi_behaviour, cap) (tis) or dropped above the cap (mis),
     pi_behaviour being the sampler's log-probs (in async modes: the worker's, of an older policy version)."""
     correction_level: str = "token"
     """Importance ratio of the correction per token or per sequence (the product over its tokens)."""
     correction_cap: float = 2.0
     """Cap of the correction's importance ratio."""
+    sampler: str = "tokengym"
+    """Rollout backend: tokengym (the policy's own fast decoder, in process) or vllm (an in-process vLLM engine,
+    pip install 'tokengym[vllm]': the policy's weights are loaded into it by name after every update, its log-probs
+    are the behaviour log-probs, and correction=auto is tis)."""
     async_mode: str = "off"
     """Rollouts in worker processes while the learner updates: off, one-step (each rollout sampled by the policy one
     update older: a fixed schedule, deterministic and exactly resumable) or bounded (the newest weights a worker
@@ -108,7 +113,7 @@ class OnPolicyConfig(Renamed, renames={"lr_schedule": "lr_scheduler_type"}):
         }
         choices = {"lr_scheduler_type": LR_SCHEDULES, "kl_estimator": F.KL_ESTIMATORS, "aggregation": F.AGGREGATIONS,
                    "correction": ("auto", "none", *V.CORRECTION_MODES), "correction_level": V.CORRECTION_LEVELS,
-                   "async_mode": ASYNC_MODES}
+                   "async_mode": ASYNC_MODES, "sampler": SAMPLERS}
         check_config(self, {**checks, **self.checks()}, {**choices, **self.choices()})
         if self.async_mode == "one-step" and self.max_staleness != 1:
             raise ValueError(f"{type(self).__name__}: async_mode='one-step' samples each rollout exactly one update "
@@ -130,8 +135,8 @@ class OnPolicyConfig(Renamed, renames={"lr_schedule": "lr_scheduler_type"}):
     @property
     def correction_mode(self) -> str:
         """The correction in force (``auto`` resolved): none, tis or mis."""
-        if self.correction == "auto":
-            return "tis" if self.async_mode != "off" else "none"
+        if self.correction == "auto":  # the sampler's log-probs are another engine's, or another version's
+            return "tis" if self.async_mode != "off" or self.sampler != "tokengym" else "none"
         return self.correction
 
     @property

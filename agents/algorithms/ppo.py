@@ -32,7 +32,7 @@ from tokengym.agents.algorithms.onpolicy import Minibatch, OnPolicyAgent
 from tokengym.agents.algorithms.onpolicy_config import OnPolicyConfig
 from tokengym.agents.runtime.optim import adamw
 from tokengym.agents.algorithms.registry import register
-from tokengym.agents.engine.rollout import Rollout, attach_values, collect, turn_metrics
+from tokengym.agents.engine.rollout import Rollout, attach_values, turn_metrics
 
 __all__ = ["PPOConfig", "PPOAgent", "AdaptiveKLController", "ppo_rewards"]
 
@@ -160,9 +160,8 @@ class PPOAgent(OnPolicyAgent):
         self.critic.train(on)
 
     def collect(self, env) -> Rollout:
-        if self._workers is not None:  # async: the workers sample; the values are the learner's critic's, now
-            return attach_values(super().collect(env), self.critic)
-        return collect(env, self.policy, self.critic, seed=self.config.seed if self.global_step == 0 else None)
+        """The skeleton's rollout (this process's sampler, an engine's or a worker's) with the critic's values, now."""
+        return attach_values(super().collect(env), self.critic)
 
     def extra_state(self) -> dict[str, Any]:
         return {"kl_controller": self.kl_ctl.state_dict()}

@@ -29,6 +29,8 @@ from typing import Any, Sequence
 
 import torch
 
+from tokengym.agents.engine.generation import SAMPLERS
+
 __all__ = ["main"]
 
 
@@ -109,6 +111,7 @@ def _cmd_sample(args: argparse.Namespace) -> int:
 def _cmd_eval(args: argparse.Namespace) -> int:
     from tokengym.agents.runtime import runs as R
     from tokengym.agents.engine.resources import check_device
+    from tokengym.agents.engine.generation import make_sampler
     from tokengym.agents.engine.rollout import evaluate, heldout_samples
     from tokengym.agents.cli.runner import RunConfig, checked_env, load_policy, resolve_env_id
 
@@ -145,15 +148,20 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
         load_model(policy.model, os.path.join(checkpoint, "policy.safetensors"))
     # continuous batching (same results) where the fast decode path runs the model: a finished slot takes the next prompt
-    mode = "next_step" if policy.capabilities().refill else "disabled"
+    # (an inference engine batches whole generations itself: lockstep batches)
+    mode = "next_step" if args.sampler == "tokengym" and policy.capabilities().refill else "disabled"
     env = checked_env(run, policy, min(args.prompts, 256), autoreset_mode=mode)  # positions checked: one line
     samples = heldout_samples(env.task, args.prompts)
     policy.eval()
-    rows = [("greedy", evaluate(policy, env, samples, greedy=True))]
+    try:
+        sampler = make_sampler(args.sampler, policy, rows=env.num_envs, row_len=env.seq_len)
+    except (ValueError, ImportError) as e:
+        raise R.UsageError(str(e)) from None
+    rows = [("greedy", evaluate(sampler, env, samples, greedy=True))]
     if args.samples:
         policy.seed(args.seed)
-        rows.append((f"sampled x{args.samples} (T={policy.temperature:g})", evaluate(policy, env, samples * args.samples, greedy=False)))
-    print(f"{checkpoint or model} on {run.env} ({args.prompts} held-out prompts)")
+        rows.append((f"sampled x{args.samples} (T={policy.temperature:g})", evaluate(sampler, env, samples * args.samples, greedy=False)))
+    print(f"{checkpoint or model} on {run.env} ({args.prompts} held-out prompts, sampler {args.sampler})")
     print(f"{'decoding':<24} {'accuracy':>9} {'reward':>8} {'length':>8} {'truncated':>10}")
     for name, r in rows:
         print(f"{name:<24} {r['accuracy']:>9.1%} {r['mean_reward']:>8.3f} {r['mean_length']:>8.1f} {r['truncated']:>10.1%}")
@@ -291,6 +299,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=4, help="sampled completions per prompt for sampled accuracy (0 = skip)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--sampler", choices=SAMPLERS, default="tokengym", help="rollout backend: tokengym (the fast decoder) "
+                   "or vllm (an in-process vLLM engine: pip install 'tokengym[vllm]')")
     p.set_defaults(fn=_cmd_eval)
     p = sub.add_parser("plot", help="write PNG learning curves (reward, accuracy, KL, loss) of a run")
     p.add_argument("run", help="the run folder")

@@ -243,7 +243,7 @@ def make_agent(cls: Any, policy: Any, cfg: Any, env: Any = None) -> Any:
         agent = cls(policy, cfg)
         if env is not None:
             agent.check_env(env)
-    except ValueError as e:
+    except (ValueError, ImportError) as e:  # ImportError: a rollout backend that is not installed
         raise R.UsageError(first_line(e)) from None
     return agent
 

@@ -13,7 +13,7 @@ import torch
 
 from tokengym.agents.engine.sampler import OPTIONAL_METHODS, SamplerCapabilities
 
-__all__ = ["check_generator", "check_sampler"]
+__all__ = ["agent_turns", "check_generator", "check_sampler"]
 
 
 class _Spy:
@@ -133,11 +133,16 @@ def check_generator(generator: Any, reference: Any, env: Any, *, atol: float, se
     counts = {k: int(v.sum()) for k, v in ours.generation_counts.items()}
     if counts["dropped"]:
         raise AssertionError(f"the engine generated {counts['dropped']} tokens past where the env ended a turn")
-    if ours.turn_counts:  # agent turns: those the env answered or ended, and a last one cut by the token budget
-        tc = ours.turn_counts
-        turns = tc["turns"] + ours.truncated.long() - tc["max_turns"] - tc["reply_overflows"]
-    else:
-        turns = torch.ones_like(ours.generation_counts["requests"])
-    if not torch.equal(ours.generation_counts["requests"], turns):
+    if not torch.equal(ours.generation_counts["requests"], agent_turns(ours)):
         raise AssertionError("the engine stopped before the env did: some turns took more than one request")
     return counts
+
+
+def agent_turns(ro: Any) -> torch.Tensor:
+    """Each episode's agent turns ``[N]``: 1 in a single-turn env; in a multi-turn one the turns the env answered or
+    ended, plus a last one cut by the token budget (what an engine that stops where the env does needs one request
+    each for)."""
+    if not ro.turn_counts:
+        return torch.ones_like(ro.terminated, dtype=torch.long)
+    tc = ro.turn_counts
+    return tc["turns"] + ro.truncated.long() - tc["max_turns"] - tc["reply_overflows"]

