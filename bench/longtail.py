@@ -47,6 +47,24 @@ class Scheduled(Policy):
         return super().sample(logits, greedy, ids=ids, steps=steps)
 
 
+def force_lengths(policy: Scheduled, prompt_len: int):
+    """``generate``'s side of :class:`Scheduled`: a ``LogitsProcessor`` masking ``policy.stops`` until each row of a
+    batch laid out with ``prompt_len`` prompt columns has ``policy.lengths[row] - 1`` tokens, then forcing EOS."""
+    from transformers import LogitsProcessor
+
+    eos = policy.tokenizer.eos_token_id
+
+    class Force(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            scores[:, policy.stops] = float("-inf")
+            end = input_ids.shape[1] - prompt_len + 1 >= policy.lengths
+            scores[end] = float("-inf")
+            scores[end, eos] = 0.0
+            return scores
+
+    return Force()
+
+
 def _load(model_name: str):
     if model_name == "real":
         from tokengym.agents.engine.convert import gguf_folder
@@ -65,7 +83,7 @@ def flops(model, prompt_lens: list[int], lengths: list[int]) -> float:
 def run_side(side: str, model_name: str, n: int, repeats: int) -> dict:
     """One contender's best seconds for the long-tailed batch (``side``: ``tokengym``, ``lockstep`` (``collect`` without
     compaction) or ``generate``)."""
-    from transformers import LogitsProcessor, LogitsProcessorList
+    from transformers import LogitsProcessorList
 
     policy = _load(model_name)
     policy.model.eval()
@@ -75,14 +93,6 @@ def run_side(side: str, model_name: str, n: int, repeats: int) -> dict:
     policy.lengths, policy.stops = schedule(n), env._is_stop.nonzero().flatten()
     eos, P = tok.eos_token_id, env.max_prompt_len
     lengths = policy.lengths
-
-    class Force(LogitsProcessor):
-        def __call__(self, input_ids, scores):
-            scores[:, policy.stops] = float("-inf")
-            end = input_ids.shape[1] - P + 1 >= lengths
-            scores[end] = float("-inf")
-            scores[end, eos] = 0.0
-            return scores
 
     times = []
     for r in range(repeats + 1):  # round 0 warms up
@@ -96,7 +106,7 @@ def run_side(side: str, model_name: str, n: int, repeats: int) -> dict:
             from _measure import timed_generate
 
             out, dt = timed_generate(policy.model, env, r, max_new_tokens=BUDGET, eos_token_id=eos, pad_token_id=tok.pad_token_id,
-                                     logits_processor=LogitsProcessorList([Force()]))
+                                     logits_processor=LogitsProcessorList([force_lengths(policy, P)]))
             gen = out[:, P:]
             hit = gen == eos
             got = torch.where(hit.any(1), hit.float().argmax(1) + 1, torch.full_like(lengths, gen.shape[1]))
