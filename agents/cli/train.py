@@ -249,7 +249,7 @@ def _train(algo: str, run: RunConfig, cfg: Any, run_dir: str, resume: bool, dp: 
         print(f"held-out greedy accuracy: {result['start']:.1%} -> {result['final']:.1%}")
         if "replies" in result:
             print("env replies (tool calls) per held-out episode: {:.2f} -> {:.2f}".format(*result["replies"]))
-    elif result:
+    elif "label" in result:  # an offline job's own metric (an async run without evaluation has only its staleness)
         print(f"{result['label']}: {result['final']:.1%}")
     if "staleness" in result:
         hist = result["staleness"]

@@ -275,3 +275,11 @@ def test_bad_async_settings_are_one_line_and_write_nothing(tmp_path, extra, env_
     assert r.returncode == 2, r.stderr[-2000:]
     assert r.stderr.startswith("tokengym: error: ") and message in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert not os.path.exists(os.path.join(str(tmp_path), "bad"))
+
+
+def test_an_async_run_without_evaluation_ends_with_its_summary(tmp_path):
+    """No held-out evaluation: the command still prints the staleness line and "done", and exits 0."""
+    args = [a if a != "8" else "0" for a in ARGS[:ARGS.index("--eval-prompts") + 2]] + ARGS[ARGS.index("--eval-prompts") + 2:]
+    res = cli([*args, "--steps", "2", "--runs-dir", str(tmp_path), "--name", "q"])
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "rollout staleness (updates behind)" in res.stdout and "done: model in" in res.stdout, res.stdout
