@@ -153,7 +153,8 @@ class Trainer:
         step = int(record["step"])
         if self.run.save_every and step % self.run.save_every == 0 and step < self.total:
             self.save(step)
-        if self.kill_at is not None and step == self.kill_at:
+        if self.kill_at is not None and step == self.kill_at:  # testing hook: killed after the step, checkpoint included
+            self.dp.barrier()  # (other ranks return from save() before rank 0 has written it)
             os.kill(os.getpid(), signal.SIGKILL)
         if self.kill_worker_at is not None and step == self.kill_worker_at:
             os.kill(self.agent.worker_pids()[0], signal.SIGKILL)
