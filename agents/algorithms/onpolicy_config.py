@@ -18,6 +18,7 @@ from tokengym.agents import variants as V
 from tokengym.agents.engine.generation import SAMPLERS
 from tokengym.agents.engine.workers import ASYNC_MODES
 from tokengym.agents.runtime.config import check_config
+from tokengym.agents.runtime.weight_sync import WeightSync
 from tokengym.agents.runtime.optim import LR_SCHEDULES
 from tokengym.rewards.common import Renamed, check_field_types
 
@@ -97,7 +98,7 @@ class OnPolicyConfig(Renamed, renames={"lr_schedule": "lr_scheduler_type"}):
     worker_threads: int = 1
     """Async: torch CPU threads of each rollout worker."""
     sync_timeout: float = 300.0
-    """Async: seconds a weight sync may wait for a worker before the run stops with an error naming it."""
+    """Async: seconds a weight sync may wait for a worker before the run stops with an error naming it (1 s to 7 days)."""
 
     def __post_init__(self) -> None:
         check_field_types(self)  # types first: the bounds below compare values
@@ -109,7 +110,8 @@ class OnPolicyConfig(Renamed, renames={"lr_schedule": "lr_scheduler_type"}):
             "entropy_coef": self.entropy_coef >= 0, "max_grad_norm": self.max_grad_norm >= 0,
             "eval_every": self.eval_every >= 0, "correction_cap": self.correction_cap >= 1,
             "max_staleness": self.max_staleness >= 0, "rollout_workers": self.rollout_workers >= 1,
-            "worker_threads": self.worker_threads >= 1, "sync_timeout": self.sync_timeout > 0,
+            "worker_threads": self.worker_threads >= 1,
+            "sync_timeout": 1 <= self.sync_timeout <= WeightSync.WORKER_TIMEOUT,  # what a TCPStore and gloo can take
         }
         choices = {"lr_scheduler_type": LR_SCHEDULES, "kl_estimator": F.KL_ESTIMATORS, "aggregation": F.AGGREGATIONS,
                    "correction": ("auto", "none", *V.CORRECTION_MODES), "correction_level": V.CORRECTION_LEVELS,

@@ -143,6 +143,10 @@ class VLLMSampler:
                       logprobs_mode="processed_logprobs", generation_config="vllm", disable_log_stats=True,
                       worker_extension_cls="tokengym.agents.engine.vllm_worker.WeightLoader",
                       distributed_executor_backend="uni",
+                      # whole prompts per engine step on the CPU: a prompt prefilled in chunks rolls its seeded
+                      # generator back, which vLLM does only for CUDA generators (a RuntimeError on the CPU)
+                      **({"enable_chunked_prefill": False, "max_num_batched_tokens": max(self.max_model_len, 8192)}
+                         if policy.device.type == "cpu" else {}),
                       # room for the rows, and at least for one request of max_model_len (plus vLLM's block rounding)
                       kv_cache_memory_bytes=_kv_bytes(self.config, max(max_rows * row_len, self.max_model_len) * 9 // 8 + 256,
                                                       dtype))

@@ -268,6 +268,8 @@ def test_sigterm_or_ctrl_c_stops_the_learner_and_every_worker(tmp_path, sig):
     (["--dynamic-sampling", "true"], {}, "dynamic_sampling draws extra rollouts within a step"),
     (["--rollout-workers", "0"], {}, "rollout_workers"),
     (["--async-mode", "sometimes"], {}, "async_mode"),
+    (["--sync-timeout", "0.000001"], {}, "sync_timeout"),  # the store's own connect would fail with a traceback
+    (["--sync-timeout", "1e300"], {}, "sync_timeout"),  # an OverflowError in the process group's timedelta
     ([], {"WORLD_SIZE": "2"}, "data-parallel learners (torchrun) with rollout workers are not supported yet"),
 ])
 def test_bad_async_settings_are_one_line_and_write_nothing(tmp_path, extra, env_extra, message):

@@ -86,6 +86,22 @@ def test_module_class_trains_and_the_run_rebuilds_its_env(user_folder, capsys):
     assert code == 0 and "mean outcome reward: 1.000" in out, out  # the Shout verifier on Shout's solutions
 
 
+def test_a_task_class_in_a_package_module_gets_a_valid_id(user_folder, capsys):
+    """``--env package.module:Class``: the dotted module path becomes a valid Gymnasium namespace."""
+    (user_folder / "mypkg").mkdir()
+    (user_folder / "mypkg" / "__init__.py").write_text("")
+    (user_folder / "mypkg" / "tasks.py").write_text(TASK_FILE)
+    try:
+        assert registry.resolve_env("mypkg.tasks:Shout") == "mypkg-tasks/Shout-v0"
+        code, out, err = _run(capsys, "sample", "--env", "mypkg.tasks:Shout", "--policy", "reference", "--num", "2")
+        assert code == 0 and "mean outcome reward: 1.000" in out, err
+    finally:
+        for name in [n for n in registry.TASK_SPECS if n.startswith("mypkg.tasks:")]:
+            registry.unregister_task(name)
+        sys.modules.pop("mypkg.tasks", None)
+        sys.modules.pop("mypkg", None)
+
+
 def test_module_env_id_and_import_flag_name_a_registered_id(user_folder, capsys):
     code, out, err = _run(capsys, "sample", "--env", "shouting:ShoutById-v0", "--policy", "reference", "--num", "2")
     assert code == 0 and "mean outcome reward: 1.000" in out, err
