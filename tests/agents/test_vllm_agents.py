@@ -207,3 +207,17 @@ def test_a_restored_agent_reloads_its_engine_and_continues_exactly():
     assert strip(part + rest) == strip(full)
     for name, w in agent.checkpoint_modules()["policy"].state_dict().items():
         assert torch.equal(w, full_weights["policy"][name]), name
+
+
+def test_a_batch_longer_than_an_engine_step_samples_with_its_seeds():
+    """More prompt tokens than one engine step takes (64 x 301), with KV cache room for all of them: vLLM's chunked
+    prefill would roll each seeded request's generator back, which its CPU generators cannot do (a RuntimeError); the
+    engine prefills whole prompts instead, and the same seeds give the same tokens."""
+    from tokengym.agents.engine.generation import GenerationRequest
+    from tokengym.agents.engine.vllm_backend import VLLMSampler
+
+    requests = [GenerationRequest(prompt_ids=[1] + [5 + (i + j) % 90 for j in range(300)], max_tokens=8, seed=i)
+                for i in range(64)]
+    with VLLMSampler(Policy.from_pretrained("tiny-calculator"), max_model_len=512, max_rows=64, row_len=512) as engine:
+        first, again = engine.generate(requests), engine.generate(requests)
+    assert [g.token_ids for g in first] == [g.token_ids for g in again] and all(len(g.token_ids) == 8 for g in first)

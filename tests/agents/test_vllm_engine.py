@@ -91,17 +91,6 @@ def test_the_engine_refuses_in_one_line_what_it_cannot_serve(calc):
         VLLMSampler(policy)
 
 
-def test_a_batch_longer_than_an_engine_step_samples_with_its_seeds(calc):
-    """More prompt tokens than one engine step takes (64 x 300): vLLM's chunked prefill would roll each seeded request's
-    generator back, which its CPU generators cannot do; the engine prefills whole prompts instead, and the same seeds
-    give the same tokens."""
-    _, engine = calc
-    requests = [GenerationRequest(prompt_ids=[1] + [5 + (i + j) % 90 for j in range(300)], max_tokens=8, seed=i)
-                for i in range(64)]
-    first, again = engine.generate(requests), engine.generate(requests)
-    assert [g.token_ids for g in first] == [g.token_ids for g in again] and all(len(g.token_ids) == 8 for g in first)
-
-
 def test_the_engine_samples_only_with_the_version_it_was_given(calc):
     policy, engine = calc
     prompt = policy.tokenizer("1+2\n")["input_ids"]
