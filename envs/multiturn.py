@@ -19,7 +19,6 @@ end-of-turn marker, or token ids outside the vocabulary, is the env's bug: a ``V
 from __future__ import annotations
 
 import concurrent.futures as cf
-import math
 import numbers
 import queue
 import threading
@@ -28,6 +27,8 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
+
+from tokengym.rewards.common import F32_MAX, finite32
 
 __all__ = ["TURN_EVENTS", "Reply", "BadReply", "DaemonPool", "MultiTurnMixin", "answer_one", "ask_all", "check_reply",
            "chat_reply_wrapper", "timed_out"]
@@ -81,8 +82,8 @@ def check_reply(task: Any, rep: Reply) -> Reply:
             raise bad(f"Reply(ids=[..., {wrong!r}, ...]): token ids must be integers")
     if isinstance(rep.reward, bool) or not isinstance(rep.reward, numbers.Real):
         raise bad(f"Reply(reward={rep.reward!r}): the turn reward must be a number")
-    if not math.isfinite(float(rep.reward)):
-        raise bad(f"Reply(reward={rep.reward!r}): the turn reward must be finite")
+    if not finite32(float(rep.reward)):  # rewards are kept in float32: 1e308 would be inf there
+        raise bad(f"Reply(reward={rep.reward!r}): the turn reward must be finite in float32 (|reward| <= {F32_MAX:.3g})")
     if not isinstance(rep.done, bool):
         raise bad(f"Reply(done={rep.done!r}): done must be a bool")
     return rep

@@ -11,8 +11,17 @@ import typing
 import warnings
 from typing import Any, Callable, ClassVar, Iterable, Iterator, Mapping, NamedTuple
 
-__all__ = ["TokengymWarning", "TokengymDeprecationWarning", "check_config", "check_field_types", "quiet_transformers",
+__all__ = ["F32_MAX", "TokengymWarning", "finite32", "TokengymDeprecationWarning", "check_config", "check_field_types", "quiet_transformers",
            "Rename", "Renamed", "renamed_keys"]
+
+
+F32_MAX = 3.4028234663852886e38
+"""The largest float32: a Python float above it is finite, and inf in the float32 buffers rewards are kept in."""
+
+
+def finite32(x: float) -> bool:
+    """Whether ``x`` stays a finite number in float32 (``1e308`` is a finite float and inf in float32)."""
+    return math.isfinite(x) and abs(x) <= F32_MAX
 
 
 class TokengymWarning(UserWarning):

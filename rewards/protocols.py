@@ -14,10 +14,11 @@ An outcome reward may also expose ``components(prompts, completions, **fields) -
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import torch
+
+from tokengym.rewards.common import finite32
 
 __all__ = ["OutcomeReward", "ProcessReward", "score_outcome", "score_process", "reward_name", "check_reward"]
 
@@ -108,7 +109,8 @@ def score_process(
         if len(row) != len(st):
             raise ValueError(f"process reward {who!r} returned {len(row)} scores for completion {i} with {len(st)} steps")
         row = [float(x) for x in row]
-        if not all(math.isfinite(x) for x in row):
-            raise ValueError(f"process reward {who!r} returned a non-finite step score for completion {i}: {row}")
+        if not all(finite32(x) for x in row):  # kept in float32: 1e308 would be inf there
+            raise ValueError(f"process reward {who!r} returned a step score that is not finite in float32 for "
+                             f"completion {i}: {row}")
         scores.append(row)
     return scores

@@ -31,7 +31,11 @@ from tokengym.agents.engine.resources import check_fits
 from tokengym.agents.engine.rollout import Rollout, collect, evaluate, trimmed_logprobs, used_slice
 from tokengym.agents.engine.workers import RolloutWorkers
 
-__all__ = ["OnPolicyAgent", "OnPolicyConfig", "Minibatch", "both"]
+__all__ = ["NonFiniteLoss", "OnPolicyAgent", "OnPolicyConfig", "Minibatch", "both"]
+
+
+class NonFiniteLoss(RuntimeError):
+    """An update's loss was NaN or infinite: training stops before the weights change (the message says the step)."""
 
 
 def both(first: Callable, then: Callable | None) -> Callable:
@@ -305,6 +309,10 @@ class OnPolicyAgent:
                 loss = terms[0][0] * shares[terms[0][1]]
                 for term, kind in terms[1:]:
                     loss = loss + term * shares[kind]
+                if not bool(torch.isfinite(loss.detach())):  # before any gradient reaches the weights
+                    raise NonFiniteLoss(f"step {self.global_step + 1}: the loss is {float(loss):g}, so the update was not "
+                                        "applied; the weights and the checkpoints are as they were (look for non-finite "
+                                        "rewards, or lower the learning rate, and resume)")
                 self.optim.zero_grad()
                 if n_live:
                     loss.backward()

@@ -184,8 +184,9 @@ def _import(module: str, what: str) -> types.ModuleType:
 
 
 def _class_id(cls: type[Task]) -> str:
-    """The Gymnasium id a Task class named as ``module:Class`` gets: ``module/Class-v0`` (apart from tokengym's own)."""
-    return f"{cls.__module__}/{cls.__qualname__}-v0"
+    """The Gymnasium id a Task class named as ``module:Class`` gets: ``module/Class-v0`` (apart from tokengym's own), a
+    package's dots written as dashes (Gymnasium's namespaces take no dots): ``mypkg.tasks:Ok`` -> ``mypkg-tasks/Ok-v0``."""
+    return f"{cls.__module__.replace('.', '-')}/{cls.__qualname__}-v0"
 
 
 def _register_class(cls: Any, spec: str) -> str:

@@ -256,3 +256,27 @@ def test_gradient_checkpointing_recomputes_the_same_gradients():
     run(True, recomputed)
     full = env.max_prompt_len + env.max_new_tokens
     numerics.assert_gradients_match(recomputed.diffs, 2, 16 * full * WIDEST, "checkpointed vs kept activations")
+
+
+def test_a_non_finite_loss_stops_training_before_the_weights_change():
+    """A NaN in the loss (here forced into the policy term) ends learn() with one line naming the step, and no
+    optimiser step is taken: the weights are those of the last update that was finite."""
+    from tokengym.agents.algorithms.onpolicy import NonFiniteLoss
+
+    env = gym.make_vec("tokengym/Target-v0", num_envs=8, vectorization_mode="vector_entry_point", group_size=4,
+                       partial_credit=True)
+    agent = GRPOAgent(Policy.from_pretrained("tiny", seed=0), GRPOConfig(steps=3, lr=1e-3, skip_zero_advantage=False))
+    loss = agent.loss
+
+    def poisoned(mb, batch):
+        terms, stats = loss(mb, batch)
+        if agent.global_step == 1:
+            terms = [(terms[0][0] * float("nan"), terms[0][1]), *terms[1:]]
+        return terms, stats
+
+    agent.loss = poisoned
+    before = {}  # the weights after step 1 (the callback runs after each step)
+    with pytest.raises(NonFiniteLoss, match=r"^step 2: the loss is nan, so the update was not applied"):
+        agent.learn(env, callback=lambda rec: before.update({k: v.clone() for k, v in agent.policy.model.state_dict().items()}))
+    after = agent.policy.model.state_dict()
+    assert agent.global_step == 1 and all(torch.equal(before[k], after[k]) for k in before)

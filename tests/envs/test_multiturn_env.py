@@ -238,6 +238,7 @@ def test_a_process_reward_scores_each_agent_turn_of_a_multi_turn_task():
 @pytest.mark.parametrize("reply, says", [
     (Reply(text="ok", reward=float("nan")), r"Reply\(reward=nan\): the turn reward must be finite"),
     (Reply(text="ok", reward=float("inf")), r"Reply\(reward=inf\): the turn reward must be finite"),
+    (Reply(text="ok", reward=1e308), r"Reply\(reward=1e\+308\): the turn reward must be finite in float32"),
     (Reply(text="ok", reward="lots"), r"Reply\(reward='lots'\): the turn reward must be a number"),
     (Reply(ids=[1.7]), r"Reply\(ids=\[\.\.\., 1\.7, \.\.\.\]\): token ids must be integers"),
     (Reply(ids=["abc"]), r"Reply\(ids=\[\.\.\., 'abc', \.\.\.\]\): token ids must be integers"),

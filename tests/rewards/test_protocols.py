@@ -68,8 +68,14 @@ def test_score_process_checks():
     def nan_step(prompts, steps, **_):
         return [[1.0] * len(s) for s in steps[:-1]] + [[math.nan]]
 
-    with pytest.raises(ValueError, match="non-finite step score for completion 1"):
+    with pytest.raises(ValueError, match="not finite in float32 for completion 1"):
         score_process(nan_step, prompts, steps)
+
+    def huge_step(prompts, steps, **_):  # a finite float, and inf in the float32 buffers the env keeps
+        return [[1e308] * len(s) for s in steps]
+
+    with pytest.raises(ValueError, match="not finite in float32 for completion 0"):
+        score_process(huge_step, prompts, steps)
 
 
 def test_builtins_satisfy_the_protocols():
