@@ -433,10 +433,12 @@ class OnPolicyAgent:
         if self.dp.distributed:
             raise ValueError(f"async_mode={cfg.async_mode!r} runs in one learner process; data-parallel learners "
                              "(torchrun) with rollout workers are not supported yet")
-        return RolloutWorkers(env, self.policy, sampler=cfg.sampler, workers=cfg.rollout_workers, max_staleness=cfg.max_staleness,
+        # a bound beyond the run's rollouts changes nothing but how far ahead the workers sample: capped there
+        return RolloutWorkers(env, self.policy, sampler=cfg.sampler, workers=cfg.rollout_workers,
+                              max_staleness=min(cfg.max_staleness, self.total_steps),
                               exact=cfg.async_mode == "one-step" or cfg.max_staleness == 0, version=self.global_step,
                               state=self._async_state, seed=cfg.seed, threads=cfg.worker_threads, bf16=cfg.bf16,
-                              timeout=cfg.sync_timeout)
+                              timeout=cfg.sync_timeout, total=self.total_steps)
 
     def close(self) -> None:
         """Shut down the agent's inference engine (``sampler='vllm'``; a later rollout starts a new one). One engine

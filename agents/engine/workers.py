@@ -84,14 +84,15 @@ class RolloutWorkers:
         threads: torch threads of each worker; ``bf16``: the rollout's autocast; ``timeout``: a weight sync's limit.
         sampler: each worker's rollout backend (:data:`~tokengym.agents.engine.generation.SAMPLERS`): its copy of the
             policy, or an inference engine of its own that each received version is loaded into.
+        total: the run's number of rollouts (``None``: open-ended); a checkpoint keeps none past it.
     """
 
     def __init__(self, env: Any, policy: Any, *, workers: int, max_staleness: int, exact: bool, version: int,
                  state: dict[str, Any] | None, seed: int, threads: int = 1, bf16: bool = False, timeout: float = 300.0,
-                 sampler: str = "tokengym"):
+                 sampler: str = "tokengym", total: int | None = None):
         import torch.multiprocessing as mp
 
-        self.workers, self.k, self.exact, self.timeout = workers, max_staleness, exact, timeout
+        self.workers, self.k, self.exact, self.timeout, self.total = workers, max_staleness, exact, timeout, total
         self._pending: threading.Thread | None = None  # a sync in flight (publish(wait=False))
         self._failed: WeightSyncError | None = None
         self.params = list(policy.model.parameters())
@@ -224,7 +225,8 @@ class RolloutWorkers:
         """What a checkpoint after the learner's current step keeps (see the module docstring): waits for the
         rollouts sampled with versions before it."""
         self.settle()
-        keep = range(self.next, self.next + self.k)
+        end = self.next + self.k if self.total is None else min(self.next + self.k, self.total)
+        keep = range(self.next, end)  # (none past the run's last rollout: nobody would train on them)
         for j in keep:
             self._receive(j)
         streams = list(self.streams)

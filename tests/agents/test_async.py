@@ -285,3 +285,13 @@ def test_an_async_run_without_evaluation_ends_with_its_summary(tmp_path):
     res = cli([*args, "--steps", "2", "--runs-dir", str(tmp_path), "--name", "q"])
     assert res.returncode == 0, res.stderr[-2000:]
     assert "rollout staleness (updates behind)" in res.stdout and "done: model in" in res.stdout, res.stdout
+
+
+def test_a_staleness_bound_beyond_the_run_ends_like_any_run(tmp_path):
+    """``--max-staleness 1000000`` with 2 steps: the bound is capped at the run's rollouts, so the final checkpoint
+    waits for none past the end (it used to wait forever) and the command ends with its summary."""
+    args = [a for a in ARGS if a != "one-step"]
+    args[args.index("--async-mode") + 1:args.index("--async-mode") + 1] = ["bounded"]
+    res = cli([*args, "--max-staleness", "1000000", "--steps", "2", "--runs-dir", str(tmp_path), "--name", "k"])
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "done: model in" in res.stdout and os.path.isdir(tmp_path / "k" / "model")
