@@ -413,6 +413,7 @@ class OnPolicyAgent:
             return run_in_folder(run_dir, resume, config, self, env, self.total_steps, settings=settings,
                                  body=lambda trainer: self.train_in_folder(trainer, env, eval_env, eval_samples, callback))
         cfg = self.config
+        cfg.__post_init__()  # settings changed after the config was built are checked as when it was built
         self.check_env(env)
         if self.global_step == 0:
             self.policy.seed(cfg.seed)

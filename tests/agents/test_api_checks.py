@@ -193,3 +193,18 @@ def test_learners_refuse_arguments_of_the_wrong_kind_in_one_line(tiny_policy, ma
     with pytest.raises(error) as e:
         make(tiny_policy)
     assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("async_mode", "sometimes", r"GRPOConfig.async_mode='sometimes'; choose one of"),  # it ran as bounded
+    ("rollout_workers", 0, r"GRPOConfig.rollout_workers has an invalid value: 0"),  # learn() hung
+    ("max_staleness", -1, r"GRPOConfig.max_staleness has an invalid value: -1"),
+])
+def test_settings_changed_after_the_config_was_built_are_checked_by_learn(field, value, message):
+    cfg = GRPOConfig(steps=1)
+    setattr(cfg, field, value)
+    agent = GRPOAgent(Policy.from_pretrained("tiny"), cfg)
+    env = gym.make_vec("tokengym/Target-v0", num_envs=4, vectorization_mode="vector_entry_point", group_size=2)
+    with pytest.raises(ValueError, match=message):
+        agent.learn(env)
+    assert agent.global_step == 0
