@@ -319,6 +319,11 @@ def run_in_folder(run_dir: str | os.PathLike, resume: bool, config: dict[str, An
         for part in ("algorithm", "config"):
             if saved.get(part) != config[part]:
                 raise ValueError(f"cannot resume {run_dir} with a different {part}: {_first_difference(saved.get(part), config[part])}")
+        was, now = saved.get("run") or {}, config["run"]  # the env it trains on (what either record names)
+        keys = [k for k in ("env", "env_kwargs", "prompts", "group_size") if was.get(k) is not None and now.get(k) is not None]
+        if any(was[k] != now[k] for k in keys):
+            raise ValueError(f"cannot resume {run_dir} on another env than its {was.get('env')!r}: "
+                             f"{_first_difference({k: was[k] for k in keys}, {k: now[k] for k in keys})}")
         if os.path.isdir(os.path.join(run_dir, "model")):
             raise ValueError(f"{run_dir} already finished (its trained model is in {run_dir}/model); nothing to resume")
         lock = R.RunLock(run_dir, create=False).acquire()

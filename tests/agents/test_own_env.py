@@ -198,6 +198,12 @@ def test_learn_run_dir_writes_the_clis_folder_refuses_reuse_and_resumes_exactly(
     other = GRPOAgent(Policy.from_pretrained("tiny"), GRPOConfig(steps=4, seed=4))
     with pytest.raises(ValueError, match="different config: seed was 3, now 4"):
         other.learn(_env(), run_dir=split, resume=True)
+    for env, says in ((gym.make_vec("tokengym/Reverse-v0", num_envs=8, vectorization_mode="vector_entry_point", group_size=4),
+                       "env was 'tokengym/Target-v0', now 'tokengym/Reverse-v0'"),
+                      (gym.make_vec("tokengym/Target-v0", num_envs=8, vectorization_mode="vector_entry_point", group_size=2),
+                       "group_size was 4, now 2")):
+        with pytest.raises(ValueError, match=f"^cannot resume .* on another env than its 'tokengym/Target-v0': {says}"):
+            _agent().learn(env, run_dir=split, resume=True)
     got = GRPOAgent(Policy.from_pretrained("tiny", seed=1), GRPOConfig(steps=4, seed=3))  # other weights: restored
     got.learn(_env(), run_dir=split, resume=True)
     for (name, p), q in zip(want.policy.model.named_parameters(), got.policy.model.parameters()):
