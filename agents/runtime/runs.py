@@ -86,7 +86,7 @@ def read_data_file(path: str, flag: str, what: str, read: Callable[[str], Any]) 
 # ---------------------------------------------------------------------------------------------- files
 def kill_during_write(what: str) -> None:
     """Testing hook: SIGKILL this process when ``TOKENGYM_SIGKILL_DURING_WRITE`` names ``what``."""
-    if what in os.environ.get(KILL_ENV, "").replace(",", " ").split():
+    if what in [w.strip() for w in os.environ.get(KILL_ENV, "").split(",")]:  # a comma-separated list of names
         os.kill(os.getpid(), signal.SIGKILL)
 
 
