@@ -12,6 +12,7 @@ See :mod:`tokengym.agents.runtime.runs` for the folder's layout and guarantees.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 import sys
@@ -301,6 +302,11 @@ def python_run(env: Any, policy: Any, eval_samples: Any, settings: RunSettings, 
             "device": str(env.device if env is not None else policy.device)}
 
 
+def _as_saved(value: Any) -> Any:
+    """``value`` as ``config.json`` holds it (tuples as lists), so a resume compares like with like."""
+    return json.loads(json.dumps(value, default=repr))
+
+
 def run_in_folder(run_dir: str | os.PathLike, resume: bool, config: dict[str, Any], agent: Any, env: Any, total: int,
                   body: Callable[[Trainer], None], settings: RunSettings | None = None) -> list[dict[str, Any]]:
     """Train ``agent`` in ``run_dir`` as ``tokengym train`` does; return the records this call logged.
@@ -317,9 +323,10 @@ def run_in_folder(run_dir: str | os.PathLike, resume: bool, config: dict[str, An
     if resuming:
         saved = R.read_run_config(run_dir)
         for part in ("algorithm", "config"):
-            if saved.get(part) != config[part]:
-                raise ValueError(f"cannot resume {run_dir} with a different {part}: {_first_difference(saved.get(part), config[part])}")
-        was, now = saved.get("run") or {}, config["run"]  # the env it trains on (what either record names)
+            if saved.get(part) != _as_saved(config[part]):
+                raise ValueError(f"cannot resume {run_dir} with a different {part}: "
+                                 f"{_first_difference(saved.get(part), _as_saved(config[part]))}")
+        was, now = saved.get("run") or {}, _as_saved(config["run"])  # the env it trains on (what either record names)
         keys = [k for k in ("env", "env_kwargs", "prompts", "group_size") if was.get(k) is not None and now.get(k) is not None]
         if any(was[k] != now[k] for k in keys):
             raise ValueError(f"cannot resume {run_dir} on another env than its {was.get('env')!r}: "
