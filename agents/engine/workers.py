@@ -225,8 +225,10 @@ class RolloutWorkers:
         """What a checkpoint after the learner's current step keeps (see the module docstring): waits for the
         rollouts sampled with versions before it."""
         self.settle()
-        end = self.next + self.k if self.total is None else min(self.next + self.k, self.total)
-        keep = range(self.next, end)  # (none past the run's last rollout: nobody would train on them)
+        end = self.next + self.k
+        if self.total is not None and not self.exact:  # bounded: none past the run's last rollout (a later learn()
+            end = min(end, self.total)  # samples afresh); an exact schedule keeps its K <= 1 so it continues bit for bit
+        keep = range(self.next, end)
         for j in keep:
             self._receive(j)
         streams = list(self.streams)
