@@ -198,9 +198,12 @@ def train(algo: str, values_file: dict[str, Any], values_flags: dict[str, Any], 
         warn_if_busy(torch.get_num_threads())
     dp, device = distributed.init(run.device)
     try:
-        return _train(algo, run, cfg, run_dir, resume_dir is not None, dp, device, preset)
-    finally:
+        code = _train(algo, run, cfg, run_dir, resume_dir is not None, dp, device, preset)
+    except BaseException:
         distributed.shutdown()
+        raise
+    distributed.shutdown(done=True)
+    return code
 
 
 def _train(algo: str, run: RunConfig, cfg: Any, run_dir: str, resume: bool, dp: Any, device: str,

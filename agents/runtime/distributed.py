@@ -264,10 +264,13 @@ def init(device: str = "cpu") -> tuple[DataParallel, str]:
     return DataParallel.current(), device
 
 
-def shutdown() -> None:
-    """Destroy the process group if :func:`init` created it."""
+def shutdown(done: bool = False) -> None:
+    """Destroy the process group if :func:`init` created it. ``done`` (every rank finished the run): first wait for
+    all of them, so that no rank leaves (and has torchrun stop the others) while rank 0 still writes the model."""
     global _OWNED
     if _OWNED and dist.is_initialized():
+        if done:
+            dist.barrier()
         dist.destroy_process_group()
     _OWNED = False
 
