@@ -315,22 +315,28 @@ def main() -> None:
 
     t = str(args.threads)
     out: dict = {"threads": args.threads, "matmul_gflops": round(matmul_gflops(), 1), "load_avg": os.getloadavg()[0]}
+
+    def put(key, value):  # each figure also goes to stderr as it lands, so a long run stopped halfway keeps them
+        out[key] = value
+        print(json.dumps({key: value}), file=sys.stderr, flush=True)
+        return value
+
     for dtype in args.dtypes:
         if "fixed" in args.shapes:
             for n in args.batch:
-                out[f"fixed_{dtype}_{n}"] = {s: run_child(__file__, ["--one", "fixed", s, dtype, t, str(n), str(args.repeats)])
-                                             for s in ("tokengym", "vllm", "generate")}
+                put(f"fixed_{dtype}_{n}", {s: run_child(__file__, ["--one", "fixed", s, dtype, t, str(n), str(args.repeats)])
+                                           for s in ("tokengym", "vllm", "generate")})
         if "longtail" in args.shapes:
-            out[f"longtail_{dtype}"] = lt = {s: run_child(__file__, ["--one", "longtail", s, dtype, t, str(args.repeats)])
-                                             for s in ("tokengym", "vllm", "vllm_collect", "generate")}
+            lt = put(f"longtail_{dtype}", {s: run_child(__file__, ["--one", "longtail", s, dtype, t, str(args.repeats)])
+                                           for s in ("tokengym", "vllm", "vllm_collect", "generate")})
             out[f"longtail_vs_vllm_{dtype}"] = round(lt["tokengym"]["tok_s"] / lt["vllm"]["tok_s"], 3)
         if "multiturn" in args.shapes:
-            out[f"multiturn_{dtype}"] = mt = {s: run_child(__file__, ["--one", "multiturn", s, dtype, t, str(args.repeats)])
-                                              for s in ("tokengym", "vllm")}
+            mt = put(f"multiturn_{dtype}", {s: run_child(__file__, ["--one", "multiturn", s, dtype, t, str(args.repeats)])
+                                            for s in ("tokengym", "vllm")})
             out[f"multiturn_vs_vllm_{dtype}"] = round(mt["tokengym"]["tok_s"] / mt["vllm"]["tok_s"], 3)
     if "grpo" in args.shapes:
         g = {s: run_child(__file__, ["--one", "grpo", s, "fp32", t, str(args.grpo_steps)]) for s in ("tokengym", "vllm")}
-        out["grpo"] = g
+        put("grpo", g)
         out["grpo_step_tokengym_s"], out["grpo_step_vllm_s"] = g["tokengym"]["step_s"], g["vllm"]["step_s"]
     out["longtail_vs_vllm"] = out.get("longtail_vs_vllm_fp32")
     out["load_avg_end"] = os.getloadavg()[0]
