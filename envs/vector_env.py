@@ -164,6 +164,7 @@ class TokenVectorEnv(MultiTurnMixin, VectorEnv):
             if process_reward is None:
                 raise ValueError(f"task {self.task.name!r} has no process reward; pass a callable")
         self.process_reward_fn = process_reward or None
+        self._task_scores = (reward is None, process_reward is True)  # the task's own: rebuilt after pickling
         self.num_envs, self.group_size, self.n_groups = num_envs, group_size, num_envs // group_size
         self.device = _with_index(device)
         self.max_new_tokens = int(max_new_tokens if max_new_tokens is not None else self.task.default_max_new_tokens)
@@ -281,6 +282,26 @@ class TokenVectorEnv(MultiTurnMixin, VectorEnv):
         self.all_done = False  # every slot finished (a host bool, updated by step() at no extra sync)
 
     # ------------------------------------------------------------------ state
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle without the task's own reward functions, which ``__setstate__`` asks the task for again: a
+        ``reward()`` may return a nested function (the usual way to write one), and an async run's rollout workers
+        receive the env pickled."""
+        state = dict(self.__dict__)
+        own, own_process = state.get("_task_scores", (False, False))
+        if own:
+            state["reward_fn"] = None
+        if own_process:
+            state["process_reward_fn"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        own, own_process = state.get("_task_scores", (False, False))
+        if own:
+            self.reward_fn = self.task.reward()
+        if own_process:
+            self.process_reward_fn = self.task.process_reward()
+
     def state_dict(self) -> dict[str, Any]:
         """The prompt stream's position (generator state, task walk, next group id), for exact resume.
 

@@ -29,7 +29,7 @@ from tokengym.agents.engine.generation import make_sampler
 from tokengym.agents.engine.policy import make_reference
 from tokengym.agents.engine.resources import check_fits
 from tokengym.agents.engine.rollout import Rollout, collect, evaluate, trimmed_logprobs, used_slice
-from tokengym.agents.engine.workers import RolloutWorkers
+from tokengym.agents.engine.workers import RolloutWorkers, check_crosses
 
 __all__ = ["NonFiniteLoss", "OnPolicyAgent", "OnPolicyConfig", "Minibatch", "both"]
 
@@ -189,6 +189,8 @@ class OnPolicyAgent:
         if self.config.minibatches > env.num_envs:
             raise ValueError(f"minibatches={self.config.minibatches} is more than the {env.num_envs} episodes of a rollout "
                              "batch: every minibatch needs at least one; use fewer minibatches or more prompts")
+        if self.config.async_mode != "off":
+            check_crosses(env)
         if self.config.sampler != "tokengym":
             if self.dp.distributed:
                 raise ValueError(f"sampler={self.config.sampler!r} runs one engine in one learner process; data-parallel "

@@ -42,7 +42,7 @@ from tokengym.agents.engine.generation import make_sampler
 from tokengym.agents.engine.rollout import Rollout, collect
 from tokengym.agents.runtime.weight_sync import STOP, WeightSync, WeightSyncError
 
-__all__ = ["ASYNC_MODES", "RolloutWorkers", "WorkerError"]
+__all__ = ["ASYNC_MODES", "RolloutWorkers", "WorkerError", "check_crosses"]
 
 ASYNC_MODES = ("off", "one-step", "bounded")
 
@@ -264,6 +264,20 @@ class RolloutWorkers:
         with contextlib.suppress(Exception):
             self.results.close()
             self.results.cancel_join_thread()
+
+
+def check_crosses(env: Any) -> None:
+    """Raise ``ValueError`` (one line) if ``env`` cannot be sent to a rollout worker process, which receives it
+    pickled: a lock, a client or an open file in its attributes. Checked before a run starts, not in the spawn."""
+    import pickle
+
+    try:
+        pickle.dumps(env)
+    except Exception as e:
+        why = (str(e).splitlines() or [""])[0]
+        raise ValueError(f"async training sends the env to each rollout worker process, and {type(env).__name__} cannot "
+                         f"be pickled ({type(e).__name__}: {why}); create what cannot cross (a lock, a client, an open "
+                         "file) on first use, or give the env __getstate__/__setstate__, or train with async_mode='off'") from None
 
 
 def _needs_main(env: Any) -> bool:

@@ -12,6 +12,7 @@ import sys
 import time
 import uuid
 
+import gymnasium as gym
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -295,3 +296,32 @@ def test_a_staleness_bound_beyond_the_run_ends_like_any_run(tmp_path):
     res = cli([*args, "--max-staleness", "1000000", "--steps", "2", "--runs-dir", str(tmp_path), "--name", "k"])
     assert res.returncode == 0, res.stderr[-2000:]
     assert "done: model in" in res.stdout and os.path.isdir(tmp_path / "k" / "model")
+
+
+def test_the_bundled_target_env_runs_async():
+    """Target's ``reward()`` returns a nested function, which pickle cannot send to a worker: the env sends its task
+    and asks it for the reward again. With K = 0 the async run is the synchronous one, rewards included."""
+    def run(**kw):
+        env = gym.make_vec("tokengym/Target-v0", num_envs=8, vectorization_mode="vector_entry_point", group_size=4,
+                           partial_credit=True, target="ok", max_new_tokens=2)
+        agent = GRPOAgent(Policy.from_pretrained("tiny"), GRPOConfig(**{**FAST, "steps": 2}, **kw))
+        return agent.learn(env)
+
+    sync, hist = run(), run(async_mode="bounded", max_staleness=0, correction="none")
+    assert [{k: v for k, v in r.items() if not k.startswith("async/")} for r in deterministic(hist)] == deterministic(sync)
+
+
+def test_an_env_that_cannot_cross_to_a_worker_is_refused_before_any_worker_starts():
+    """An env holding a lock cannot be pickled: one line naming the env and the reason, before the workers spawn
+    (the CLI turns it into exit 2 before the run folder is made, as for every agent.check_env refusal)."""
+    import threading
+
+    env = TokenVectorEnv(8, "arithmetic", group_size=4, max_new_tokens=12)
+    env.lock = threading.Lock()
+    agent = GRPOAgent(Policy.from_pretrained("tiny-arithmetic"), GRPOConfig(**FAST, async_mode="one-step"))
+    started = []
+    agent.start_workers = lambda env: started.append(env)
+    with pytest.raises(ValueError, match=r"^async training sends the env .* TokenVectorEnv cannot be pickled \(TypeError: "
+                                         r"cannot pickle '_thread.lock' object\)"):
+        agent.learn(env)
+    assert not started

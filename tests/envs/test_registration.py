@@ -56,3 +56,25 @@ def test_stable_baselines3_check_env_and_ppo_interop():
     obs, _ = env.reset(seed=1)
     action, _ = model.predict(obs, deterministic=True)
     assert env.action_space.contains(int(action))
+
+
+@pytest.mark.parametrize("env_id", sorted(ENV_IDS))
+def test_every_bundled_env_crosses_to_a_process_and_plays_the_same(env_id, bundled_env_kwargs):
+    """What an async run's rollout workers receive: the env pickled. A task whose ``reward()`` returns a nested
+    function (Target's) must cross, and the copy must score the same actions with the same rewards."""
+    import pickle
+
+    env = gym.make_vec(env_id, num_envs=4, vectorization_mode="vector_entry_point", group_size=2,
+                       **bundled_env_kwargs(env_id))
+    copy = pickle.loads(pickle.dumps(env))
+    rng = np.random.default_rng(0)
+    (obs, _), (obs2, _) = env.reset(seed=5), copy.reset(seed=5)
+    assert all(np.array_equal(obs[k], obs2[k]) for k in obs)
+    got = []
+    for _ in range(env.max_new_tokens):
+        actions = rng.integers(0, env.single_action_space.n, size=env.num_envs)
+        got.append([e.step(actions)[1:3] for e in (env, copy)])
+        if env.all_done:
+            break
+    for (r, term), (r2, term2) in got:
+        assert np.array_equal(r, r2) and np.array_equal(term, term2)
