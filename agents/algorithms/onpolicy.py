@@ -29,7 +29,7 @@ from tokengym.agents.engine.generation import make_sampler
 from tokengym.agents.engine.policy import make_reference
 from tokengym.agents.engine.resources import check_fits
 from tokengym.agents.engine.rollout import Rollout, collect, evaluate, trimmed_logprobs, used_slice
-from tokengym.agents.engine.workers import RolloutWorkers, check_crosses
+from tokengym.agents.engine.workers import RolloutWorkers, check_crosses, check_workers
 
 __all__ = ["NonFiniteLoss", "OnPolicyAgent", "OnPolicyConfig", "Minibatch", "both"]
 
@@ -191,6 +191,7 @@ class OnPolicyAgent:
                              "batch: every minibatch needs at least one; use fewer minibatches or more prompts")
         if self.config.async_mode != "off":
             check_crosses(env)
+            check_workers(self.policy, env, self.config.rollout_workers, self.config.worker_threads)
         if self.config.sampler != "tokengym":
             if self.dp.distributed:
                 raise ValueError(f"sampler={self.config.sampler!r} runs one engine in one learner process; data-parallel "

@@ -42,7 +42,7 @@ from tokengym.agents.engine.generation import make_sampler
 from tokengym.agents.engine.rollout import Rollout, collect
 from tokengym.agents.runtime.weight_sync import STOP, WeightSync, WeightSyncError
 
-__all__ = ["ASYNC_MODES", "RolloutWorkers", "WorkerError", "check_crosses"]
+__all__ = ["ASYNC_MODES", "RolloutWorkers", "WorkerError", "check_crosses", "check_workers"]
 
 ASYNC_MODES = ("off", "one-step", "bounded")
 
@@ -278,6 +278,23 @@ def check_crosses(env: Any) -> None:
         raise ValueError(f"async training sends the env to each rollout worker process, and {type(env).__name__} cannot "
                          f"be pickled ({type(e).__name__}: {why}); create what cannot cross (a lock, a client, an open "
                          "file) on first use, or give the env __getstate__/__setstate__, or train with async_mode='off'") from None
+
+
+def check_workers(policy: Any, env: Any, workers: int, threads: int) -> None:
+    """Raise ``ValueError`` (one line) for more rollout workers than the machine can hold, before any is spawned: more
+    worker processes than CPU cores, or more copies of the weights and a rollout's KV cache than free memory."""
+    from tokengym.agents.engine.resources import available_memory_bytes, batch_memory_bytes
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if workers > cores:
+        raise ValueError(f"rollout_workers={workers} is more worker processes than the {cores} CPU cores this process "
+                         f"may use (each runs {threads} torch thread(s), beside the learner); use at most {cores}")
+    weights = sum(p.numel() * p.element_size() for p in policy.model.parameters())
+    need = workers * (weights + batch_memory_bytes(policy.model, env.num_envs, env.seq_len, 0))
+    free = available_memory_bytes(policy.device)
+    if free is not None and need > free:
+        raise ValueError(f"rollout_workers={workers} need at least {need / 2**30:.1f} GiB (a copy of the weights and a "
+                         f"rollout's KV cache each), but {policy.device} has {free / 2**30:.1f} GiB free; use fewer workers")
 
 
 def _needs_main(env: Any) -> bool:

@@ -325,3 +325,23 @@ def test_an_env_that_cannot_cross_to_a_worker_is_refused_before_any_worker_start
                                          r"cannot pickle '_thread.lock' object\)"):
         agent.learn(env)
     assert not started
+
+
+def test_more_workers_than_the_machine_holds_are_refused_before_any_starts(monkeypatch):
+    """More worker processes than cores, or more weight copies than free memory: one line each, nothing spawned."""
+    import tokengym.agents.engine.resources as resources
+
+    env = TokenVectorEnv(8, "arithmetic", group_size=4, max_new_tokens=12)
+    agent = GRPOAgent(Policy.from_pretrained("tiny-arithmetic"), GRPOConfig(**FAST, async_mode="one-step"))
+    started = []
+    agent.start_workers = lambda env: started.append(env)
+    cores = len(os.sched_getaffinity(0))
+    agent.config.rollout_workers = 1000
+    with pytest.raises(ValueError, match=rf"^rollout_workers=1000 is more worker processes than the {cores} CPU cores"):
+        agent.learn(env)
+    agent.config.rollout_workers = 1
+    weights = sum(p.numel() * p.element_size() for p in agent.policy.model.parameters())
+    monkeypatch.setattr(resources, "available_memory_bytes", lambda device: weights)  # not even one more copy fits
+    with pytest.raises(ValueError, match=r"^rollout_workers=1 need at least .* GiB .* free; use fewer workers"):
+        agent.learn(env)
+    assert not started
