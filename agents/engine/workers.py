@@ -92,6 +92,8 @@ class RolloutWorkers:
                  sampler: str = "tokengym", total: int | None = None):
         import torch.multiprocessing as mp
 
+        if getattr(mp.current_process(), "_inheriting", False):  # the user's script, re-run by a worker being spawned,
+            _exit_unguarded()  # reached its training: it has no __main__ guard (the learner names the cause)
         self.workers, self.k, self.exact, self.timeout, self.total = workers, max_staleness, exact, timeout, total
         self._pending: threading.Thread | None = None  # a sync in flight (publish(wait=False))
         self._failed: WeightSyncError | None = None
@@ -112,25 +114,36 @@ class RolloutWorkers:
         device = str(policy.device)
         script_classes = _needs_main(env)
         try:
+            guard = WorkerError(f"the env uses a class defined in your script ({_main_name()}), so each worker runs the "
+                                "script again to find it, and the script trained again there: put its training under "
+                                "`if __name__ == \"__main__\":`, or define the class in a module")
             for i in range(workers):
                 spec = {"env": env, "policy": policy, "workers": workers, "worker": i, "k": max_staleness, "exact": exact,
                         "start": first, "stream": self.streams[i], "seed": seed + i, "port": store.port,
                         "threads": threads, "bf16": bf16, "device": device, "sampler": sampler}
-                proc = ctx.Process(target=_worker_main, args=(_pack(spec), self.results), name=f"tokengym-rollout-{i}",
+                # the spec (the policy's weights) goes over a pipe of its own after the start: a spawned child that
+                # dies before reading its start-up data would leave proc.start() writing it forever
+                spec_in, spec_out = ctx.Pipe(duplex=False)
+                proc = ctx.Process(target=_worker_main, args=(spec_in, self.results), name=f"tokengym-rollout-{i}",
                                    daemon=True)
                 with contextlib.nullcontext() if script_classes else _script_not_rerun():
                     proc.start()
                 self.procs.append(proc)
+                spec_in.close()
+                try:
+                    spec_out.send_bytes(_pack(spec))
+                except OSError:  # it exited first (BrokenPipeError): named below, by its exit code
+                    proc.join(5)
+                finally:
+                    spec_out.close()
             ready: set[int] = set()
             try:
                 while len(ready) < workers:  # a worker that fails to start is named, not waited for
                     ready.add(self._message()[1])
             except WorkerError as e:
-                if not script_classes:
-                    raise
-                raise WorkerError(f"{e}. The env uses a class defined in your script (__main__), so the workers run the "
-                                  "script again to find it: put its training under `if __name__ == \"__main__\":`, or "
-                                  "define the class in a module") from None
+                if script_classes and any(p.exitcode == _UNGUARDED for p in self.procs):
+                    raise guard from None
+                raise
             self.sync = WeightSync(store, 0, workers, timeout, device)
             self._previous_sigterm = None
             if threading.current_thread() is threading.main_thread():  # SIGTERM unwinds the learner, closing the workers
@@ -272,12 +285,16 @@ def check_crosses(env: Any) -> None:
     import pickle
 
     try:
-        pickle.dumps(env)
+        data = pickle.dumps(env)
     except Exception as e:
         why = (str(e).splitlines() or [""])[0]
         raise ValueError(f"async training sends the env to each rollout worker process, and {type(env).__name__} cannot "
                          f"be pickled ({type(e).__name__}: {why}); create what cannot cross (a lock, a client, an open "
                          "file) on first use, or give the env __getstate__/__setstate__, or train with async_mode='off'") from None
+    if b"__main__" in data and not os.path.isfile(getattr(sys.modules["__main__"], "__file__", None) or ""):
+        raise ValueError("async training sends the env to each rollout worker process, and it uses a class defined in "
+                         "__main__ without a file (stdin, python -c, a notebook), which a worker cannot import; define "
+                         "the class in a module, or train with async_mode='off'")
 
 
 def check_workers(policy: Any, env: Any, workers: int, threads: int) -> None:
@@ -295,6 +312,19 @@ def check_workers(policy: Any, env: Any, workers: int, threads: int) -> None:
     if free is not None and need > free:
         raise ValueError(f"rollout_workers={workers} need at least {need / 2**30:.1f} GiB (a copy of the weights and a "
                          f"rollout's KV cache each), but {policy.device} has {free / 2**30:.1f} GiB free; use fewer workers")
+
+
+_UNGUARDED = 87  # a spawned worker's exit code when the script it re-ran started training again
+
+
+def _exit_unguarded() -> None:
+    print("tokengym: this script trains when it is imported (no `if __name__ == \"__main__\":` guard); a rollout worker "
+          "that re-ran it stops here", file=sys.stderr, flush=True)
+    os._exit(_UNGUARDED)  # at once: no thread or store the script made may keep this process (and the learner) waiting
+
+
+def _main_name() -> str:
+    return getattr(sys.modules["__main__"], "__file__", None) or "__main__"
 
 
 def _needs_main(env: Any) -> bool:
@@ -342,10 +372,11 @@ def _unpack(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
-def _worker_main(packed: bytes, results: Any) -> None:
+def _worker_main(spec_in: Any, results: Any) -> None:
     """A rollout worker's process: receive weights in a thread, sample rollouts by the version schedule, send them."""
     _die_with_parent()
-    spec = _unpack(packed)
+    spec = _unpack(spec_in.recv_bytes())
+    spec_in.close()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the learner stops us
     code = 0
     try:

@@ -268,6 +268,7 @@ def test_sigterm_or_ctrl_c_stops_the_learner_and_every_worker(tmp_path, sig):
     (["--max-staleness", "2"], {}, "async_mode='one-step' samples each rollout exactly one update behind"),
     (["--dynamic-sampling", "true"], {}, "dynamic_sampling draws extra rollouts within a step"),
     (["--rollout-workers", "0"], {}, "rollout_workers"),
+    (["--rollout-workers", "1000"], {}, "rollout_workers=1000 is more worker processes than the"),
     (["--async-mode", "sometimes"], {}, "async_mode"),
     (["--sync-timeout", "0.000001"], {}, "sync_timeout"),  # the store's own connect would fail with a traceback
     (["--sync-timeout", "1e300"], {}, "sync_timeout"),  # an OverflowError in the process group's timedelta
@@ -345,3 +346,49 @@ def test_more_workers_than_the_machine_holds_are_refused_before_any_starts(monke
     with pytest.raises(ValueError, match=r"^rollout_workers=1 need at least .* GiB .* free; use fewer workers"):
         agent.learn(env)
     assert not started
+
+
+SCRIPT = """
+from tokengym.envs import Task, TokenVectorEnv
+from tokengym.agents import GRPOAgent, GRPOConfig, Policy
+
+
+class Echo(Task):  # defined in the script: the workers must import the script to unpickle the env
+    name = "echo"
+    max_prompt_chars = 4
+    default_max_new_tokens = 4
+
+    def sample(self, rng):
+        d = str(int(rng.integers(10)))
+        return {"prompt": d + "\\n", "solution": d}
+
+    def reward(self):
+        def exact(prompts, completions, solution, **_):
+            return [float(c.strip() == s) for c, s in zip(completions, solution)]
+        return exact
+
+
+env = TokenVectorEnv(8, Echo(), group_size=4)
+agent = GRPOAgent(Policy.from_pretrained("tiny"), GRPOConfig(steps=2, async_mode="one-step"))
+"""
+
+
+@pytest.mark.parametrize("how", ["unguarded", "stdin", "guarded"])
+def test_a_task_class_in_the_script_itself(tmp_path, how):
+    """The task class lives in ``__main__``. Without a guard the workers' re-run of the script trains again: one line
+    saying to add the guard (it used to hang). From stdin no worker can import it: refused before any starts. With
+    the guard it trains."""
+    body = SCRIPT + ('if __name__ == "__main__":\n    print("steps", len(agent.learn(env)))\n' if how == "guarded"
+                     else 'print("steps", len(agent.learn(env)))\n')
+    path = tmp_path / "train_echo.py"
+    path.write_text(body)
+    cmd = [sys.executable, "-"] if how == "stdin" else [sys.executable, str(path)]
+    res = subprocess.run(cmd, input=body if how == "stdin" else None, capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path)
+    last = res.stderr.strip().splitlines()[-1] if res.stderr.strip() else ""
+    if how == "guarded":
+        assert res.returncode == 0 and "steps 2" in res.stdout, res.stderr[-2000:]
+    elif how == "unguarded":
+        assert res.returncode == 1 and "put its training under `if __name__ == \"__main__\":`" in last, res.stderr[-2000:]
+    else:
+        assert res.returncode == 1 and "defined in __main__ without a file (stdin" in last, res.stderr[-2000:]
