@@ -442,7 +442,7 @@ class OnPolicyAgent:
                               max_staleness=min(cfg.max_staleness, self.total_steps),
                               exact=cfg.async_mode == "one-step" or cfg.max_staleness == 0, version=self.global_step,
                               state=self._async_state, seed=cfg.seed, threads=cfg.worker_threads, bf16=cfg.bf16,
-                              timeout=cfg.sync_timeout, total=self.total_steps)
+                              timeout=cfg.sync_timeout, total=self.total_steps, rollout_timeout=cfg.rollout_timeout)
 
     def close(self) -> None:
         """Shut down the agent's inference engine (``sampler='vllm'``; a later rollout starts a new one). One engine

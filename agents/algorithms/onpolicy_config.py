@@ -99,6 +99,9 @@ class OnPolicyConfig(Renamed, renames={"lr_schedule": "lr_scheduler_type"}):
     """Async: torch CPU threads of each rollout worker."""
     sync_timeout: float = 300.0
     """Async: seconds a weight sync may wait for a worker before the run stops with an error naming it (1 s to 7 days)."""
+    rollout_timeout: float = 1800.0
+    """Async: seconds the learner waits for the rollout it needs before the run stops with an error naming the worker
+    (a task's sample() or reward(), or a tool, that never returns; 1 s to 7 days)."""
 
     def __post_init__(self) -> None:
         check_field_types(self)  # types first: the bounds below compare values
@@ -112,6 +115,7 @@ class OnPolicyConfig(Renamed, renames={"lr_schedule": "lr_scheduler_type"}):
             "max_staleness": self.max_staleness >= 0, "rollout_workers": self.rollout_workers >= 1,
             "worker_threads": self.worker_threads >= 1,
             "sync_timeout": 1 <= self.sync_timeout <= WeightSync.WORKER_TIMEOUT,  # what a TCPStore and gloo can take
+            "rollout_timeout": 1 <= self.rollout_timeout <= WeightSync.WORKER_TIMEOUT,
         }
         choices = {"lr_scheduler_type": LR_SCHEDULES, "kl_estimator": F.KL_ESTIMATORS, "aggregation": F.AGGREGATIONS,
                    "correction": ("auto", "none", *V.CORRECTION_MODES), "correction_level": V.CORRECTION_LEVELS,

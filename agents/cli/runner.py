@@ -92,7 +92,7 @@ def run_fields(algo: str) -> set[str]:
 
 # Keys that may differ when resuming; everything else must match the saved config.
 RESUMABLE = {"save_every", "keep_checkpoints", "threads", "progress", "device", "sharding", "worker_threads",
-             "sync_timeout"}
+             "sync_timeout", "rollout_timeout"}
 """(A checkpoint holds full weights whatever the sharding, so a run resumes sharded or not, with any process count.)"""
 
 

@@ -84,17 +84,19 @@ class RolloutWorkers:
         threads: torch threads of each worker; ``bf16``: the rollout's autocast; ``timeout``: a weight sync's limit.
         sampler: each worker's rollout backend (:data:`~tokengym.agents.engine.generation.SAMPLERS`): its copy of the
             policy, or an inference engine of its own that each received version is loaded into.
-        total: the run's number of rollouts (``None``: open-ended); a checkpoint keeps none past it.
+        total: the run's number of rollouts (``None``: open-ended); a bounded run's checkpoint keeps none past it.
+        rollout_timeout: seconds the learner waits for a rollout it needs before stopping with a :class:`WorkerError`.
     """
 
     def __init__(self, env: Any, policy: Any, *, workers: int, max_staleness: int, exact: bool, version: int,
                  state: dict[str, Any] | None, seed: int, threads: int = 1, bf16: bool = False, timeout: float = 300.0,
-                 sampler: str = "tokengym", total: int | None = None):
+                 sampler: str = "tokengym", total: int | None = None, rollout_timeout: float = 1800.0):
         import torch.multiprocessing as mp
 
         if getattr(mp.current_process(), "_inheriting", False):  # the user's script, re-run by a worker being spawned,
             _exit_unguarded()  # reached its training: it has no __main__ guard (the learner names the cause)
         self.workers, self.k, self.exact, self.timeout, self.total = workers, max_staleness, exact, timeout, total
+        self.rollout_timeout = rollout_timeout
         self._pending: threading.Thread | None = None  # a sync in flight (publish(wait=False))
         self._failed: WeightSyncError | None = None
         self.params = list(policy.model.parameters())
@@ -195,13 +197,20 @@ class RolloutWorkers:
                 raise WorkerError(f"rollout worker {i} (pid {p.pid}) died ({how}) before rollout {self.next}; the run "
                                   "stops (its checkpoints are intact: resume it)")
 
-    def _message(self) -> tuple:
-        """The workers' next message; a worker's error or death is a :class:`WorkerError` naming it."""
+    def _message(self, waiting_for: int | None = None) -> tuple:
+        """The workers' next message; a worker's error or death is a :class:`WorkerError` naming it, and so is a
+        rollout ``waiting_for`` that has not come within ``rollout_timeout`` seconds."""
+        t0 = time.monotonic()
         while True:
             try:
                 msg = self.results.get(timeout=0.5)
             except queue_mod.Empty:
                 self._check_alive()
+                if waiting_for is not None and time.monotonic() - t0 > self.rollout_timeout:
+                    i = waiting_for % self.workers
+                    raise WorkerError(f"rollout worker {i} (pid {self.procs[i].pid}) sent no rollout {waiting_for} for "
+                                      f"{self.rollout_timeout:g} s (rollout_timeout): a task's sample() or reward(), or "
+                                      "a tool, may never return; the run stops (its checkpoints are intact: resume it)")
                 if self._pending is not None and not self._pending.is_alive():
                     self.settle()  # a sync that failed meanwhile: its worker will send nothing
                 continue
@@ -213,8 +222,8 @@ class RolloutWorkers:
     def _receive(self, index: int) -> float:
         """Wait until rollout ``index`` has arrived; return the seconds waited."""
         t0 = time.perf_counter()
-        while index not in self.received:
-            _, j, version, i, packed, seconds = self._message()
+        while index not in self.received:  # (each message restarts the clock: the others' rollouts are progress too)
+            _, j, version, i, packed, seconds = self._message(waiting_for=index)
             ro, stream = _unpack(packed)
             self.received[j] = (ro, version, i, stream, seconds)
         return time.perf_counter() - t0

@@ -392,3 +392,32 @@ def test_a_task_class_in_the_script_itself(tmp_path, how):
         assert res.returncode == 1 and "put its training under `if __name__ == \"__main__\":`" in last, res.stderr[-2000:]
     else:
         assert res.returncode == 1 and "defined in __main__ without a file (stdin" in last, res.stderr[-2000:]
+
+
+STUCK_TASK = """
+import multiprocessing, time
+from tokengym.envs.tasks import ArithmeticTask
+
+
+class StuckInWorkers(ArithmeticTask):
+    def sample(self, rng):
+        if multiprocessing.parent_process() is not None:  # a rollout worker: never returns
+            time.sleep(10 ** 6)
+        return super().sample(rng)
+"""
+
+
+def test_a_rollout_that_never_comes_stops_the_run_naming_its_worker(tmp_path, monkeypatch):
+    """A task whose sample() never returns in the worker: after rollout_timeout seconds without the rollout the
+    learner needs, one line naming the worker (the learner used to wait forever; sync_timeout does not apply)."""
+    (tmp_path / "stuck_task.py").write_text(STUCK_TASK)
+    monkeypatch.syspath_prepend(str(tmp_path))  # spawned workers get the learner's sys.path
+    from stuck_task import StuckInWorkers
+
+    env = TokenVectorEnv(8, StuckInWorkers(), group_size=4, max_new_tokens=12)
+    agent = GRPOAgent(Policy.from_pretrained("tiny-arithmetic"), GRPOConfig(**FAST, async_mode="one-step",
+                                                                            rollout_timeout=3))
+    with pytest.raises(WorkerError, match=r"^rollout worker 0 \(pid \d+\) sent no rollout 0 for 3 s \(rollout_timeout\)"):
+        agent.learn(env)
+    with pytest.raises(ValueError, match="rollout_timeout"):
+        GRPOConfig(rollout_timeout=0.5)
