@@ -121,11 +121,52 @@ def make_env(run: RunConfig, num_envs: int, group_size: int = 1, tokenizer: Any 
     import gymnasium as gym
 
     env_id = resolve_env_id(run)
+    own = ":" in run.env  # the user's env or task: any error it raises is theirs, and is named in one line
+    theirs = Exception if own else (TypeError, ValueError, OSError, ImportError)
     try:
-        return gym.make_vec(env_id, num_envs=num_envs, vectorization_mode="vector_entry_point", group_size=group_size,
-                            device=run.device, tokenizer=tokenizer, **env_kwargs(run), **extra)
-    except (TypeError, ValueError, OSError, ImportError) as e:
-        raise R.UsageError(f"cannot build env {run.env} with {env_kwargs(run)}: {first_line(e)}") from None
+        env = gym.make_vec(env_id, num_envs=num_envs, vectorization_mode="vector_entry_point", group_size=group_size,
+                           device=run.device, tokenizer=tokenizer, **env_kwargs(run), **extra)
+    except theirs as e:
+        raise R.UsageError(f"cannot build env {run.env} with {env_kwargs(run)}: {_named(e)}") from None
+    if own:
+        _probe_episode(run, lambda n: gym.make_vec(env_id, num_envs=n, vectorization_mode="vector_entry_point",
+                                                   group_size=n, device=run.device, tokenizer=tokenizer,
+                                                   **env_kwargs(run), **extra), group_size)
+    return env
+
+
+_PROBED: set[str] = set()
+
+
+def _probe_episode(run: RunConfig, build: Callable[[int], Any], group_size: int) -> None:
+    """Draw and score a few episodes of the user's env (random actions, a fresh env of its own) before anything is
+    written, so a ``sample()`` or ``reward()`` that raises, returns the wrong thing or a prompt too long for the
+    env is one line now, not a traceback after the run folder was made. Once per env and settings."""
+    import numpy as np
+
+    from tokengym.envs import TokenVectorEnv
+
+    key = f"{run.env} {env_kwargs(run)} {group_size}"
+    if key in _PROBED:
+        return
+    try:
+        env = build(max(2, group_size))
+        if isinstance(env, TokenVectorEnv):
+            rng = np.random.default_rng(0)
+            env.reset(seed=0)
+            for _ in range(env.seq_len):
+                env.step(rng.integers(0, env.single_action_space.n, size=env.num_envs))
+                if env.all_done:
+                    break
+    except Exception as e:
+        raise R.UsageError(f"env {run.env}: a probe episode (random actions, before the run starts) failed: "
+                           f"{_named(e)}") from None
+    _PROBED.add(key)
+
+
+def _named(e: BaseException) -> str:
+    """``first_line(e)``, after the exception's type unless the message is already a sentence of its own kind."""
+    return first_line(e) if isinstance(e, (ValueError, TypeError)) else f"{type(e).__name__}: {first_line(e)}"
 
 
 first_line = R.first_line

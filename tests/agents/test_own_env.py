@@ -242,3 +242,57 @@ def test_an_env_made_from_a_task_instance_is_recorded_so_that_it_can_be_made_aga
 
     with pytest.warns(TokengymWarning, match="the arguments of its task"):
         assert env_record(TokenVectorEnv(1, Hidden(n=3)))["env_kwargs"] is None
+
+
+BROKEN = textwrap.dedent('''
+    import math
+    from shouting import Shout
+
+
+    def _const(value):
+        return lambda prompts, completions, **_: value(len(completions))
+
+
+    class SampleRaises(Shout):
+        def sample(self, rng): raise RuntimeError("boom in sample")
+    class SampleNone(Shout):
+        def sample(self, rng): return None
+    class PromptTooLong(Shout):
+        def sample(self, rng): return {"prompt": "x" * 40 + "\\n", "solution": "X"}
+    class RewardNaN(Shout):
+        def reward(self): return _const(lambda n: [math.nan] * n)
+    class RewardShort(Shout):
+        def reward(self): return _const(lambda n: [0.0])
+    class RewardNone(Shout):
+        def reward(self): return _const(lambda n: None)
+    class RewardStrings(Shout):
+        def reward(self): return _const(lambda n: ["a"] * n)
+    class RewardRaises(Shout):
+        def reward(self):
+            def r(prompts, completions, **_): raise KeyError("answer")
+            return r
+''')
+
+
+@pytest.mark.parametrize("task, message", [
+    ("SampleRaises", "RuntimeError: boom in sample"),
+    ("SampleNone", "each sample needs a 'prompt' string"),
+    ("PromptTooLong", "exceeds max_prompt_len"),
+    ("RewardNaN", "returned a non-finite value (nan)"),
+    ("RewardShort", "returned shape (1,) for"),
+    ("RewardNone", "must return a list of floats or a 1-D tensor, got NoneType"),
+    ("RewardStrings", "must return a list of floats or a 1-D tensor, got list"),
+    ("RewardRaises", "KeyError: 'answer'"),
+])
+def test_an_own_task_that_breaks_is_one_line_and_exit_2_before_any_folder(user_folder, capsys, task, message):
+    """A probe episode (random actions) draws and scores samples before the run folder is made, so a task's
+    sample() or reward() that raises or returns the wrong thing is one line, not a traceback after the folder."""
+    (user_folder / "broken.py").write_text(BROKEN)
+    for cmd in (["train", "grpo", "--steps", "1"], ["train", "sft", "--steps", "1"]):
+        code, out, err = _run(capsys, *cmd, "--name", "x", "--env", f"broken:{task}", "--threads", "1")
+        assert code == 2 and err.startswith(f"tokengym: error: env broken:{task}: ") and err.count("\n") == 1, (cmd, err)
+        assert message in err, err
+    assert not (user_folder / "runs").exists()
+    sys.modules.pop("broken", None)
+    for name in [n for n in registry.TASK_SPECS if n.startswith("broken:")]:
+        registry.unregister_task(name)
