@@ -88,7 +88,7 @@ class SFTConfig(Renamed, renames={"grad_clip": Rename("max_grad_norm", _clip_off
     eval_every: int = 100
     """Evaluate held-out greedy accuracy every this many steps (0: only before and after training)."""
     eval_prompts: int = 256
-    """Number of held-out prompts (``rollout.heldout_samples``) used for evaluation."""
+    """Number of held-out prompts (``rollout.heldout_samples``) used for evaluation (0: no evaluation)."""
     eval_batch_size: int = 256
     """Parallel episodes of the evaluation env (``num_envs``)."""
     exclude_heldout: bool = True
@@ -107,9 +107,11 @@ class SFTConfig(Renamed, renames={"grad_clip": Rename("max_grad_norm", _clip_off
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
             bad("lr", "must be a finite number > 0")
         for name in ("batch_size", "steps", "eval_prompts", "eval_batch_size"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "steps" else 1):
-                bad(name, "must be an int >= " + ("0" if name == "steps" else "1"))
+            v, low = getattr(self, name), 0 if name in ("steps", "eval_prompts") else 1
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                bad(name, f"must be an int >= {low}")
+        if self.eval_prompts == 0 and self.stop_at_accuracy is not None:
+            bad("stop_at_accuracy", "needs an evaluation to stop on (eval_prompts=0 turns it off)")
         for name in ("warmup_steps", "eval_every", "log_every", "seed"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -263,7 +265,7 @@ class SFTLearner:
         self.policy, self.task = policy, task
         self.config = cfg = config or SFTConfig()
         self.heldout = heldout_samples(task, cfg.eval_prompts)
-        self.eval_env = TokenVectorEnv(min(cfg.eval_batch_size, cfg.eval_prompts), task, tokenizer=policy.tokenizer,
+        self.eval_env = TokenVectorEnv(min(cfg.eval_batch_size, max(cfg.eval_prompts, 1)), task, tokenizer=policy.tokenizer,
                                        device=policy.device, max_prompt_len=prompt_len)
         P = self.eval_env.max_prompt_len  # the env's default room for the task's prompts (chat templates included)
         self._rng = np.random.default_rng(cfg.seed)  # the data stream's only state (saved in checkpoints)
@@ -349,6 +351,8 @@ class SFTLearner:
         self._t0 = time.perf_counter()
 
         def run_eval(step: int) -> dict[str, float]:
+            if not self.heldout:  # eval_prompts=0: no evaluation
+                return {}
             model.eval()
             res = evaluate(self.policy, self.eval_env, self.heldout, greedy=True)
             model.train()
@@ -392,7 +396,7 @@ class SFTLearner:
             if callback is not None and callback(record) is False:
                 stopped = True
                 break
-        if not stopped and hist["eval"][-1]["step"] != self.global_step:
+        if not stopped and hist["eval"] and hist["eval"][-1]["step"] != self.global_step:
             run_eval(self.global_step)
         model.eval()
         hist["steps_done"] = self.global_step

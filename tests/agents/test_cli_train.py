@@ -224,3 +224,35 @@ def test_a_preset_run_prints_its_resolved_config_and_saves_it(tmp_path, capsys):
     with open(tmp_path / "dapo" / "config.json") as f:
         saved = json.load(f)
     assert saved["preset"] == "dapo" and saved["config"]["overlong_buffer"] == 0.2
+
+
+SHORT = {
+    "grpo": ["--steps", "1", "--prompts", "1", "--group-size", "2"],
+    "rloo": ["--steps", "1", "--prompts", "1", "--group-size", "2"],
+    "reinforce-pp": ["--steps", "1", "--prompts", "1", "--group-size", "2"],
+    "ppo": ["--steps", "1", "--prompts", "2"],
+    "dpo": ["--num-pairs", "16", "--batch-size", "8", "--epochs", "1"],
+    "spin": ["--steps", "1"],
+    "sft": ["--steps", "1", "--batch-size", "4"],
+    "rm": ["--num-pairs", "16"],
+    "prm": ["--num-pairs", "16"],
+}
+
+
+@pytest.mark.parametrize("evaluate", [True, False], ids=["eval", "no-eval"])
+@pytest.mark.parametrize("algo, extra", [*((a, []) for a in SHORT), ("grpo", ["--async-mode", "one-step"]),
+                                         ("ppo", ["--async-mode", "one-step"])],
+                         ids=[*SHORT, "grpo-async", "ppo-async"])
+def test_every_algorithm_ends_with_its_summary_with_and_without_evaluation(tmp_path, capsys, algo, extra, evaluate):
+    """Each algorithm, sync and async, with and without held-out evaluation: the usual summary ("done", the held-out
+    score when there is an evaluation, none without), exit 0 (an async run without one used to end in a KeyError;
+    sft refused --eval-prompts 0, which --help documents as no evaluation)."""
+    args = ["train", algo, *SHORT[algo], *extra, "--eval-prompts", "4" if evaluate else "0", "--threads", "1",
+            "--progress", "false", "--runs-dir", str(tmp_path), "--name", "r"]
+    code = main(args)
+    out = capsys.readouterr().out
+    assert code == 0 and f"done: model in {tmp_path / 'r' / 'model'}" in out, out[-2000:]
+    if algo not in ("rm", "prm"):  # (their held-out accuracy is on validation pairs, not --eval-prompts)
+        assert ("held-out greedy accuracy" in out) == evaluate, out[-2000:]
+    if extra:
+        assert "rollout staleness (updates behind)" in out, out[-2000:]

@@ -156,7 +156,7 @@ def test_prompt_positions_get_no_gradient_signal(policy):
     ({"lr": 0.0}, "lr"), ({"lr": float("nan")}, "lr"), ({"batch_size": 0}, "batch_size"),
     ({"steps": -1}, "steps"), ({"warmup_steps": -2}, "warmup_steps"), ({"lr_scheduler_type": "step"}, "lr_scheduler_type"),
     ({"min_lr_ratio": 1.5}, "min_lr_ratio"), ({"weight_decay": -0.1}, "weight_decay"),
-    ({"max_grad_norm": -1.0}, "max_grad_norm"), ({"eval_prompts": 0}, "eval_prompts"), ({"betas": (0.9, 1.0)}, "betas"),
+    ({"max_grad_norm": -1.0}, "max_grad_norm"), ({"eval_prompts": -1}, "eval_prompts"), ({"eval_prompts": 0, "stop_at_accuracy": 0.5}, "stop_at_accuracy"), ({"betas": (0.9, 1.0)}, "betas"),
     ({"stop_at_accuracy": 1.2}, "stop_at_accuracy"), ({"batch_size": True}, "batch_size"), ({"seed": -1}, "seed"),
 ])
 def test_config_validation(kw, field):
