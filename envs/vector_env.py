@@ -521,10 +521,12 @@ class TokenVectorEnv(MultiTurnMixin, VectorEnv):
         self.gen_len += active.long()
         reward = torch.zeros(self.num_envs, dtype=torch.float32, device=self.device)
         info: dict[str, Any] = {}
+        answered = False
         if self.multi_turn:
             self.reply_len.zero_()
             self.replied = []
             if flags[5] or self._pending:  # the env answers ended turns, or ends or truncates those episodes
+                answered = True
                 term_now, trunc_now, ended = self._answer_turns(term_now if flags[5] else None, term_now, trunc_now, active, reward)
                 done_now = term_now | trunc_now
                 info["reply_len"] = self.reply_len.clone()
@@ -538,6 +540,10 @@ class TokenVectorEnv(MultiTurnMixin, VectorEnv):
             t0 = time.perf_counter()
             self._score_events(done_now, delim_now, reward, info)
             self.reward_seconds += time.perf_counter() - t0
+        if (flags[2] or answered) and not bool(torch.isfinite(reward).all()):  # each part was finite; their sum is not
+            slot = int((~torch.isfinite(reward)).nonzero()[0])
+            raise ValueError(f"the rewards of episode slot {slot} add up to {float(reward[slot])} in float32 this step "
+                             f"(turn reward, step scores and outcome are each finite; their sum overflows): scale them down")
         self.ended = done_now.nonzero().flatten().tolist() if flags[2] else []
         if resetting is not None:
             term_out, trunc_out = term_now, trunc_now

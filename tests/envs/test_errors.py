@@ -122,3 +122,29 @@ def test_out_of_range_env_kwargs_fail_when_the_env_is_made(env_id, kwarg, value)
     with pytest.raises(ValueError, match=rf"^{kwarg} ") as e:
         gym.make(env_id, **{kwarg: value})
     assert "\n" not in str(e.value)
+
+
+def test_rewards_whose_float32_sum_overflows_stop_the_step_in_one_line():
+    """A final turn reward and an outcome, each finite in float32, whose sum on the same token is inf: the step
+    refuses it (it used to hand back inf and store it in the rewards buffer)."""
+    import torch
+
+    from tokengym.envs import Reply, Task, TokenVectorEnv
+
+    class Huge(Task):
+        name, max_prompt_chars, default_max_new_tokens = "huge", 4, 8
+        turn_stop_strings = ("?",)
+
+        def sample(self, rng):
+            return {"prompt": "a\n"}
+
+        def respond(self, sample, history):
+            return Reply(done=True, reward=3.4e38)
+
+        def reward(self):
+            return lambda prompts, completions, **_: [3.4e38] * len(completions)
+
+    env = TokenVectorEnv(1, Huge())
+    env.reset(seed=0)
+    with pytest.raises(ValueError, match=r"^the rewards of episode slot 0 add up to inf in float32 this step"):
+        env.step(torch.tensor([env.tokenizer.eos_token_id]))
