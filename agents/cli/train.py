@@ -52,6 +52,9 @@ def _new_run_dir(run: RunConfig, algo: str) -> str:
 def _saved_config(resume_dir: str, algo: str) -> dict[str, Any]:
     """The ``config.json`` of the run to resume, which must be an ``algo`` run (one-line errors otherwise)."""
     saved = R.read_run_config(resume_dir)
+    if saved.get("algorithm") not in algorithms():
+        raise R.UsageError(f"{resume_dir}/config.json names no algorithm tokengym knows ({saved.get('algorithm')!r}; "
+                           f"known: {', '.join(algorithms())}): the file is damaged or was edited")
     if saved.get("algorithm") != algo:
         raise R.UsageError(f"{resume_dir} is a {saved.get('algorithm')!r} run; resume it with `tokengym train {saved.get('algorithm')}`")
     return saved
@@ -78,9 +81,13 @@ def resolve(algo: str, values_file: dict[str, Any], values_flags: dict[str, Any]
             raise TypeError(f"unknown key {unknown[0]!r}")
         cfg = spec.config_cls(**{k: R.parse_value(k, types[k], v) for k, v in agent_values.items()})
     except (TypeError, ValueError, R.UsageError) as e:
-        raise R.UsageError(f"saved config of {resume_dir} does not fit this version of tokengym: {e}") from None
+        raise R.UsageError(f"{resume_dir}/config.json: {R.first_line(e)} (the file is damaged or was edited, or was "
+                           "written by another version of tokengym)") from None
     if saved:
-        R.apply_overrides({"run": run}, saved["run"], "the saved run config")
+        try:
+            R.apply_overrides({"run": run}, saved["run"], "the saved run config")
+        except R.UsageError as e:
+            raise R.UsageError(f"{resume_dir}/config.json: {R.first_line(e)} (the file is damaged or was edited)") from None
     configs = {"run": run, "agent": cfg}
     allowed = run_fields(algo) | {f.name for f in dataclasses.fields(spec.config_cls)}
     for source, values in (("the config file", values_file), ("the command line", values_flags)):

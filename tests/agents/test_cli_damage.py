@@ -111,3 +111,31 @@ def test_eval_of_a_damaged_run_folder_is_one_line(finished_run, tmp_path, capsys
     assert main(["eval", "--run", str(run), "--prompts", "4"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and re.search(says, err), err
+
+
+def _edit_config(run, change):
+    import json
+
+    cfg = json.loads((run / "config.json").read_text())
+    change(cfg)
+    (run / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("change, says", [
+    (lambda c: c["config"].update(steps="five"), r"config\.json: steps expects int, got 'five' \(the file is damaged"),
+    (lambda c: c["run"].update(eval_prompts="x"), r"config\.json: eval_prompts expects int, got 'x' \(the file is damaged"),
+    (lambda c: c.update(algorithm="nope"), r"config\.json names no algorithm tokengym knows \('nope'; known: grpo"),
+])
+def test_resume_of_a_damaged_config_names_the_file(finished_run, tmp_path, capsys, change, says):
+    """A config.json with a wrong type or an unknown algorithm: one line naming the file and saying it is damaged
+    (they used to read as another tokengym version's config, or as a run of an algorithm named 'nope')."""
+    import re
+    import shutil
+
+    run = tmp_path / "copy"
+    shutil.copytree(finished_run, run)
+    shutil.rmtree(run / "model")  # an unfinished run, so that it can be resumed
+    _edit_config(run, change)
+    assert main(["train", "grpo", "--resume", str(run), "--progress", "false"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and re.search(says, err), err
