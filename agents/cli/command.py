@@ -108,6 +108,27 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_newest_checkpoint(model: Any, run_dir: str) -> str:
+    """Load the policy weights of ``run_dir``'s newest intact checkpoint into ``model``; return its path. The run may
+    be training now and keep only its newest few: one rotated away between finding and reading it is passed over for
+    the next newest."""
+    from safetensors.torch import load_model
+
+    from tokengym.agents.runtime import runs as R
+
+    for _ in range(10):
+        path = R.latest_checkpoint(run_dir)
+        if path is None:
+            break
+        try:
+            load_model(model, os.path.join(path, "policy.safetensors"))
+            return path
+        except FileNotFoundError:
+            continue
+    raise R.UsageError(f"{run_dir}'s checkpoints were removed while being read (is the run rotating them faster than "
+                       "they load?); try again")
+
+
 def _cmd_eval(args: argparse.Namespace) -> int:
     from tokengym.agents.runtime import runs as R
     from tokengym.agents.engine.resources import check_device
@@ -144,9 +165,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         raise R.UsageError("--prompts must be >= 1 and --samples >= 0")
     policy = load_policy(run, args.seed)
     if checkpoint is not None:
-        from safetensors.torch import load_model
-
-        load_model(policy.model, os.path.join(checkpoint, "policy.safetensors"))
+        checkpoint = _load_newest_checkpoint(policy.model, args.run)
     # continuous batching (same results) where the fast decode path runs the model: a finished slot takes the next prompt
     # (an inference engine batches whole generations itself: lockstep batches)
     mode = "next_step" if args.sampler == "tokengym" and policy.capabilities().refill else "disabled"

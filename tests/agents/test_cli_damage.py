@@ -139,3 +139,32 @@ def test_resume_of_a_damaged_config_names_the_file(finished_run, tmp_path, capsy
     assert main(["train", "grpo", "--resume", str(run), "--progress", "false"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and re.search(says, err), err
+
+
+def test_eval_of_a_training_run_passes_over_a_checkpoint_rotated_away_while_it_loads(tmp_path, capsys, monkeypatch):
+    """``eval --run`` on a run still training: the newest checkpoint it found is removed (the trainer keeps only its
+    newest few) before its weights are read; eval takes the next newest instead of a FileNotFoundError traceback."""
+    import shutil
+
+    from tokengym.agents.runtime import runs as R
+
+    assert main(["train", "grpo", "--steps", "2", "--prompts", "1", "--group-size", "2", "--eval-prompts", "0",
+                 "--save-every", "1", "--threads", "1", "--progress", "false", "--runs-dir", str(tmp_path),
+                 "--name", "r"]) == 0
+    run = tmp_path / "r"
+    shutil.rmtree(run / "model")  # as if still training
+    real, calls = R.latest_checkpoint, []
+
+    def rotating(run_dir):
+        path = real(run_dir)
+        calls.append(path)
+        if len(calls) == 2:  # found again to load it, then rotated away by the (simulated) trainer
+            shutil.rmtree(path)
+            (run / "checkpoints" / "latest").write_text("step-00000001")
+        return path
+
+    monkeypatch.setattr(R, "latest_checkpoint", rotating)
+    capsys.readouterr()
+    assert main(["eval", "--run", str(run), "--prompts", "4", "--samples", "0"]) == 0
+    assert calls[1].endswith("step-00000002") and calls[2].endswith("step-00000001")
+    assert "step-00000001 on tokengym/Arithmetic-v0" in capsys.readouterr().out
