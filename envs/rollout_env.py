@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["ROLLOUT_ENV_NAMES", "RolloutEnv", "StopRule"]
+__all__ = ["ROLLOUT_ENV_NAMES", "RolloutEnv", "StopRule", "check_rollout_env"]
 
 
 @dataclass(frozen=True)
@@ -78,3 +78,15 @@ class RolloutEnv(Protocol):
     def stop_rule(self) -> StopRule: ...
 
     def record(self, slots: list[int] | None = None) -> dict[str, Any]: ...
+
+
+def check_rollout_env(env: Any, who: str) -> None:
+    """Raise ``ValueError`` (one line) if ``env`` is not a token vector env a rollout loop can drive: a single
+    Gymnasium env (``gym.make``), or anything else without the layout and calls of :class:`RolloutEnv`."""
+    missing = [n for n in ("num_envs", "group_size", "max_prompt_len", "max_new_tokens", "seq_len", "reset", "step",
+                           "stop_rule", "record") if not hasattr(env, n)]
+    if missing:
+        single = " (a single env: gym.make)" if not hasattr(env, "num_envs") and hasattr(env, "unwrapped") else ""
+        raise ValueError(f"{who} needs a vector env of token episodes, such as gym.make_vec(id, num_envs=N, "
+                         f"vectorization_mode='vector_entry_point') or TokenVectorEnv(...), and got "
+                         f"{type(env).__name__}{single}, which has no {missing[0]!r}")

@@ -155,8 +155,19 @@ def _type_ok(tp: Any, v: Any) -> tuple[bool, str]:
     return True, ""
 
 
+def plain_scalars(cfg: Any) -> None:
+    """Turn NumPy scalars in the fields of dataclass ``cfg`` (``np.float32(1e-4)``, ``np.int64(8)``, ``np.bool_``, as
+    sweeps and grids hand them over) into the Python numbers they hold, so they check and save as those."""
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        if type(v).__module__ == "numpy" and hasattr(v, "item") and getattr(v, "ndim", None) == 0:
+            object.__setattr__(cfg, f.name, v.item())
+
+
 def check_field_types(cfg: Any) -> None:
-    """Every field of dataclass ``cfg`` holds a value of its annotated type (``float`` fields: finite numbers)."""
+    """Every field of dataclass ``cfg`` holds a value of its annotated type (``float`` fields: finite numbers; NumPy
+    scalars are taken as the Python numbers they hold)."""
+    plain_scalars(cfg)
     hints = typing.get_type_hints(type(cfg))
     for f in dataclasses.fields(cfg):
         v = getattr(cfg, f.name)

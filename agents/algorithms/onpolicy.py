@@ -30,6 +30,7 @@ from tokengym.agents.engine.policy import make_reference
 from tokengym.agents.engine.resources import check_fits
 from tokengym.agents.engine.rollout import Rollout, collect, evaluate, trimmed_logprobs, used_slice
 from tokengym.agents.engine.workers import RolloutWorkers, check_crosses, check_workers
+from tokengym.envs.rollout_env import check_rollout_env
 
 __all__ = ["NonFiniteLoss", "OnPolicyAgent", "OnPolicyConfig", "Minibatch", "both"]
 
@@ -406,6 +407,7 @@ class OnPolicyAgent:
         not empty is refused unless ``resume=True``, which continues it from its newest checkpoint as ``--resume``
         does (and starts it when it does not exist yet).
         """
+        check_rollout_env(env, f"{type(self).__name__}.learn()")
         if run_dir is not None:
             from tokengym.agents.algorithms.registry import name_of
             from tokengym.agents.runtime.session import RunSettings, jsonable, python_run, run_in_folder

@@ -47,7 +47,7 @@ from tokengym.agents.engine.rollout import evaluate, heldout_samples
 from tokengym.envs.chat import encode_prompts
 from tokengym.envs.tasks.base import fresh_samples
 from tokengym.agents.algorithms.registry import register
-from tokengym.rewards.common import Rename, Renamed
+from tokengym.rewards.common import Rename, Renamed, plain_scalars
 
 __all__ = ["SFTConfig", "SFTBatch", "make_batch", "batches", "sft_loss", "lr_factor", "SFTLearner", "train_sft", "evaluate_policy"]
 
@@ -104,6 +104,7 @@ class SFTConfig(Renamed, renames={"grad_clip": Rename("max_grad_norm", _clip_off
         def bad(name: str, why: str) -> None:
             raise ValueError(f"SFTConfig.{name} {why}, got {getattr(self, name)!r}")
 
+        plain_scalars(self)
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
             bad("lr", "must be a finite number > 0")
         for name in ("batch_size", "steps", "eval_prompts", "eval_batch_size"):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from tokengym.agents.runtime import runs as R
-from tokengym.agents.runtime.session import Progress, Trainer, save_model, summary
+from tokengym.agents.runtime.session import RESUMABLE, Progress, Trainer, save_model, summary
 from tokengym.agents.algorithms.registry import algorithms
 
 __all__ = ["RunConfig", "Job", "Trainer", "Progress", "algorithms", "make_env", "checked_env",
@@ -90,10 +90,6 @@ def run_fields(algo: str) -> set[str]:
     optional, own = run_fields_for(), algorithms()[algo].run_fields
     return {f.name for f in dataclasses.fields(RunConfig) if f.name not in optional or f.name in own}
 
-# Keys that may differ when resuming; everything else must match the saved config.
-RESUMABLE = {"save_every", "keep_checkpoints", "threads", "progress", "device", "sharding", "worker_threads",
-             "sync_timeout", "rollout_timeout"}
-"""(A checkpoint holds full weights whatever the sharding, so a run resumes sharded or not, with any process count.)"""
 
 
 Job = Callable[[str, bool], dict[str, Any]]

@@ -302,6 +302,12 @@ def python_run(env: Any, policy: Any, eval_samples: Any, settings: RunSettings, 
             "device": str(env.device if env is not None else policy.device)}
 
 
+# Settings that may differ when resuming; everything else must match the saved config.
+RESUMABLE = {"save_every", "keep_checkpoints", "threads", "progress", "device", "sharding", "worker_threads",
+             "sync_timeout", "rollout_timeout"}
+"""(A checkpoint holds full weights whatever the sharding, so a run resumes sharded or not, with any process count.)"""
+
+
 def _as_saved(value: Any) -> Any:
     """``value`` as ``config.json`` holds it (tuples as lists), so a resume compares like with like."""
     return json.loads(json.dumps(value, default=repr))
@@ -323,9 +329,11 @@ def run_in_folder(run_dir: str | os.PathLike, resume: bool, config: dict[str, An
     if resuming:
         saved = R.read_run_config(run_dir)
         for part in ("algorithm", "config"):
-            if saved.get(part) != _as_saved(config[part]):
-                raise ValueError(f"cannot resume {run_dir} with a different {part}: "
-                                 f"{_first_difference(saved.get(part), _as_saved(config[part]))}")
+            was, now = saved.get(part), _as_saved(config[part])
+            if isinstance(was, dict) and isinstance(now, dict):  # what a resumed run may change, as on the command line
+                was, now = ({k: v for k, v in d.items() if k not in RESUMABLE} for d in (was, now))
+            if was != now:
+                raise ValueError(f"cannot resume {run_dir} with a different {part}: {_first_difference(was, now)}")
         was, now = saved.get("run") or {}, _as_saved(config["run"])  # the env it trains on (what either record names)
         keys = [k for k in ("env", "env_kwargs", "prompts", "group_size") if was.get(k) is not None and now.get(k) is not None]
         if any(was[k] != now[k] for k in keys):

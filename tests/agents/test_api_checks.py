@@ -208,3 +208,31 @@ def test_settings_changed_after_the_config_was_built_are_checked_by_learn(field,
     with pytest.raises(ValueError, match=message):
         agent.learn(env)
     assert agent.global_step == 0
+
+
+def test_learn_on_a_single_env_is_one_line_naming_the_vector_env_it_needs():
+    """``learn(gym.make(...))`` (a single env) used to end in an AttributeError deep in the agent."""
+    agent = GRPOAgent(Policy.from_pretrained("tiny-arithmetic"), GRPOConfig(steps=1))
+    with pytest.raises(ValueError, match=r"^GRPOAgent\.learn\(\) needs a vector env of token episodes, such as "
+                                         r"gym\.make_vec\(.*got OrderEnforcing \(a single env: gym\.make\)"):
+        agent.learn(gym.make("tokengym/Arithmetic-v0"))
+
+
+def test_numpy_scalars_in_a_config_are_the_python_numbers_they_hold():
+    """Sweeps hand over ``np.float32`` / ``np.int64`` / ``np.bool_``: taken as Python numbers (checked, and saved
+    as JSON), not refused as 'must be a finite number'."""
+    import json
+    from dataclasses import asdict
+
+    import numpy as np
+
+    from tokengym.agents.algorithms.sft import SFTConfig
+
+    cases = [(GRPOConfig(steps=np.int64(3), lr=np.float32(0.5), bf16=np.bool_(True)), {"steps": 3, "lr": 0.5, "bf16": True}),
+             (SFTConfig(steps=np.int64(3), lr=np.float32(0.5)), {"steps": 3, "lr": 0.5}),
+             (DPOConfig(beta=np.float32(0.5), batch_size=np.int64(3)), {"beta": 0.5, "batch_size": 3})]
+    for cfg, want in cases:
+        values = json.loads(json.dumps(asdict(cfg)))
+        assert {k: (values[k], type(getattr(cfg, k))) for k in want} == {k: (v, type(v)) for k, v in want.items()}
+    with pytest.raises(ValueError, match="GRPOConfig.lr must be a finite number, got nan"):
+        GRPOConfig(lr=np.float32("nan"))

@@ -296,3 +296,22 @@ def test_an_own_task_that_breaks_is_one_line_and_exit_2_before_any_folder(user_f
     sys.modules.pop("broken", None)
     for name in [n for n in registry.TASK_SPECS if n.startswith("broken:")]:
         registry.unregister_task(name)
+
+
+def test_learn_resume_takes_the_settings_the_cli_lets_a_resume_change(tmp_path, one_thread):
+    """``learn(run_dir=..., resume=True)`` with another sync_timeout, rollout_timeout or worker_threads resumes, as
+    ``--resume`` with those flags does; another learning rate is still refused."""
+    from tokengym.agents.runtime.session import RESUMABLE
+
+    run_dir = str(tmp_path / "r")
+    with pytest.raises(KeyboardInterrupt):
+        _agent().learn(_env(), run_dir=run_dir, save_every=1,
+                       callback=lambda r: (_ for _ in ()).throw(KeyboardInterrupt) if r["step"] == 2 else None)
+    changed = GRPOAgent(Policy.from_pretrained("tiny"), GRPOConfig(steps=4, seed=3, sync_timeout=60.0,
+                                                                   rollout_timeout=600.0, worker_threads=2))
+    assert {"sync_timeout", "rollout_timeout", "worker_threads"} <= RESUMABLE
+    with pytest.raises(ValueError, match="cannot resume .* with a different config: lr was 0.0001, now 0.001"):
+        GRPOAgent(Policy.from_pretrained("tiny"), GRPOConfig(steps=4, seed=3, lr=1e-3)).learn(
+            _env(), run_dir=run_dir, resume=True)
+    changed.learn(_env(), run_dir=run_dir, resume=True)
+    assert [r["step"] for r in _records(run_dir) if "train/loss" in r] == [1, 2, 3, 4]
