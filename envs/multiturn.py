@@ -106,12 +106,17 @@ def _normalise(task: Any, out: Any) -> tuple[Reply, str | None]:
 def answer_one(task: Any, sample: dict, history: list[str]) -> tuple[Reply, str | None]:
     """``task.respond(sample, history)`` as a :class:`Reply`, and the kind of error it was (``None`` if none).
 
-    A tool that raises, ``sys.exit`` included, is an observation for the agent, not a crash of the batch; a
+    A tool that raises, ``sys.exit`` included, is an observation for the agent, not a crash of the batch; so is a
+    ``KeyboardInterrupt`` raised in a pool thread (Ctrl-C reaches only the main thread: there it stops the run). A
     :class:`Reply` of the wrong form is the task's bug and raises :class:`BadReply`."""
     try:
         out = task.respond(sample, history)
     except (Exception, SystemExit) as e:
         return Reply(text=f"error: {type(e).__name__}: {str(e)[:160]}"), "tool_errors"
+    except KeyboardInterrupt as e:
+        if threading.current_thread() is threading.main_thread():
+            raise
+        return Reply(text=f"error: KeyboardInterrupt: {str(e)[:160]}"), "tool_errors"
     return _normalise(task, out)
 
 

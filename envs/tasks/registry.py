@@ -181,6 +181,9 @@ def _import(module: str, what: str) -> types.ModuleType:
                          "its package") from None
     except Exception as e:  # the module's own code failed
         raise ValueError(f"{what}: importing module {module!r} failed: {type(e).__name__}: {e}") from None
+    except SystemExit as e:  # sys.exit() at import: it would end the command without a word
+        raise ValueError(f"{what}: importing module {module!r} called sys.exit({e.code!r}); a module of tasks must not "
+                         "exit when imported (put script code under `if __name__ == \"__main__\":`)") from None
 
 
 def _class_id(cls: type[Task]) -> str:
@@ -220,9 +223,11 @@ def load_entry_points() -> None:
                 _register_class(obj, f"{ep.value}")
             elif callable(obj):
                 obj()
-        except Exception as e:  # anything a third-party package raises must not break unrelated commands
+        except (Exception, SystemExit) as e:  # anything a third-party package raises (even sys.exit()) must not
+            # break or silently end unrelated commands
+            why = f"sys.exit({e.code!r})" if isinstance(e, SystemExit) else f"{type(e).__name__}: {str(e).strip()[:160]}"
             warnings.warn(f"entry point {ep.name!r} ({ep.value}) of group {ENTRY_POINT_GROUP!r} failed to load and is "
-                          f"skipped: {type(e).__name__}: {str(e).strip()[:160]}", TokengymWarning, stacklevel=2)
+                          f"skipped: {why}", TokengymWarning, stacklevel=2)
 
 
 def resolve_env(env: str, imports: Any = ()) -> str:

@@ -63,8 +63,12 @@ def _run(capsys, *argv):
     ("shouting:NOT_A_TASK", [], "shouting:NOT_A_TASK is not a tokengym Task class"),
     ("Shout-v7", [], "unknown env id 'Shout-v7'"),
     ("tokengym/Target-v0", ["--import", "no_such_module"], "--import: cannot import module 'no_such_module'"),
+    ("leaving:Shout", [], "env 'leaving:Shout': importing module 'leaving' called sys.exit(0); a module of tasks must not exit"),
+    ("tokengym/Target-v0", ["--import", "leaving"], "--import: importing module 'leaving' called sys.exit(0)"),
 ])
 def test_a_bad_env_is_one_line_and_exit_2_before_any_folder(user_folder, capsys, env, extra, message):
+    (user_folder / "leaving.py").write_text("import sys\nsys.exit(0)\n")  # a script that exits when imported
+    sys.modules.pop("leaving", None)
     for cmd in (["train", "grpo", "--name", "x", "--steps", "1"], ["eval", "--model", "tiny"], ["sample"]):
         code, out, err = _run(capsys, *cmd, "--env", env, *extra)
         assert code == 2 and err.startswith("tokengym: error: ") and err.count("\n") == 1, (cmd, err)

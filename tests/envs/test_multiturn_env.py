@@ -275,6 +275,24 @@ def test_sys_exit_in_respond_is_a_tool_error_not_the_end_of_the_process():
     assert env.history[0][-1] == "error: SystemExit: 3" and env.turn_stats["tool_errors"] == 1
 
 
+def test_keyboard_interrupt_raised_by_a_tool_is_a_tool_error_and_ctrl_c_still_stops():
+    """A KeyboardInterrupt that respond() raises in the reply pool cannot be Ctrl-C (signals reach the main thread
+    only): a tool error, not the run stopping as if interrupted. Inline (no reply_timeout), it stops, as Ctrl-C must."""
+    def interrupt(h):
+        raise KeyboardInterrupt("tool gave up")
+
+    env = TokenVectorEnv(1, Scripted(interrupt))
+    env.reset(seed=0)
+    env.step(torch.tensor(ids(env, "?")))
+    assert env.history[0][-1] == "error: KeyboardInterrupt: tool gave up" and env.turn_stats["tool_errors"] == 1
+    inline = Scripted(interrupt)
+    inline.reply_timeout = None
+    env = TokenVectorEnv(1, inline)
+    env.reset(seed=0)
+    with pytest.raises(KeyboardInterrupt):
+        env.step(torch.tensor(ids(env, "?")))
+
+
 ECHO = "<eos><pad><|im_start|>system <bos>"
 
 
