@@ -303,6 +303,7 @@ def _unknown_flag(flag: str, args: argparse.Namespace) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     from tokengym.agents.algorithms.onpolicy import NonFiniteLoss
     from tokengym.agents.engine.workers import WorkerError
+    from tokengym.agents.runtime.distributed import RankTimeout
     from tokengym.agents.runtime.runs import UsageError
     from tokengym.rewards.common import TokengymDeprecationWarning
 
@@ -358,7 +359,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except UsageError as e:
             print(f"tokengym: error: {e}", file=sys.stderr)
             return 2
-        except (WorkerError, NonFiniteLoss) as e:  # a worker died, a weight sync timed out, a loss went NaN: one line
+        except (WorkerError, NonFiniteLoss, RankTimeout) as e:  # a worker died, a weight sync or a rank timed out, a
+            # loss went NaN: one line
             print(f"tokengym: error: {e}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback (a run's checkpoints stay as they were)

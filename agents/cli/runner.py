@@ -73,6 +73,9 @@ class RunConfig:
     sharding: str = "none"
     """Under torchrun: "none" (every process holds the whole model, gradients all-reduced) or "fsdp2" (policy, critic
     and reference sharded over the processes with PyTorch's FSDP2; see tokengym.agents.runtime.sharding)."""
+    dist_timeout: float = 1800.0
+    """Under torchrun: seconds a rank waits for the others in one collective before the run stops with an error
+    saying so (a stopped or hung rank; 10 s to 7 days)."""
 
 
 def run_fields_for() -> dict[str, set[str]]:

@@ -129,11 +129,13 @@ def _check_run(run: RunConfig, algo: str) -> None:
     bad = {"prompts": run.prompts is None or run.prompts >= 1,
            "group_size": run.group_size is None or run.group_size >= min_group,
            "eval_prompts": run.eval_prompts >= 0, "save_every": run.save_every >= 0, "num_pairs": run.num_pairs >= 2,
+           "dist_timeout": 10 <= run.dist_timeout <= 7 * 24 * 3600,
            "keep_checkpoints": run.keep_checkpoints >= 1, "temperature": run.temperature > 0,
            "threads": run.threads is None or run.threads >= 1}
     for k, ok in bad.items():
         if not ok:
             why = f" ({algo} compares G >= {min_group} completions of each prompt)" if k == "group_size" and min_group > 1 else ""
+            why = " (from 10 s to 7 days)" if k == "dist_timeout" else why
             raise R.UsageError(f"invalid {k}={getattr(run, k)!r}{why}")
     try:
         check_device(run.device)
@@ -203,11 +205,15 @@ def train(algo: str, values_file: dict[str, Any], values_flags: dict[str, Any], 
         torch.set_num_threads(run.threads)
     else:
         warn_if_busy(torch.get_num_threads())
-    dp, device = distributed.init(run.device)
+    dp, device = distributed.init(run.device, run.dist_timeout)
     try:
         code = _train(algo, run, cfg, run_dir, resume_dir is not None, dp, device, preset)
-    except BaseException:
+    except BaseException as e:
         distributed.shutdown()
+        if dp.distributed and isinstance(e, RuntimeError) and distributed.is_timeout(e):
+            raise distributed.RankTimeout(f"rank {dp.rank}: the other ranks did not join a collective within "
+                                          f"{run.dist_timeout:g} s (dist_timeout): is a rank stopped or hung? The run "
+                                          "stops; its checkpoints are intact (resume it)") from None
         raise
     distributed.shutdown(done=True)
     return code

@@ -35,6 +35,7 @@ itself is ``prepare(..., sharding="fsdp2")``: :mod:`~tokengym.agents.runtime.sha
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
 import random
 from dataclasses import dataclass
@@ -244,7 +245,17 @@ def aggregation_weights(mask: torch.Tensor, aggregation: str) -> torch.Tensor:
 _OWNED = False  # whether init() created the process group (then shutdown() destroys it)
 
 
-def init(device: str = "cpu") -> tuple[DataParallel, str]:
+class RankTimeout(RuntimeError):
+    """A collective waited longer than the run's ``dist_timeout`` for another rank; the message says so."""
+
+
+def is_timeout(e: BaseException) -> bool:
+    """Whether ``e`` is a collective that timed out waiting for a peer (gloo and nccl word it differently)."""
+    text = str(e).lower()
+    return isinstance(e, RuntimeError) and "timed out" in text and any(w in text for w in ("gloo", "nccl", "waiting"))
+
+
+def init(device: str = "cpu", timeout: float | None = None) -> tuple[DataParallel, str]:
     """Join the ``torchrun`` process group when ``WORLD_SIZE`` is set; return ``(dp, device)``.
 
     The backend is nccl for a CUDA device and gloo otherwise; ``device="cuda"`` becomes
@@ -259,7 +270,8 @@ def init(device: str = "cpu") -> tuple[DataParallel, str]:
         cuda = device.startswith("cuda")
         if cuda:
             torch.cuda.set_device(torch.device(device))
-        dist.init_process_group("nccl" if cuda else "gloo")
+        kwargs = {"timeout": datetime.timedelta(seconds=timeout)} if timeout else {}  # a collective's wait for a peer
+        dist.init_process_group("nccl" if cuda else "gloo", **kwargs)
         _OWNED = True
     return DataParallel.current(), device
 

@@ -113,6 +113,8 @@ class Trainer:
         kill, kill_worker = os.environ.get("TOKENGYM_SIGKILL_AFTER_STEP"), os.environ.get("TOKENGYM_SIGKILL_WORKER_AFTER_STEP")
         self.kill_at = int(kill) if kill else None
         self.kill_worker_at = int(kill_worker) if kill_worker else None  # testing hook: an async run's rollout worker 0
+        stop = os.environ.get("TOKENGYM_SIGSTOP_RANK_AFTER_STEP")  # testing hook: "step,rank"
+        self.stop_rank_at = tuple(int(x) for x in stop.split(",")) if stop else None
         main = self.dp.is_main
         say = print if main else (lambda *a, **k: None)
         ckpt = None
@@ -157,6 +159,8 @@ class Trainer:
         if self.kill_at is not None and step == self.kill_at:  # testing hook: killed after the step, checkpoint included
             self.dp.barrier()  # (other ranks return from save() before rank 0 has written it)
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.stop_rank_at is not None and step == self.stop_rank_at[0] and self.dp.rank == self.stop_rank_at[1]:
+            os.kill(os.getpid(), signal.SIGSTOP)  # testing hook: this rank stops (as with kill -STOP), the others wait
         if self.kill_worker_at is not None and step == self.kill_worker_at:
             os.kill(self.agent.worker_pids()[0], signal.SIGKILL)
         return True
@@ -304,7 +308,7 @@ def python_run(env: Any, policy: Any, eval_samples: Any, settings: RunSettings, 
 
 # Settings that may differ when resuming; everything else must match the saved config.
 RESUMABLE = {"save_every", "keep_checkpoints", "threads", "progress", "device", "sharding", "worker_threads",
-             "sync_timeout", "rollout_timeout"}
+             "sync_timeout", "rollout_timeout", "dist_timeout"}
 """(A checkpoint holds full weights whatever the sharding, so a run resumes sharded or not, with any process count.)"""
 
 

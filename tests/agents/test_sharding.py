@@ -165,6 +165,7 @@ def test_a_sharded_checkpoint_resumes_in_one_unsharded_process(sharded, tmp_path
     (["train", "ppo", "--sharding", "fsdp2", "--share-trunk", "true"], {"WORLD_SIZE": "2"}, "share_trunk"),
     (["train", "grpo", "--sharding", "fsdp2", "--reset-ref", "true", "--beta", "0.1"], {"WORLD_SIZE": "2"}, "reset_ref"),
     (["train", "spin", "--sharding", "fsdp2"], {}, "does not apply to `tokengym train spin`"),
+    (["train", "grpo", "--dist-timeout", "1"], {}, "dist_timeout"),
 ])
 def test_bad_sharding_is_one_line_and_writes_nothing(tmp_path, monkeypatch, capsys, argv, env, message):
     for k, v in env.items():
@@ -248,3 +249,32 @@ def test_full_weights_gathers_for_the_block_and_keeps_ties(one_rank):
     with S.unwrapped(model):
         assert type(model).__name__ == "LlamaForCausalLM"
     assert type(model).__name__ == "FSDPLlamaForCausalLM"
+
+
+def test_a_stopped_rank_stops_the_run_after_dist_timeout_in_one_line(tmp_path):
+    """Rank 1 SIGSTOPs itself after step 1: rank 0 waits ``--dist-timeout`` seconds in the next collective, not
+    torch's 30 minutes, then says so in one line (exit 1); the checkpoint of step 1 stays intact."""
+    import signal
+    import time
+
+    log = tmp_path / "log.txt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
+           f"--rdzv-endpoint=127.0.0.1:{numerics.free_port()}", "--rdzv-backend=c10d", "-m", "tokengym.agents.cli",
+           "train", "grpo", "--steps", "3", "--prompts", "2", "--group-size", "2", "--eval-prompts", "0", "--save-every",
+           "1", "--threads", "1", "--progress", "false", "--dist-timeout", "10", "--runs-dir", str(tmp_path), "--name", "s"]
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1", TOKENGYM_SIGSTOP_RANK_AFTER_STEP="1,1"),
+                                stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    want = "tokengym: error: rank 0: the other ranks did not join a collective within 10 s (dist_timeout)"
+    try:
+        for _ in range(600):  # (a bound on a hang, not a timing assertion)
+            if want in log.read_text() or proc.poll() is not None:
+                break
+            time.sleep(0.5)
+        text = log.read_text()
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the stopped rank too
+        proc.wait()
+    assert want in text, text[-3000:]
+    assert "Traceback" not in text.split(want)[0][-2000:]  # rank 0's own error is the one line
+    assert R.verify_checkpoint(str(tmp_path / "s" / "checkpoints" / "step-00000001")) is None
