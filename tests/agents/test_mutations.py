@@ -25,13 +25,7 @@ from tokengym.envs import TokenVectorEnv
 from tokengym.envs.tasks import ArithmeticTask
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: the same float rounding in every run of a comparison, and no spinning on a busy box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # the same float rounding in every run of a comparison
 
 
 def mixed_arithmetic(n=16, g=4):
