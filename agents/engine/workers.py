@@ -13,10 +13,11 @@ sampled with a policy version ``v`` where ``v >= j - max_staleness``; the learne
   ``j - max_staleness``; which one depends on timing.
 
 Worker ``i`` draws prompts and samples from its own stream (env seed and sampler seed ``seed + i``; worker 0's is
-the synchronous run's). A checkpoint after step ``s`` holds rollouts ``s .. s + max_staleness - 1`` (sampled with
-versions before ``s``, which it does not hold) and each worker's stream position after the newest of its rollouts
-that it keeps; rollouts further ahead are dropped and sampled again after a resume. So exact modes resume bit for
-bit, and bounded runs resume within their staleness bound.
+the synchronous run's). A checkpoint after step ``s`` holds rollouts sampled with versions before ``s``, which it does
+not hold (exact modes: ``s .. s + max_staleness - 1``, waited for; bounded: those of them that have arrived, in
+order, waiting for none), and each worker's stream position after the newest of its rollouts that it keeps;
+rollouts further ahead are dropped and sampled again after a resume. So exact modes resume bit for bit, and bounded
+runs resume within their staleness bound.
 
 Faults: a worker that dies or fails stops the run with one line naming it (its checkpoints stay intact); workers
 exit when the learner does, however it ends (the kernel kills them if it dies: ``PR_SET_PDEATHSIG``), and ignore
@@ -197,14 +198,17 @@ class RolloutWorkers:
                 raise WorkerError(f"rollout worker {i} (pid {p.pid}) died ({how}) before rollout {self.next}; the run "
                                   "stops (its checkpoints are intact: resume it)")
 
-    def _message(self, waiting_for: int | None = None) -> tuple:
-        """The workers' next message; a worker's error or death is a :class:`WorkerError` naming it, and so is a
-        rollout ``waiting_for`` that has not come within ``rollout_timeout`` seconds."""
+    def _message(self, waiting_for: int | None = None, wait: bool = True) -> tuple | None:
+        """The workers' next message (``wait=False``: None if none has come); a worker's error or death is a
+        :class:`WorkerError` naming it, and so is a rollout ``waiting_for`` that has not come within
+        ``rollout_timeout`` seconds."""
         t0 = time.monotonic()
         while True:
             try:
-                msg = self.results.get(timeout=0.5)
+                msg = self.results.get(timeout=0.5) if wait else self.results.get_nowait()
             except queue_mod.Empty:
+                if not wait:
+                    return None
                 self._check_alive()
                 if waiting_for is not None and time.monotonic() - t0 > self.rollout_timeout:
                     i = waiting_for % self.workers
@@ -223,10 +227,13 @@ class RolloutWorkers:
         """Wait until rollout ``index`` has arrived; return the seconds waited."""
         t0 = time.perf_counter()
         while index not in self.received:  # (each message restarts the clock: the others' rollouts are progress too)
-            _, j, version, i, packed, seconds = self._message(waiting_for=index)
-            ro, stream = _unpack(packed)
-            self.received[j] = (ro, version, i, stream, seconds)
+            self._store(self._message(waiting_for=index))
         return time.perf_counter() - t0
+
+    def _store(self, msg: tuple) -> None:
+        _, j, version, i, packed, seconds = msg
+        ro, stream = _unpack(packed)
+        self.received[j] = (ro, version, i, stream, seconds)
 
     def take(self, step: int) -> tuple[Rollout, dict[str, float]]:
         """The rollout the learner trains on at ``step`` (its policy version) and its ``async/*`` metrics."""
@@ -244,15 +251,22 @@ class RolloutWorkers:
                     "time/async_wait": waited, "time/worker_rollout": seconds, "time/weight_sync": self.sync_seconds}
 
     def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint after the learner's current step keeps (see the module docstring): waits for the
-        rollouts sampled with versions before it."""
+        """What a checkpoint after the learner's current step keeps (see the module docstring). An exact schedule waits
+        for its K (at most 1) rollouts sampled with versions before the step, so it resumes bit for bit; a bounded run
+        keeps those that have arrived (in order, none past the run's last) and waits for none, so a large K never
+        holds up a checkpoint or a SIGTERM: the rest are sampled again after a resume, with newer weights."""
         self.settle()
-        end = self.next + self.k
-        if self.total is not None and not self.exact:  # bounded: none past the run's last rollout (a later learn()
-            end = min(end, self.total)  # samples afresh); an exact schedule keeps its K <= 1 so it continues bit for bit
-        keep = range(self.next, end)
-        for j in keep:
-            self._receive(j)
+        if self.exact:
+            keep = range(self.next, self.next + self.k)
+            for j in keep:
+                self._receive(j)
+        else:
+            while (msg := self._message(wait=False)) is not None:
+                self._store(msg)
+            end, j = self.next + self.k if self.total is None else min(self.next + self.k, self.total), self.next
+            while j < end and j in self.received:
+                j += 1
+            keep = range(self.next, j)
         streams = list(self.streams)
         for j in keep:
             _, _, i, stream, _ = self.received[j]

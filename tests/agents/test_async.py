@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tokengym.agents import GRPOAgent, GRPOConfig, Policy, PPOAgent, PPOConfig
+from tokengym.agents import GRPOAgent, GRPOConfig, Policy, PPOAgent, PPOConfig, collect
 from tokengym.agents.engine.workers import RolloutWorkers, WorkerError
 from tokengym.envs import TokenVectorEnv
 
@@ -110,6 +110,27 @@ def test_the_learner_refuses_a_rollout_beyond_the_staleness_bound():
     workers.received = {5: (None, 3, 0, None, 0.0)}
     with pytest.raises(RuntimeError, match="rollout 5 was sampled by policy version 3: staleness 2 is outside"):
         workers.take(5)
+
+
+def test_a_bounded_checkpoint_keeps_what_has_arrived_and_waits_for_nothing():
+    """Bounded, K = 1000: a checkpoint after step 5 keeps the arrived rollouts 5, 6 (rollout 7 is not there, so 8 is
+    dropped too: the kept ones run in order), each worker's stream after its newest kept one, and waits for nothing
+    (it used to wait for K rollouts, so a huge K held up every checkpoint and SIGTERM). Exact schedules still wait."""
+    import queue
+
+    def fake(exact, k):
+        workers = RolloutWorkers.__new__(RolloutWorkers)
+        workers.k, workers.next, workers.exact, workers.total, workers._pending, workers._failed = k, 5, exact, None, None, None
+        workers.results, workers.procs, workers.streams = queue.Queue(), [], ["s0", "s1"]
+        ro = collect(TokenVectorEnv(2, "arithmetic", max_new_tokens=2), Policy.from_pretrained("tiny-arithmetic"), seed=0)
+        workers.received = {j: (ro, 4, j % 2, f"after {j}", 0.0) for j in (5, 6, 8)}
+        return workers
+
+    state = fake(exact=False, k=1000).state_dict()
+    assert [m["index"] for m in state["queue"]] == [5, 6] and state["streams"] == ["after 6", "after 5"]
+    assert state["next"] == 5
+    state = fake(exact=True, k=1).state_dict()  # one-step: rollout 5, which has arrived
+    assert [m["index"] for m in state["queue"]] == [5]
 
 
 def test_a_killed_worker_stops_the_run_with_one_line_naming_it():
