@@ -18,6 +18,10 @@ the same thread count (``matmul_gflops``). Shapes, each on the README's chat ari
   ``vllm_collect``); ``longtail_vs_vllm`` is tokengym's tokens/s over raw vLLM's (fp32).
 * ``multiturn``: 64 rows of the chat Calculator tool env (16 prompts x 4), 128-token budget, sampled, through
   ``collect`` on each backend (``generate`` has no multi-turn loop here): episode tokens/s, turns per episode.
+  SmolLM2 rarely calls the tool there, so ``multiturn_tool`` runs 64 SmolLM2 rows (16 prompts x 4) on
+  ``bench/multiturn.py``'s ``BenchCalc`` tool, whose turns end at any of 13 frequent characters (a stop rule an
+  engine gets as stop strings): several turns and tool replies per episode, each reply's tokens appended to the
+  row's history (tokengym) or the next request's token history (vLLM, its prefix cache saving the re-prefill).
 * ``grpo``: seconds per GRPO step (G=8, 2 prompts, 128 tokens, fp32), rollout + update + the weight load into the
   engine; ``grpo_step_vllm_s`` / ``grpo_step_tokengym_s`` (mean of the timed steps after one warm-up step).
 
@@ -209,11 +213,18 @@ def run_longtail(side: str, dtype: str, repeats: int) -> dict:
             "threads": torch.get_num_threads()}
 
 
-def run_multiturn(side: str, dtype: str, repeats: int) -> dict:
+def run_multiturn(side: str, dtype: str, repeats: int, tool_model: bool = False) -> dict:
     from tokengym.agents import collect
+    from tokengym.envs import TokenVectorEnv
 
-    policy = _policy()
-    env = _env(policy, 64, group_size=4, task="calculator")
+    if tool_model:  # a tool called every few tokens (see the module docstring)
+        from multiturn import make_task
+
+        policy = _policy()
+        env = TokenVectorEnv(64, make_task(8), tokenizer=policy.tokenizer, group_size=4, max_new_tokens=NEW)
+    else:
+        policy = _policy()
+        env = _env(policy, 64, group_size=4, task="calculator")
     sampler = policy if side == "tokengym" else _engine(policy, dtype, 64, env.seq_len)
     stats = {}
 
@@ -292,7 +303,9 @@ def main() -> None:
         shape, side, dtype, rest = sys.argv[2], sys.argv[3], sys.argv[4], [int(x) for x in sys.argv[5:]]
         torch.set_num_threads(rest[0])
         fn = {"fixed": lambda: run_fixed(side, dtype, rest[1], rest[2]), "longtail": lambda: run_longtail(side, dtype, rest[1]),
-              "multiturn": lambda: run_multiturn(side, dtype, rest[1]), "grpo": lambda: run_grpo(side, rest[1])}[shape]
+              "multiturn": lambda: run_multiturn(side, dtype, rest[1]),
+              "multiturn_tool": lambda: run_multiturn(side, dtype, rest[1], tool_model=True),
+              "grpo": lambda: run_grpo(side, rest[1])}[shape]
         print(json.dumps(fn()))
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -301,7 +314,7 @@ def main() -> None:
     ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"])
     ap.add_argument("--batch", nargs="+", type=int, default=[16, 64, 256])
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--shapes", nargs="+", default=["fixed", "longtail", "multiturn", "grpo"])
+    ap.add_argument("--shapes", nargs="+", default=["fixed", "longtail", "multiturn", "multiturn_tool", "grpo"])
     ap.add_argument("--grpo-steps", type=int, default=3)
     ap.add_argument("--learn", action="store_true", help="the GRPO learning comparison instead of the speed runs")
     ap.add_argument("--steps", type=int, default=40)
@@ -330,10 +343,11 @@ def main() -> None:
             lt = put(f"longtail_{dtype}", {s: run_child(__file__, ["--one", "longtail", s, dtype, t, str(args.repeats)])
                                            for s in ("tokengym", "vllm", "vllm_collect", "generate")})
             out[f"longtail_vs_vllm_{dtype}"] = round(lt["tokengym"]["tok_s"] / lt["vllm"]["tok_s"], 3)
-        if "multiturn" in args.shapes:
-            mt = put(f"multiturn_{dtype}", {s: run_child(__file__, ["--one", "multiturn", s, dtype, t, str(args.repeats)])
-                                            for s in ("tokengym", "vllm")})
-            out[f"multiturn_vs_vllm_{dtype}"] = round(mt["tokengym"]["tok_s"] / mt["vllm"]["tok_s"], 3)
+        for shape in ("multiturn", "multiturn_tool"):
+            if shape in args.shapes:
+                mt = put(f"{shape}_{dtype}", {s: run_child(__file__, ["--one", shape, s, dtype, t, str(args.repeats)])
+                                              for s in ("tokengym", "vllm")})
+                out[f"{shape}_vs_vllm_{dtype}"] = round(mt["tokengym"]["tok_s"] / mt["vllm"]["tok_s"], 3)
     if "grpo" in args.shapes:
         g = {s: run_child(__file__, ["--one", "grpo", s, "fp32", t, str(args.grpo_steps)]) for s in ("tokengym", "vllm")}
         put("grpo", g)
