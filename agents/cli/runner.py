@@ -129,7 +129,7 @@ def make_env(run: RunConfig, num_envs: int, group_size: int = 1, tokenizer: Any 
         raise R.UsageError(f"cannot build env {run.env} with {env_kwargs(run)}: {_named(e)}") from None
     if own:
         _probe_episode(run, lambda n: gym.make_vec(env_id, num_envs=n, vectorization_mode="vector_entry_point",
-                                                   group_size=n, device=run.device, tokenizer=tokenizer,
+                                                   group_size=group_size, device=run.device, tokenizer=tokenizer,
                                                    **env_kwargs(run), **extra), group_size)
     return env
 
