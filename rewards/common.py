@@ -158,9 +158,11 @@ def _type_ok(tp: Any, v: Any) -> tuple[bool, str]:
 def plain_scalars(cfg: Any) -> None:
     """Turn NumPy scalars in the fields of dataclass ``cfg`` (``np.float32(1e-4)``, ``np.int64(8)``, ``np.bool_``, as
     sweeps and grids hand them over) into the Python numbers they hold, so they check and save as those."""
+    import numpy as np
+
     for f in dataclasses.fields(cfg):
         v = getattr(cfg, f.name)
-        if type(v).__module__ == "numpy" and hasattr(v, "item") and getattr(v, "ndim", None) == 0:
+        if isinstance(v, np.generic):
             object.__setattr__(cfg, f.name, v.item())
 
 

@@ -122,15 +122,17 @@ def make_env(run: RunConfig, num_envs: int, group_size: int = 1, tokenizer: Any 
     env_id = resolve_env_id(run)
     own = ":" in run.env  # the user's env or task: any error it raises is theirs, and is named in one line
     theirs = Exception if own else (TypeError, ValueError, OSError, ImportError)
+
+    def make(n: int):
+        return gym.make_vec(env_id, num_envs=n, vectorization_mode="vector_entry_point", group_size=group_size,
+                            device=run.device, tokenizer=tokenizer, **env_kwargs(run), **extra)
+
     try:
-        env = gym.make_vec(env_id, num_envs=num_envs, vectorization_mode="vector_entry_point", group_size=group_size,
-                           device=run.device, tokenizer=tokenizer, **env_kwargs(run), **extra)
+        env = make(num_envs)
     except theirs as e:
         raise R.UsageError(f"cannot build env {run.env} with {env_kwargs(run)}: {_named(e)}") from None
     if own:
-        _probe_episode(run, lambda n: gym.make_vec(env_id, num_envs=n, vectorization_mode="vector_entry_point",
-                                                   group_size=group_size, device=run.device, tokenizer=tokenizer,
-                                                   **env_kwargs(run), **extra), group_size)
+        _probe_episode(run, make, group_size)
     return env
 
 

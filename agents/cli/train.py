@@ -132,11 +132,11 @@ def _check_run(run: RunConfig, algo: str) -> None:
            "dist_timeout": 10 <= run.dist_timeout <= 7 * 24 * 3600,
            "keep_checkpoints": run.keep_checkpoints >= 1, "temperature": run.temperature > 0,
            "threads": run.threads is None or run.threads >= 1}
+    why = {"dist_timeout": " (from 10 s to 7 days)",
+           "group_size": f" ({algo} compares G >= {min_group} completions of each prompt)" if min_group > 1 else ""}
     for k, ok in bad.items():
         if not ok:
-            why = f" ({algo} compares G >= {min_group} completions of each prompt)" if k == "group_size" and min_group > 1 else ""
-            why = " (from 10 s to 7 days)" if k == "dist_timeout" else why
-            raise R.UsageError(f"invalid {k}={getattr(run, k)!r}{why}")
+            raise R.UsageError(f"invalid {k}={getattr(run, k)!r}{why.get(k, '')}")
     try:
         check_device(run.device)
     except ValueError as e:
@@ -210,7 +210,7 @@ def train(algo: str, values_file: dict[str, Any], values_flags: dict[str, Any], 
         code = _train(algo, run, cfg, run_dir, resume_dir is not None, dp, device, preset)
     except BaseException as e:
         distributed.shutdown()
-        if dp.distributed and isinstance(e, RuntimeError) and distributed.is_timeout(e):
+        if dp.distributed and distributed.is_timeout(e):
             raise distributed.RankTimeout(f"rank {dp.rank}: the other ranks did not join a collective within "
                                           f"{run.dist_timeout:g} s (dist_timeout): is a rank stopped or hung? The run "
                                           "stops; its checkpoints are intact (resume it)") from None

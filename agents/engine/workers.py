@@ -115,7 +115,7 @@ class RolloutWorkers:
         store = WeightSync.serve(workers, timeout)
         self.procs = []
         device = str(policy.device)
-        script_classes = _needs_main(env)
+        script_classes = check_crosses(env)
         try:
             guard = WorkerError(f"the env uses a class defined in your script ({_main_name()}), so each worker runs the "
                                 "script again to find it, and the script trained again there: put its training under "
@@ -302,9 +302,11 @@ class RolloutWorkers:
             self.results.cancel_join_thread()
 
 
-def check_crosses(env: Any) -> None:
+def check_crosses(env: Any) -> bool:
     """Raise ``ValueError`` (one line) if ``env`` cannot be sent to a rollout worker process, which receives it
-    pickled: a lock, a client or an open file in its attributes. Checked before a run starts, not in the spawn."""
+    pickled: a lock, a client or an open file in its attributes, or a class of a ``__main__`` that has no file.
+    Checked before a run starts, not in the spawn. Returns whether the env refers to ``__main__`` (a task class
+    defined in the user's script, which each worker then imports by running the script)."""
     import pickle
 
     try:
@@ -314,10 +316,12 @@ def check_crosses(env: Any) -> None:
         raise ValueError(f"async training sends the env to each rollout worker process, and {type(env).__name__} cannot "
                          f"be pickled ({type(e).__name__}: {why}); create what cannot cross (a lock, a client, an open "
                          "file) on first use, or give the env __getstate__/__setstate__, or train with async_mode='off'") from None
-    if b"__main__" in data and not os.path.isfile(getattr(sys.modules["__main__"], "__file__", None) or ""):
+    needs_main = b"__main__" in data
+    if needs_main and not os.path.isfile(getattr(sys.modules["__main__"], "__file__", None) or ""):
         raise ValueError("async training sends the env to each rollout worker process, and it uses a class defined in "
                          "__main__ without a file (stdin, python -c, a notebook), which a worker cannot import; define "
                          "the class in a module, or train with async_mode='off'")
+    return needs_main
 
 
 def check_workers(policy: Any, env: Any, workers: int, threads: int) -> None:
@@ -348,16 +352,6 @@ def _exit_unguarded() -> None:
 
 def _main_name() -> str:
     return getattr(sys.modules["__main__"], "__file__", None) or "__main__"
-
-
-def _needs_main(env: Any) -> bool:
-    """Whether ``env`` pickles a reference to ``__main__`` (a task class defined in the user's script)."""
-    import pickle
-
-    try:
-        return b"__main__" in pickle.dumps(env)
-    except Exception:  # the spawn's own pickling reports what cannot go to a worker
-        return False
 
 
 @contextlib.contextmanager

@@ -11,6 +11,7 @@ import torch
 from tokengym.envs import Reply, Task, TokenVectorEnv, check_task
 from tokengym.envs.tasks import ArithmeticTask, CalculatorTask, unregister_task
 from tokengym.envs.tasks.registry import TASK_SPECS, resolve_env
+from tokengym.rewards.common import F32_MAX
 
 
 # ---------------------------------------------------------------------------------------------- 8. rewards-finite
@@ -26,7 +27,6 @@ class NonFiniteAdapter(TokenVectorEnv):
         self.rewards[rows, self.last_action[rows]] += self.value
 
 
-F32_MAX = float(torch.finfo(torch.float32).max)
 
 
 class Overflowing(Task):
