@@ -63,6 +63,7 @@ from tokengym.agents.engine.models import frozen_copy
 from tokengym.agents.runtime.optim import LR_SCHEDULES, OptimizerStep
 from tokengym.agents.engine.policy import AdapterDisabledReference, make_reference
 from tokengym.agents.data.pairs import PairBatch, PairData, SharedPrefixBatch
+from tokengym.agents.engine.packing import PACKING
 from tokengym.agents.engine.rollout import evaluate
 from tokengym.agents.algorithms.registry import register
 from tokengym.rewards.common import Renamed, check_field_types
@@ -104,6 +105,9 @@ class DPOConfig(Renamed, renames={"schedule": "lr_scheduler_type"}):
     """Gradient clipping norm (0 = off)."""
     share_prefix: bool | None = None
     """Pack pairs as [prompt | chosen | rejected after the common prefix] with a 4D mask (same log-probs, fewer tokens); None = on iff a one-time check on a few synthetic pairs finds the model (and reference) give the plain stack's log-probs that way."""
+    packing: str = "auto"
+    """Plain (not prefix-shared) stacks' forwards over the real tokens packed into bins: off, bins or auto (as the
+    on-policy agents' packing; tokengym.agents.engine.packing)."""
     precompute_ref: bool = False
     """Compute reference log-probs once per dataset before training and keep no reference model in memory."""
     ref_batch_size: int | None = None
@@ -136,7 +140,7 @@ class DPOConfig(Renamed, renames={"schedule": "lr_scheduler_type"}):
             "max_prompt_len": self.max_prompt_len is None or self.max_prompt_len >= 1,
             "max_length": self.max_length is None or self.max_length >= 2,
         }
-        check_config(self, checks, {"lr_scheduler_type": LR_SCHEDULES, "loss_type": F.DPO_LOSSES})
+        check_config(self, checks, {"lr_scheduler_type": LR_SCHEDULES, "loss_type": F.DPO_LOSSES, "packing": PACKING})
         z = torch.zeros(1)
         try:  # beta / label_smoothing / loss_type compatibility: the loss function's own checks
             F.dpo_loss(z, z, z, z, self.beta, self.loss_type, self.label_smoothing)
@@ -156,7 +160,7 @@ class DPOConfig(Renamed, renames={"schedule": "lr_scheduler_type"}):
 def _wrap_policy(model: Any, like: Any) -> Any:
     """A frozen ``Policy`` around ``model`` with ``like``'s tokenizer and temperature (``model`` may already be one)."""
     if not (hasattr(model, "prefill") and hasattr(model, "model")):
-        model = type(like)(model, like.tokenizer, temperature=like.temperature, fast_decode=False)
+        model = type(like)(model, like.tokenizer, temperature=like.temperature, fast_decode=False, packing=getattr(like, "packing", "off"))
     return model.eval().requires_grad_(False)
 
 
@@ -208,6 +212,7 @@ class DPOLearner:
         check_learner_args(type(self).__name__, policy, config, DPOConfig)
         self.policy = policy
         self.config = cfg = config or DPOConfig()
+        policy.packing = cfg.packing  # the reference's forwards pack as the policy's do
         self.logger = RunLogger(run_dir)
         self.optim = OptimizerStep.adamw(policy.parameters(), cfg.lr, cfg.weight_decay, schedule=cfg.lr_scheduler_type,
                                          warmup=cfg.warmup_steps, max_grad_norm=cfg.max_grad_norm,

@@ -87,6 +87,7 @@ class OnPolicyAgent:
         check_learner_args(type(self).__name__, policy, config, self.config_cls)
         self.policy = policy
         self.config = cfg = config if config is not None else self.config_cls()
+        policy.packing = cfg.packing  # the update's forwards, and the reference's (make_reference copies it)
         self.logger = RunLogger(run_dir)
         self.optim = OptimizerStep(self.make_optimizers(), cfg.lr, schedule=cfg.lr_scheduler_type, warmup=cfg.warmup_steps,
                                    max_grad_norm=cfg.max_grad_norm, sync=lambda params: self.dp.sync_gradients(params),

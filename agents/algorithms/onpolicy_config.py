@@ -16,6 +16,7 @@ import torch
 from tokengym.agents import functional as F
 from tokengym.agents import variants as V
 from tokengym.agents.engine.generation import SAMPLERS
+from tokengym.agents.engine.packing import PACKING
 from tokengym.agents.engine.workers import ASYNC_MODES
 from tokengym.agents.runtime.config import check_config
 from tokengym.agents.runtime.weight_sync import WeightSync
@@ -69,6 +70,10 @@ class OnPolicyConfig(Renamed, renames={"lr_schedule": "lr_scheduler_type"}):
     gradient_checkpointing: bool = False
     """Recompute each layer's activations in the backward pass instead of keeping them: far less update memory for
     about a third more update compute (TRL's GRPOTrainer does this by default)."""
+    packing: str = "auto"
+    """Update forwards (pi_old, the reference, the update, PPO's critic) over the real tokens packed into bins of the
+    longest row's width instead of the padded batch: off, bins, or auto (bins when they hold at most 80% of the padded
+    tokens). Log-probs and values are equal up to float rounding (tokengym.agents.engine.packing)."""
     eval_every: int = 10
     """Evaluate on held-out prompts every this many sampling steps when learn() gets eval samples (0 = only at the end)."""
     seed: int = 0
@@ -119,7 +124,7 @@ class OnPolicyConfig(Renamed, renames={"lr_schedule": "lr_scheduler_type"}):
         }
         choices = {"lr_scheduler_type": LR_SCHEDULES, "kl_estimator": F.KL_ESTIMATORS, "aggregation": F.AGGREGATIONS,
                    "correction": ("auto", "none", *V.CORRECTION_MODES), "correction_level": V.CORRECTION_LEVELS,
-                   "async_mode": ASYNC_MODES, "sampler": SAMPLERS}
+                   "async_mode": ASYNC_MODES, "sampler": SAMPLERS, "packing": PACKING}
         check_config(self, {**checks, **self.checks()}, {**choices, **self.choices()})
         if self.async_mode == "one-step" and self.max_staleness != 1:
             raise ValueError(f"{type(self).__name__}: async_mode='one-step' samples each rollout exactly one update "

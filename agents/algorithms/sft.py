@@ -43,6 +43,7 @@ import torch
 from tokengym.agents.runtime.distributed import LOCAL
 from tokengym.agents.runtime.logger import RunLogger
 from tokengym.agents.runtime.optim import LR_SCHEDULES, OptimizerStep, lr_factor as schedule_factor
+from tokengym.agents.engine.packing import PACKING
 from tokengym.agents.engine.rollout import evaluate, heldout_samples
 from tokengym.envs.chat import encode_prompts
 from tokengym.envs.tasks.base import fresh_samples
@@ -85,6 +86,9 @@ class SFTConfig(Renamed, renames={"grad_clip": Rename("max_grad_norm", _clip_off
     """Seeds the training data stream (the model's initialisation is seeded where it is built)."""
     bf16: bool = False
     """Run forward and backward under bf16 autocast (weights and optimizer stay float32)."""
+    packing: str = "auto"
+    """Forwards over the real tokens packed into bins: off, bins or auto (as the RL agents' packing;
+    tokengym.agents.engine.packing)."""
     eval_every: int = 100
     """Evaluate held-out greedy accuracy every this many steps (0: only before and after training)."""
     eval_prompts: int = 256
@@ -119,6 +123,8 @@ class SFTConfig(Renamed, renames={"grad_clip": Rename("max_grad_norm", _clip_off
                 bad(name, "must be an int >= 0")
         if self.lr_scheduler_type not in LR_SCHEDULES:
             bad("lr_scheduler_type", f"must be one of {sorted(LR_SCHEDULES)}")
+        if self.packing not in PACKING:
+            bad("packing", f"must be one of {list(PACKING)}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             bad("min_lr_ratio", "must be in [0, 1]")
         if self.weight_decay < 0:
@@ -265,6 +271,7 @@ class SFTLearner:
 
         self.policy, self.task = policy, task
         self.config = cfg = config or SFTConfig()
+        policy.packing = cfg.packing
         self.heldout = heldout_samples(task, cfg.eval_prompts)
         self.eval_env = TokenVectorEnv(min(cfg.eval_batch_size, max(cfg.eval_prompts, 1)), task, tokenizer=policy.tokenizer,
                                        device=policy.device, max_prompt_len=prompt_len)

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from tokengym.agents.engine.models import use_tokengym_attention
+from tokengym.agents.engine.packing import check_packing, hidden_at, plan
 from tokengym.agents.engine.policy import position_ids
 from tokengym.rewards.common import quiet_transformers
 
@@ -35,9 +36,10 @@ class Critic(nn.Module):
     classic RLHF PPO; ``share_trunk=True`` reuses the policy's trunk object).
     """
 
-    def __init__(self, trunk: nn.Module, hidden_size: int, seed: int = 0):
+    def __init__(self, trunk: nn.Module, hidden_size: int, seed: int = 0, packing: str = "off"):
         super().__init__()
         self.trunk = use_tokengym_attention(trunk)
+        self.packing = check_packing(packing)  # as Policy.packing: PPO sets it from its config
         self.value_head = nn.Linear(hidden_size, 1)
         gen = torch.Generator().manual_seed(seed)
         nn.init.normal_(self.value_head.weight, std=1.0 / (hidden_size + 1), generator=gen)
@@ -51,6 +53,12 @@ class Critic(nn.Module):
         return cls(trunk, policy.model.config.hidden_size, seed=seed).to(policy.device)
 
     def forward(self, tokens: torch.Tensor, mask: torch.Tensor, prompt_len: int) -> torch.Tensor:
+        bins = plan(self.packing, self.trunk, tokens, mask)
+        if bins is not None:  # values at the real tokens only, 0 at padding
+            h, dst = hidden_at(self.trunk, bins, mask, prompt_len - 1)
+            v = self.value_head(h.to(self.value_head.weight.dtype)).squeeze(-1).float()
+            n, m1 = tokens.shape[0], tokens.shape[1] - prompt_len + 1
+            return v.new_zeros(n * m1).index_copy(0, dst, v).view(n, m1)
         out = self.trunk(input_ids=tokens, attention_mask=mask.long(), position_ids=position_ids(mask))
         h = out.last_hidden_state[:, prompt_len - 1 :]
         return self.value_head(h.to(self.value_head.weight.dtype)).squeeze(-1).float()

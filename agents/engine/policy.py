@@ -41,6 +41,7 @@ from torch import nn
 from tokengym.agents import functional as Fn
 from tokengym.agents.engine.fast_decode import StaticDecoder, unsupported_reason
 from tokengym.agents.engine.models import load_model, use_tokengym_attention
+from tokengym.agents.engine.packing import check_packing, lm_logprobs, plan
 from tokengym.agents.engine.sampler import SamplerCapabilities
 from tokengym.rewards.common import quiet_transformers
 
@@ -159,7 +160,7 @@ class Policy(nn.Module):
     """
 
     def __init__(self, model: nn.Module, tokenizer: Any, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-                 fast_decode: bool = True):
+                 fast_decode: bool = True, packing: str = "off"):
         super().__init__()
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0 (use greedy=True for argmax), got {temperature}")
@@ -177,6 +178,7 @@ class Policy(nn.Module):
         self._pos: torch.Tensor | None = None
         self._seen: torch.Tensor | None = None
         self.fast_decode = bool(fast_decode)
+        self.packing = check_packing(packing)  # training forwards: off, bins or auto; trainers set it from their config
         self._fast: StaticDecoder | None = None
         self._fast_active = False
         self._stream_key: int | None = None  # this rollout's sampling-stream key (begin_rollout)
@@ -401,7 +403,12 @@ class Policy(nn.Module):
         One forward pass over ``tokens[N, P + M]``; logits are divided by the sampling temperature so
         that they match the rollout's log-probabilities. Values at padding positions are meaningless:
         multiply by the action mask ``mask[:, P:]``. With ``return_entropy`` also the per-token entropy.
+        ``self.packing`` (``off``, ``bins``, ``auto``) runs the real tokens packed into bins instead (equal up to
+        float rounding, 0 at padding: :mod:`~tokengym.agents.engine.packing`).
         """
+        bins = plan(self.packing, self.model, tokens, mask)
+        if bins is not None:
+            return lm_logprobs(self.model, bins, tokens, mask, prompt_len, self.temperature, return_entropy)
         m = tokens.shape[1] - prompt_len
         out = self.model(input_ids=tokens, attention_mask=mask.long(), position_ids=position_ids(mask), logits_to_keep=m + 1)
         logits = out.logits[:, :-1]
@@ -451,4 +458,5 @@ def make_reference(policy: Policy):
 
     if getattr(policy.model, "peft_config", None) and hasattr(policy.model, "disable_adapter"):
         return AdapterDisabledReference(policy)
-    return type(policy)(frozen_copy(policy.model), policy.tokenizer, temperature=policy.temperature)
+    return type(policy)(frozen_copy(policy.model), policy.tokenizer, temperature=policy.temperature,
+                        packing=getattr(policy, "packing", "off"))
