@@ -219,11 +219,12 @@ def lm_logprobs(model: nn.Module, bins: Bins, tokens: torch.Tensor, mask: torch.
     if temperature != 1.0:
         logits = logits / temperature
     labels = tokens[:, prompt_len:].reshape(-1)[dst][None]
-    logp = logits.new_zeros(N * M, dtype=torch.float32).index_copy(0, dst, Fn.token_logprobs(logits, labels)[0].float())
+    lp = Fn.token_logprobs(logits, labels)[0]  # float32 (float64 for a float64 model), as the padded forward's
+    logp = lp.new_zeros(N * M).index_copy(0, dst, lp)
     if not return_entropy:
         return logp.view(N, M)
-    ent = logits.new_zeros(N * M, dtype=torch.float32).index_copy(0, dst, Fn.entropy(logits)[0].float())
-    return logp.view(N, M), ent.view(N, M)
+    h = Fn.entropy(logits)[0]
+    return logp.view(N, M), h.new_zeros(N * M).index_copy(0, dst, h).view(N, M)
 
 
 def hidden_at(trunk: nn.Module, bins: Bins, mask: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Tensor]:
