@@ -11,8 +11,12 @@ import typing
 import warnings
 from typing import Any, Callable, ClassVar, Iterable, Iterator, Mapping, NamedTuple
 
-__all__ = ["F32_MAX", "TokengymWarning", "finite32", "TokengymDeprecationWarning", "check_config", "check_field_types", "quiet_transformers",
+__all__ = ["PACKING", "F32_MAX", "TokengymWarning", "finite32", "TokengymDeprecationWarning", "check_config", "check_field_types", "quiet_transformers",
            "Rename", "Renamed", "renamed_keys"]
+
+PACKING = ("off", "bins", "auto")
+"""The values of every trainer's ``packing`` setting (``tokengym.agents.engine.packing``): padded forwards, forwards
+over the real tokens packed into bins, or bins where they save enough tokens."""
 
 
 F32_MAX = 3.4028234663852886e38

@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from .common import check_config, check_field_types
+from .common import PACKING, check_config, check_field_types
 from .reward_model import _device, _load, _pad_id, _save, fit, load_rows, pad_right, split_rows
 
 __all__ = ["LearnedPRM", "PRMConfig", "train_prm", "PRM_COLUMNS"]
@@ -92,6 +92,7 @@ class LearnedPRM:
         self.pad_id = _pad_id(model, tokenizer)
         self.num_labels = labels
         self.delimiter, self.batch_size, self.threshold, self.name = delimiter, int(batch_size), threshold, name
+        self.packing = "off"  # forwards over the real tokens packed into bins: off, bins or auto (the fit sets it)
 
     def encode(self, prompt: str, steps: Sequence[str]) -> tuple[list[int], list[int]]:
         """``(ids, ends)``: the solution's token ids and the position of the token that ends each step."""
@@ -109,11 +110,17 @@ class LearnedPRM:
         """Logits ``[S, num_labels]`` at the step ends of encoded solutions (all their steps, in order), with
         autograd, from one forward pass."""
         tokens, mask = pad_right([ids for ids, _ in encoded], self.pad_id, _device(self.model))
+        rows = torch.tensor([i for i, (_, ends) in enumerate(encoded) for _ in ends], dtype=torch.long, device=tokens.device)
+        cols = torch.tensor([e for _, ends in encoded for e in ends], dtype=torch.long, device=tokens.device)
+        if self.packing != "off":
+            from tokengym.agents.engine.packing import classifier_at
+
+            packed = classifier_at(self.model, self.packing, tokens, mask, rows, cols)
+            if packed is not None:
+                return packed
         logits = self.model(input_ids=tokens, attention_mask=mask.long()).logits
         if logits.shape[:2] != tokens.shape or logits.shape[-1] != self.num_labels:
             raise ValueError(f"the PRM returned logits of shape {tuple(logits.shape)}; expected {tuple(tokens.shape) + (self.num_labels,)}")
-        rows = torch.tensor([i for i, (_, ends) in enumerate(encoded) for _ in ends], dtype=torch.long, device=tokens.device)
-        cols = torch.tensor([e for _, ends in encoded for e in ends], dtype=torch.long, device=tokens.device)
         return logits[rows, cols]
 
     def step_logprobs(self, encoded: Sequence[tuple[list[int], list[int]]]) -> list[torch.Tensor]:
@@ -181,13 +188,15 @@ class PRMConfig:
     """Held-out evaluation every this many steps (0 = only at the end)."""
     seed: int = 0
     """Seeds the held-out split and the shuffling."""
+    packing: str = "auto"
+    """Forwards over the real tokens packed into bins: off, bins or auto (as the agents' packing)."""
 
     def __post_init__(self) -> None:
         check_field_types(self)  # types first: the bounds below compare values
         check_config(self, {"lr": self.lr > 0, "epochs": self.epochs >= 1, "batch_size": self.batch_size >= 1,
                       "weight_decay": self.weight_decay >= 0, "max_grad_norm": self.max_grad_norm >= 0,
                       "delimiter": isinstance(self.delimiter, str) and bool(self.delimiter),
-                      "val_fraction": 0 <= self.val_fraction < 1, "eval_every": self.eval_every >= 0})
+                      "val_fraction": 0 <= self.val_fraction < 1, "eval_every": self.eval_every >= 0}, {"packing": PACKING})
 
 
 def _check_examples(rows: list[dict], what: str) -> None:
@@ -239,6 +248,7 @@ def train_prm(model: torch.nn.Module, tokenizer: Any, examples: Any, config: PRM
         held = []
     _check_examples(rows + held, "PRM example")
     prm = LearnedPRM(model, tokenizer, delimiter=cfg.delimiter, batch_size=cfg.batch_size)
+    prm.packing = cfg.packing
     loss_fn = HEADS[prm.num_labels][1]
 
     def encode(rs: list[dict]) -> tuple[list, list[torch.Tensor]]:

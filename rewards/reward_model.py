@@ -33,7 +33,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from .common import check_config, check_field_types, quiet_transformers
+from .common import PACKING, check_config, check_field_types, quiet_transformers
 from .training import OptimizerStep
 
 __all__ = ["RewardModel", "LikelihoodRewardModel", "RewardModelConfig", "train_reward_model", "load_rows", "split_rows"]
@@ -173,6 +173,7 @@ class RewardModel:
             raise ValueError(f"shift must be finite and scale finite and > 0, got {shift}, {scale}")
         self.batch_size, self.max_length, self.name = int(batch_size), max_length, name
         self.shift, self.scale = float(shift), float(scale)
+        self.packing = "off"  # forwards over the real tokens packed into bins: off, bins or auto (the fit sets it)
 
     @staticmethod
     def _check_model(model: torch.nn.Module) -> None:
@@ -187,7 +188,9 @@ class RewardModel:
     def forward_ids(self, ids: Sequence[Sequence[int]]) -> torch.Tensor:
         """Rewards ``[N]`` (float32, with autograd) of already encoded rows, in one forward pass."""
         tokens, mask = pad_right(ids, self.pad_id, _device(self.model))
-        logits = self.model(input_ids=tokens, attention_mask=mask.long()).logits
+        logits = _packed_score(self.model, self.packing, tokens, mask)
+        if logits is None:
+            logits = self.model(input_ids=tokens, attention_mask=mask.long()).logits
         if logits.dim() != 2 or logits.shape != (len(ids), 1):
             raise ValueError(f"the reward model returned logits of shape {tuple(logits.shape)}; expected ({len(ids)}, 1)")
         return logits[:, 0].float()
@@ -313,8 +316,13 @@ class LikelihoodRewardModel(RewardModel):
             rows.append(row)
         return rows
 
-    @staticmethod
-    def _token_logprobs(lm: torch.nn.Module, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _token_logprobs(self, lm: torch.nn.Module, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Log-probs ``[N, L - 1]`` of ``tokens[:, 1:]`` (packed under ``self.packing``: 0 at padding)."""
+        from tokengym.agents.engine.packing import lm_logprobs, plan
+
+        bins = plan(self.packing, lm, tokens, mask)
+        if bins is not None:
+            return lm_logprobs(lm, bins, tokens, mask, 1)
         logits = lm(input_ids=tokens, attention_mask=mask.long()).logits[:, :-1].float()
         return torch.log_softmax(logits, -1).gather(2, tokens[:, 1:, None])[..., 0]
 
@@ -386,6 +394,18 @@ def _load(auto_cls: Any, path: str | os.PathLike, tokenizer: Any, device: Any, s
     return model.to(device).eval(), tokenizer, settings
 
 
+def _packed_score(model: torch.nn.Module, packing: str, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
+    """A sequence classifier's ``[N, 1]`` scores from a packed pass, read where its own forward pools (the rightmost
+    token that is not the pad id); ``None``: run it padded."""
+    pad = getattr(getattr(model, "config", None), "pad_token_id", None)
+    if packing == "off" or pad is None:
+        return None
+    from tokengym.agents.engine.packing import classifier_at
+
+    last = (torch.arange(tokens.shape[1], device=tokens.device) * (tokens != pad)).argmax(-1)
+    return classifier_at(model, packing, tokens, mask, torch.arange(len(tokens), device=tokens.device), last)
+
+
 # ============================================================================== training
 @dataclass
 class RewardModelConfig:
@@ -411,13 +431,15 @@ class RewardModelConfig:
     """Held-out evaluation every this many steps (0 = only at the end)."""
     seed: int = 0
     """Seeds the held-out split and the shuffling."""
+    packing: str = "auto"
+    """Forwards over the real tokens packed into bins: off, bins or auto (as the agents' packing)."""
 
     def __post_init__(self) -> None:
         check_field_types(self)  # types first: the bounds below compare values
         check_config(self, {"lr": self.lr > 0, "epochs": self.epochs >= 1, "batch_size": self.batch_size >= 1,
                       "weight_decay": self.weight_decay >= 0, "max_grad_norm": self.max_grad_norm >= 0,
                       "center_coef": self.center_coef >= 0, "max_length": self.max_length is None or self.max_length >= 2,
-                      "val_fraction": 0 <= self.val_fraction < 1, "eval_every": self.eval_every >= 0})
+                      "val_fraction": 0 <= self.val_fraction < 1, "eval_every": self.eval_every >= 0}, {"packing": PACKING})
 
 
 PAIR_COLUMNS = ("prompt", "chosen", "rejected")
@@ -464,6 +486,7 @@ def train_reward_model(model: torch.nn.Module, tokenizer: Any, pairs: Any, confi
         rm = model
     else:
         rm = RewardModel(model, tokenizer, batch_size=2 * cfg.batch_size, max_length=cfg.max_length)
+    rm.packing = cfg.packing
 
     def encode(rs: list[dict]) -> tuple[list[list[int]], list[list[int]]]:
         prompts = [r["prompt"] for r in rs]

@@ -26,12 +26,11 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from tokengym.rewards.common import TokengymWarning
+from tokengym.rewards.common import PACKING, TokengymWarning
 
-__all__ = ["PACKING", "AUTO_FILL", "Bins", "check_packing", "pack", "plan", "honours_mask", "lm_logprobs", "hidden_at"]
+__all__ = ["PACKING", "AUTO_FILL", "Bins", "check_packing", "pack", "plan", "honours_mask", "lm_logprobs", "hidden_at",
+           "classifier_at"]
 
-PACKING = ("off", "bins", "auto")
-"""The values of the ``packing`` setting."""
 AUTO_FILL = 0.8
 """``auto`` packs when the bins' tokens ``R * W`` are at most this fraction of the padded ``N * L`` (the gather, the
 mask and the scatter cost a little, so a batch that packs into nearly as many tokens runs padded)."""
@@ -234,3 +233,26 @@ def hidden_at(trunk: nn.Module, bins: Bins, mask: torch.Tensor, first: int) -> t
     dst = (idx >= 0).nonzero()[:, 0]
     h = bins.run(trunk).last_hidden_state
     return h.reshape(-1, h.shape[-1]).index_select(0, idx[dst]), dst
+
+
+def classifier_at(model: nn.Module, mode: str, tokens: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor,
+                  cols: torch.Tensor) -> torch.Tensor | None:
+    """A ``transformers`` sequence or token classifier's head outputs ``[K, labels]`` at the source positions
+    ``(rows, cols)``, from one packed pass of its trunk (``model.<base_model_prefix>``, then its dropout and ``score``
+    head, as its own forward runs them); ``None`` where the batch should run padded (``mode``, the batch's shape, a
+    model without that trunk/head layout, or a position on padding)."""
+    trunk = getattr(model, getattr(model, "base_model_prefix", "") or "", None)
+    head = getattr(model, "score", None)
+    if check_packing(mode) == "off" or not isinstance(trunk, nn.Module) or trunk is model or not isinstance(head, nn.Module):
+        return None
+    bins = plan(mode, trunk, tokens, mask)
+    if bins is None:
+        return None
+    at = bins.index[rows, cols]
+    if bool((at < 0).any()):
+        return None
+    h = bins.run(trunk).last_hidden_state
+    h = h.reshape(-1, h.shape[-1]).index_select(0, at)
+    drop = getattr(model, "dropout", None)
+    return head(drop(h) if isinstance(drop, nn.Dropout) else h)
+
