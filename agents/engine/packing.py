@@ -122,11 +122,14 @@ def honours_mask(model: nn.Module) -> str | None:
     if model in _HONOURS:
         return _HONOURS[model]
     g = torch.Generator().manual_seed(0)
-    vocab = model.get_input_embeddings().num_embeddings
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if not isinstance(getattr(embeddings, "num_embeddings", None), int):
+        _HONOURS[model] = reason = "it has no input embeddings to draw test tokens for"
+        return reason
     device = next(model.parameters()).device
     lens = [5, 2, 3]
     mask = (torch.arange(6)[None] >= 6 - torch.tensor(lens)[:, None]).long().to(device)  # left padded, 2 + 3 share a bin
-    tokens = torch.randint(vocab, (3, 6), generator=g).to(device) * mask
+    tokens = torch.randint(embeddings.num_embeddings, (3, 6), generator=g).to(device) * mask
     was_training = model.training
     model.eval()
     reason = None

@@ -59,11 +59,13 @@ def _metrics(path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory):
-    """``(fsdp2_dir, one_process_dir, gradient_diffs)``: each run sharded over 2 ranks, and unsharded in 1 process in
+    """``(fsdp2_dir, one_process_dir, gradient_diffs)``: each run sharded over 2 ranks with its forwards packed
+    (``--packing bins``: the sharded ranks still run the same passes), and unsharded and padded in 1 process in
     lockstep with it."""
     root = tmp_path_factory.mktemp("fsdp2")
     worker = os.path.join(os.path.dirname(__file__), "dist_worker.py")
-    diffs = numerics.two_against_one(root, worker, _commands(root / "two", FSDP2), _commands(root / "one"), main)
+    diffs = numerics.two_against_one(root, worker, _commands(root / "two", [*FSDP2, "--packing", "bins"]),
+                                     _commands(root / "one", ["--packing", "off"]), main)
     return root / "two", root / "one", dict(zip(RUNS, diffs))
 
 
@@ -124,7 +126,7 @@ def test_fsdp2_kill_and_resume_equals_the_uninterrupted_run(sharded, tmp_path):
     """SIGKILL after step 2's checkpoint, then ``--resume`` with 2 sharded ranks: the final weights, the last
     checkpoint (optimiser included) and every logged record equal those of the uninterrupted sharded run."""
     two = sharded[0]
-    argv = RUNS["grpo"] + FSDP2 + ["--runs-dir", str(tmp_path), "--name", "grpo"]
+    argv = RUNS["grpo"] + FSDP2 + ["--packing", "bins", "--runs-dir", str(tmp_path), "--name", "grpo"]  # as the fixture's
     log = tmp_path / "log.txt"
     assert _torchrun(argv, log, TOKENGYM_SIGKILL_AFTER_STEP="2") != 0
     assert not (tmp_path / "grpo" / "model").exists() and (tmp_path / "grpo" / "checkpoints" / "step-00000002").is_dir()
