@@ -31,6 +31,8 @@ class Critic(nn.Module):
         hidden_size: width of the trunk's hidden states.
         seed: seeds the value head's initialisation (the global RNG is left alone), so two critics built
             with the same seed are identical.
+        packing: ``"off"``, ``"bins"`` or ``"auto"``, as :class:`~tokengym.agents.Policy`'s (PPO sets it from its
+            config); packed, the values at padding are 0.
 
     Build one with :meth:`from_policy` (a separate copy of the policy's trunk by default, as in
     classic RLHF PPO; ``share_trunk=True`` reuses the policy's trunk object).

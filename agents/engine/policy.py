@@ -147,6 +147,9 @@ class Policy(nn.Module):
         fast_decode: use the static-cache decode step for supported models when ``prefill`` is given
             ``max_new_tokens`` (see :mod:`tokengym.agents.engine.fast_decode`); ``False`` always takes the
             generic ``transformers`` path.
+        packing: how :meth:`forward` lays out a batch: ``"off"`` (padded), ``"bins"`` (the real tokens packed
+            into bins) or ``"auto"`` (bins where they save a fifth of the tokens); trainers set it from their
+            config (:mod:`tokengym.agents.engine.packing`).
 
     Example:
         >>> import torch
