@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from .common import PACKING, check_config, check_field_types
+from .packing import classifier_at
 from .reward_model import _device, _load, _pad_id, _save, fit, load_rows, pad_right, split_rows
 
 __all__ = ["LearnedPRM", "PRMConfig", "train_prm", "PRM_COLUMNS"]
@@ -113,8 +114,6 @@ class LearnedPRM:
         rows = torch.tensor([i for i, (_, ends) in enumerate(encoded) for _ in ends], dtype=torch.long, device=tokens.device)
         cols = torch.tensor([e for _, ends in encoded for e in ends], dtype=torch.long, device=tokens.device)
         if self.packing != "off":
-            from tokengym.agents.engine.packing import classifier_at
-
             packed = classifier_at(self.model, self.packing, tokens, mask, rows, cols)
             if packed is not None:
                 return packed

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from .common import PACKING, check_config, check_field_types, quiet_transformers
+from .packing import classifier_at, head_logits, plan
 from .training import OptimizerStep
 
 __all__ = ["RewardModel", "LikelihoodRewardModel", "RewardModelConfig", "train_reward_model", "load_rows", "split_rows"]
@@ -318,11 +319,11 @@ class LikelihoodRewardModel(RewardModel):
 
     def _token_logprobs(self, lm: torch.nn.Module, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Log-probs ``[N, L - 1]`` of ``tokens[:, 1:]`` (packed under ``self.packing``: 0 at padding)."""
-        from tokengym.agents.engine.packing import lm_logprobs, plan
-
         bins = plan(self.packing, lm, tokens, mask)
-        if bins is not None:
-            return lm_logprobs(lm, bins, tokens, mask, 1)
+        if bins is not None:  # the head runs only where a real token is predicted; 0 elsewhere
+            logits, dst = head_logits(lm, bins, mask, 1)
+            lp = torch.log_softmax(logits[0].float(), -1).gather(1, tokens[:, 1:].reshape(-1)[dst][:, None])[:, 0]
+            return lp.new_zeros(tokens[:, 1:].numel()).index_copy(0, dst, lp).view(len(tokens), -1)
         logits = lm(input_ids=tokens, attention_mask=mask.long()).logits[:, :-1].float()
         return torch.log_softmax(logits, -1).gather(2, tokens[:, 1:, None])[..., 0]
 
@@ -400,8 +401,6 @@ def _packed_score(model: torch.nn.Module, packing: str, tokens: torch.Tensor, ma
     pad = getattr(getattr(model, "config", None), "pad_token_id", None)
     if packing == "off" or pad is None:
         return None
-    from tokengym.agents.engine.packing import classifier_at
-
     last = (torch.arange(tokens.shape[1], device=tokens.device) * (tokens != pad)).argmax(-1)
     return classifier_at(model, packing, tokens, mask, torch.arange(len(tokens), device=tokens.device), last)
 

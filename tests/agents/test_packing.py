@@ -1,4 +1,4 @@
-"""Packing (``agents/engine/packing.py``): the real tokens of a padded batch laid into bins, positions restarting per
+"""Packing (``rewards/packing.py``, used through ``agents/engine/packing.py``): the real tokens of a padded batch laid into bins, positions restarting per
 segment and a 4D mask confining attention to each segment, give the padded forward's log-probs, entropies, values and
 gradients up to float32 rounding; ``packing="off"`` is the pre-packing code path exactly; the agents' ``packing``
 settings reach their forwards.
@@ -32,6 +32,7 @@ from tokengym.agents.algorithms.sft import SFTConfig, SFTLearner
 from tokengym.agents.data.pairs import PairData, arithmetic_pairs
 from tokengym.agents.engine import critic as critic_module
 from tokengym.agents.engine import packing
+from tokengym.rewards import packing as packing_core
 from tokengym.agents.engine import policy as policy_module
 from tokengym.agents.engine.critic import Critic
 from tokengym.agents.engine.models import build_preset, load_model
@@ -302,14 +303,14 @@ def test_a_row_gets_the_same_logprobs_whichever_neighbour_shares_its_bin():
 # ---------------------------------------------------------------------------------------------- 6. mutations
 def positions_not_restarted(monkeypatch):
     """``pack`` with position ids counting on across the bin: the bug of packing without restarting positions."""
-    real_pack = packing.pack
+    real_pack = packing_core.pack
 
     def pack_(*args, **kwargs):
         bins = real_pack(*args, **kwargs)
         R, W = bins.tokens.shape
         return dataclasses.replace(bins, position_ids=torch.arange(W).expand(R, W))
 
-    monkeypatch.setattr(packing, "pack", pack_)
+    monkeypatch.setattr(packing_core, "pack", pack_)  # where plan() looks it up
 
 
 def plain_causal_mask(monkeypatch):
