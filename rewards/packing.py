@@ -30,8 +30,8 @@ from torch import nn
 
 from .common import PACKING, TokengymWarning
 
-__all__ = ["PACKING", "AUTO_FILL", "Bins", "check_packing", "pack", "plan", "honours_mask", "head_logits", "hidden_at",
-           "classifier_at"]
+__all__ = ["PACKING", "AUTO_FILL", "Bins", "check_packing", "pack", "place", "plan", "honours_mask", "head_logits",
+           "hidden_at", "classifier_at"]
 
 AUTO_FILL = 0.8
 """``auto`` packs when the bins' tokens ``R * W`` are at most this fraction of the padded ``N * L`` (the gather, the
@@ -89,9 +89,19 @@ def _first_fit_decreasing(lengths: list[int], width: int) -> tuple[list[int], li
     return where, start
 
 
-def pack(tokens: torch.Tensor, mask: torch.Tensor, width: int | None = None, pad_id: int = 0) -> Bins:
+def _layout(real: torch.Tensor, width: int | None = None) -> tuple[list[int], list[int], int, int]:
+    """``(bin, start, R, W)`` of each row of the bool mask ``real``: bins ``W`` wide (``width``, never narrower than
+    the longest row; default the longest row), filled first-fit decreasing."""
+    lengths = real.sum(1).tolist()
+    W = max([1, *lengths] if width is None else [width, *lengths])
+    where, start = _first_fit_decreasing(lengths, W)
+    return where, start, max(where, default=-1) + 1, W
+
+
+def pack(tokens: torch.Tensor, mask: torch.Tensor, width: int | None = None, pad_id: int = 0,
+         layout: tuple[list[int], list[int], int, int] | None = None) -> Bins:
     """Pack the real tokens of ``tokens[N, L]`` (where ``mask`` is 1) into bins ``width`` wide (default: the longest
-    row's real tokens; never narrower).
+    row's real tokens; never narrower). ``layout``: the mask's :func:`_layout`, when it was already computed.
 
     Example:
         >>> t = torch.tensor([[0, 5, 6, 7], [0, 0, 8, 9], [3, 0, 0, 0]])
@@ -100,10 +110,7 @@ def pack(tokens: torch.Tensor, mask: torch.Tensor, width: int | None = None, pad
         ([[5, 6, 7], [8, 9, 3]], [[0, 1, 2], [0, 1, 0]], [[0, 0, 0], [1, 1, 2]])
     """
     real = mask.bool()
-    lengths = real.sum(1).tolist()
-    W = max([1, *lengths] if width is None else [width, *lengths])
-    where, start = _first_fit_decreasing(lengths, W)
-    R = max(where, default=-1) + 1
+    where, start, R, W = layout or _layout(real, width)
     k = real.long().cumsum(1) - 1  # a real token's position in its row: the padded forward's position id
     base = (torch.tensor(where) * W + torch.tensor(start)).to(tokens.device)
     index = torch.where(real, base[:, None] + k, -1)
@@ -115,7 +122,14 @@ def pack(tokens: torch.Tensor, mask: torch.Tensor, width: int | None = None, pad
     return Bins(flat_tokens.view(R, W), flat_pos.view(R, W), flat_seg.view(R, W), index)
 
 
+def place(values: torch.Tensor, dst: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """``[rows, cols]`` zeros with ``values[K]`` at the flat positions ``dst`` (differentiable): a packed pass's
+    outputs back in the padded layout, 0 at padding."""
+    return values.new_zeros(rows * cols).index_copy(0, dst, values).view(rows, cols)
+
+
 _HONOURS: "weakref.WeakKeyDictionary[nn.Module, str | None]" = weakref.WeakKeyDictionary()
+_WARNED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # models auto already warned about (not an attribute on them)
 
 
 def honours_mask(model: nn.Module) -> str | None:
@@ -165,17 +179,17 @@ def plan(mode: str, model: nn.Module, tokens: torch.Tensor, mask: torch.Tensor) 
         if mode == "bins":
             raise ValueError(f"packing='bins' needs a model that takes a 4D attention mask, and {type(model).__name__} "
                              f"does not: {reason}; use packing='off'")
-        if not getattr(model, "_tokengym_warned_packing", False):
+        if model not in _WARNED:  # once per model
+            _WARNED.add(model)
             warnings.warn(f"packing='auto' runs padded: {type(model).__name__} {reason}", TokengymWarning, stacklevel=3)
-            with contextlib.suppress(AttributeError):
-                model._tokengym_warned_packing = True
         return None
-    if not bool(mask.any()):
+    real = mask.bool()
+    if not bool(real.any()):
         return None
-    bins = pack(tokens, mask)
-    if mode == "auto" and bins.num_tokens > AUTO_FILL * tokens.numel():
+    layout = _layout(real)  # the decision needs only the bins' count and width: no tensors built for a padded batch
+    if mode == "auto" and layout[2] * layout[3] > AUTO_FILL * tokens.numel():
         return None
-    return bins
+    return pack(tokens, real, layout=layout)
 
 
 @contextlib.contextmanager

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from .common import PACKING, check_config, check_field_types, quiet_transformers
-from .packing import classifier_at, head_logits, plan
+from .packing import classifier_at, head_logits, place, plan
 from .training import OptimizerStep
 
 __all__ = ["RewardModel", "LikelihoodRewardModel", "RewardModelConfig", "train_reward_model", "load_rows", "split_rows"]
@@ -323,7 +323,7 @@ class LikelihoodRewardModel(RewardModel):
         if bins is not None:  # the head runs only where a real token is predicted; 0 elsewhere
             logits, dst = head_logits(lm, bins, mask, 1)
             lp = torch.log_softmax(logits[0].float(), -1).gather(1, tokens[:, 1:].reshape(-1)[dst][:, None])[:, 0]
-            return lp.new_zeros(tokens[:, 1:].numel()).index_copy(0, dst, lp).view(len(tokens), -1)
+            return place(lp, dst, len(tokens), tokens.shape[1] - 1)
         logits = lm(input_ids=tokens, attention_mask=mask.long()).logits[:, :-1].float()
         return torch.log_softmax(logits, -1).gather(2, tokens[:, 1:, None])[..., 0]
 

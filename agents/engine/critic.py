@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from tokengym.agents.engine.models import use_tokengym_attention
-from tokengym.agents.engine.packing import check_packing, hidden_at, plan
+from tokengym.agents.engine.packing import check_packing, hidden_at, place, plan
 from tokengym.agents.engine.policy import position_ids
 from tokengym.rewards.common import quiet_transformers
 
@@ -59,8 +59,7 @@ class Critic(nn.Module):
         if bins is not None:  # values at the real tokens only, 0 at padding
             h, dst = hidden_at(self.trunk, bins, mask, prompt_len - 1)
             v = self.value_head(h.to(self.value_head.weight.dtype)).squeeze(-1).float()
-            n, m1 = tokens.shape[0], tokens.shape[1] - prompt_len + 1
-            return v.new_zeros(n * m1).index_copy(0, dst, v).view(n, m1)
+            return place(v, dst, tokens.shape[0], tokens.shape[1] - prompt_len + 1)
         out = self.trunk(input_ids=tokens, attention_mask=mask.long(), position_ids=position_ids(mask))
         h = out.last_hidden_state[:, prompt_len - 1 :]
         return self.value_head(h.to(self.value_head.weight.dtype)).squeeze(-1).float()

@@ -9,10 +9,10 @@ from torch import nn
 
 from tokengym.agents import functional as Fn
 from tokengym.rewards.packing import (AUTO_FILL, PACKING, Bins, check_packing, classifier_at, head_logits, hidden_at,
-                                      honours_mask, pack, plan)
+                                      honours_mask, pack, place, plan)
 
-__all__ = ["PACKING", "AUTO_FILL", "Bins", "check_packing", "pack", "plan", "honours_mask", "head_logits", "lm_logprobs",
-           "hidden_at", "classifier_at"]
+__all__ = ["PACKING", "AUTO_FILL", "Bins", "check_packing", "pack", "place", "plan", "honours_mask", "head_logits",
+           "lm_logprobs", "hidden_at", "classifier_at"]
 
 
 def lm_logprobs(model: nn.Module, bins: Bins, tokens: torch.Tensor, mask: torch.Tensor, prompt_len: int,
@@ -25,9 +25,5 @@ def lm_logprobs(model: nn.Module, bins: Bins, tokens: torch.Tensor, mask: torch.
     if temperature != 1.0:
         logits = logits / temperature
     labels = tokens[:, prompt_len:].reshape(-1)[dst][None]
-    lp = Fn.token_logprobs(logits, labels)[0]  # float32 (float64 for a float64 model), as the padded forward's
-    logp = lp.new_zeros(N * M).index_copy(0, dst, lp)
-    if not return_entropy:
-        return logp.view(N, M)
-    h = Fn.entropy(logits)[0]
-    return logp.view(N, M), h.new_zeros(N * M).index_copy(0, dst, h).view(N, M)
+    logp = place(Fn.token_logprobs(logits, labels)[0], dst, N, M)  # float32 (float64 for a float64 model), as padded
+    return (logp, place(Fn.entropy(logits)[0], dst, N, M)) if return_entropy else logp
