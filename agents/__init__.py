@@ -1,5 +1,5 @@
-"""Agents that consume token environments: PPO (critic + GAE), GRPO, RLOO, REINFORCE++, DPO (offline, iterative,
-SPIN), SFT, and the machinery they share (the on-policy skeleton, the algorithm registry).
+"""Agents that consume token environments: PPO (critic + GAE), GRPO, RLOO, REINFORCE++, on-policy distillation, DPO
+(offline, iterative, SPIN), SFT, and the machinery they share (the on-policy skeleton, the algorithm registry).
 
 The pure advantage/loss math lives in :mod:`tokengym.agents.functional` and :mod:`tokengym.agents.variants`.
 """
@@ -7,6 +7,7 @@ The pure advantage/loss math lives in :mod:`tokengym.agents.functional` and :mod
 from . import functional, variants
 from .engine.critic import Critic
 from .engine.generation import Generation, GenerationRequest, Generator, PolicyGenerator, SamplingSettings
+from .algorithms.distill import DistillAgent, DistillConfig
 from .algorithms.dpo import DPOConfig, DPOLearner
 from .algorithms.critic_free import CriticFreeConfig
 from .algorithms.grpo import GRPOAgent, GRPOConfig
@@ -28,6 +29,8 @@ __all__ = [
     "Critic",
     "CriticFreeConfig",
     "DPOConfig",
+    "DistillAgent",
+    "DistillConfig",
     "DPOLearner",
     "GRPOAgent",
     "Generation",

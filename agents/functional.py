@@ -24,6 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+# on-policy distillation's per-token reverse KL, defined beside the teacher reward that uses it (rewards never import agents)
+from tokengym.rewards.teacher import reverse_kl, sampled_reverse_kl
+
 __all__ = [
     "gae",
     "whiten",
@@ -480,61 +483,6 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: str = "k1") -> Tensor:
     fn = _check_choice("KL estimator", estimator, KL_ESTIMATORS)
     _check_same_shape("logp", logp, "ref_logp", ref_logp)
     return fn(logp - ref_logp)
-
-
-# ---------------------------------------------------------------------------------------------
-# on-policy distillation: the student's reverse KL to a teacher, per token
-# ---------------------------------------------------------------------------------------------
-
-
-def sampled_reverse_kl(student_logp: Tensor, teacher_logp: Tensor) -> Tensor:
-    """Per-token one-sample estimate of ``KL(student || teacher)`` at tokens the student sampled.
-
-    ``student_logp - teacher_logp``: its expectation over the student's own samples is the exact reverse KL, so
-    ``-sampled_reverse_kl`` is on-policy distillation's per-token reward (non-positive in expectation, 0 where the
-    teacher agrees). Both arguments are ``[B, T]`` log-probs of the same tokens (the teacher's at the temperature
-    it is meant to be read at).
-
-    Example:
-        >>> import torch
-        >>> sampled_reverse_kl(torch.log(torch.tensor([[0.5, 0.25]])), torch.log(torch.tensor([[0.25, 0.25]])))
-        tensor([[0.6931, 0.0000]])
-    """
-    _check_same_shape("student_logp", student_logp, "teacher_logp", teacher_logp)
-    return student_logp - teacher_logp
-
-
-def reverse_kl(student_logits: Tensor, teacher_logits: Tensor, top_k: Optional[int] = None,
-               teacher_temperature: float = 1.0) -> Tensor:
-    """Per-token ``KL(student || teacher)`` from both models' logits ``[B, T, V]``: exact over the vocabulary, or
-    over each position's ``top_k`` most likely student tokens with both distributions renormalised there.
-
-    Renormalising both keeps the top-k value a KL between two distributions (>= 0, and 0 where they agree on the
-    set) and makes ``top_k >= V`` the full KL exactly. ``teacher_temperature`` divides the teacher's logits.
-    Computed in float64 for float64 inputs, else float32; differentiable w.r.t. both logits.
-
-    Example:
-        >>> import torch
-        >>> s = torch.log(torch.tensor([[[0.5, 0.25, 0.25]]]))
-        >>> t = torch.log(torch.tensor([[[0.25, 0.5, 0.25]]]))
-        >>> reverse_kl(s, t)                  # 0.5 log 2 - 0.25 log 2
-        tensor([[0.1733]])
-        >>> reverse_kl(s, t, top_k=2)         # over {0, 1}: (2/3, 1/3) against (1/3, 2/3)
-        tensor([[0.2310]])
-    """
-    _check_same_shape("student_logits", student_logits, "teacher_logits", teacher_logits)
-    _check_dim("student_logits", student_logits, 3, "[B, T, V]")
-    if not (math.isfinite(teacher_temperature) and teacher_temperature > 0):
-        raise ValueError(f"teacher_temperature must be finite and > 0, got {teacher_temperature!r}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
-    dtype = torch.float64 if student_logits.dtype == torch.float64 else torch.float32
-    s, t = student_logits.to(dtype), teacher_logits.to(dtype) / teacher_temperature
-    if top_k is not None and top_k < s.shape[-1]:
-        idx = s.topk(top_k, dim=-1).indices
-        s, t = s.gather(-1, idx), t.gather(-1, idx)
-    ls, lt = torch.log_softmax(s, -1), torch.log_softmax(t, -1)
-    return (ls.exp() * (ls - lt)).sum(-1)
 
 
 # ---------------------------------------------------------------------------------------------

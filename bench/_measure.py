@@ -1,4 +1,5 @@
-"""What several benches measure the same way: one timed HF ``generate`` call, and a rollout's FLOP count.
+"""What several benches measure the same way: one timed HF ``generate`` call, a rollout's FLOP count, and held-out
+accuracy against training time.
 
 Kept apart from the bench scripts so that they import it and not each other.
 """
@@ -32,3 +33,27 @@ def flops_per_rollout(model, n: int, prompt_len: int, new_tokens: int) -> float:
     # prefill: every prompt column attends to (col + 1) columns on average (P + 1) / 2; decode step t to P + t + 1
     ctx = prompt_len * (prompt_len + 1) / 2 + sum(prompt_len + t + 1 for t in range(new_tokens))
     return n * (2 * matmul_params * L + attn_per_ctx * ctx)
+
+
+def accuracy_curve(agent, env, eval_env, samples, seconds: float, eval_seconds: float) -> dict:
+    """Train ``agent`` on ``env`` for ``seconds`` of training time; its policy's greedy held-out accuracy on
+    ``samples`` at the start, after the first step past every ``eval_seconds`` and at the end (evaluation time is not
+    training time). ``{"start", "final", "steps", "curve": [(seconds, accuracy), ...]}``."""
+    from tokengym.agents.engine.rollout import evaluate
+
+    def acc() -> float:
+        agent.policy.eval()
+        return float(evaluate(agent.policy, eval_env, samples, greedy=True)["accuracy"])
+
+    curve = [(0.0, acc())]
+    state = {"train": 0.0, "t": time.perf_counter()}
+
+    def callback(record: dict) -> bool:
+        state["train"] += time.perf_counter() - state["t"]
+        if state["train"] >= curve[-1][0] + eval_seconds or state["train"] >= seconds:
+            curve.append((round(state["train"], 1), acc()))
+        state["t"] = time.perf_counter()
+        return state["train"] < seconds
+
+    agent.learn(env, callback=callback)
+    return {"start": curve[0][1], "final": curve[-1][1], "steps": agent.global_step, "curve": curve}

@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -37,7 +36,8 @@ def one(name: str, seconds: float, seed: int, eval_seconds: float) -> dict:
     import tokengym.envs  # noqa: F401
     from tokengym.agents import Policy
     from tokengym.agents.algorithms.registry import algorithms
-    from tokengym.agents.engine.rollout import evaluate, heldout_samples
+    from tokengym.agents.engine.rollout import heldout_samples
+    from _measure import accuracy_curve
 
     algo, preset = ALGOS[name]
     spec = algorithms()[algo]
@@ -49,21 +49,8 @@ def one(name: str, seconds: float, seed: int, eval_seconds: float) -> dict:
     samples = heldout_samples(eval_env.task, 200)
     agent = spec.agent(policy, cfg)
 
-    def acc() -> float:
-        policy.eval()
-        return float(evaluate(policy, eval_env, samples, greedy=True)["accuracy"])
-
-    curve = [(0.0, acc())]
-    state = {"train": 0.0, "t": time.perf_counter()}
-
-    def callback(record: dict) -> bool:
-        state["train"] += time.perf_counter() - state["t"]
-        if state["train"] >= curve[-1][0] + eval_seconds or state["train"] >= seconds:
-            curve.append((round(state["train"], 1), acc()))
-        state["t"] = time.perf_counter()
-        return state["train"] < seconds
-
-    agent.learn(env, callback=callback)
+    run = accuracy_curve(agent, env, eval_env, samples, seconds, eval_seconds)
+    curve = run["curve"]
     start = curve[0][1]
     t10 = next((t for t, a in curve if a >= start + 0.10 - 1e-9), None)
     return {"start": start, "final": curve[-1][1], "t10": t10, "steps": agent.global_step, "curve": curve}

@@ -12,6 +12,7 @@ from .combinators import FormatReward, LengthPenalty, WeightedSum, format_reward
 from .learned_prm import LearnedPRM, PRMConfig, train_prm
 from .protocols import OutcomeReward, ProcessReward, reward_name, score_outcome, score_process
 from .reward_model import LikelihoodRewardModel, RewardModel, RewardModelConfig, train_reward_model
+from .teacher import TeacherReward, teacher_token_rewards
 from .verifiers import (
     answer_match,
     arithmetic_correct,
@@ -57,6 +58,8 @@ __all__ = [
     # learned rewards
     "RewardModel",
     "LikelihoodRewardModel",
+    "TeacherReward",
+    "teacher_token_rewards",
     "RewardModelConfig",
     "train_reward_model",
     "LearnedPRM",

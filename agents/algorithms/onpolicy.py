@@ -60,6 +60,9 @@ class Minibatch:
     """``[B, m]`` the policy's entropy at each position."""
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
     """Outputs of :meth:`OnPolicyAgent.forward_extra` (PPO's values)."""
+    logits: torch.Tensor | None = None
+    """``[B, m, V]`` the policy's logits at the sampling temperature (with autograd), when the agent's
+    :attr:`~OnPolicyAgent.needs_logits` asks for them (distillation's full-distribution estimators)."""
 
     def take(self, x: torch.Tensor) -> torch.Tensor:
         """The minibatch's part of a rollout-wide ``[N, M]`` or ``[N]`` tensor."""
@@ -81,6 +84,9 @@ class OnPolicyAgent:
     optimizer_names: tuple[str, ...] = ("optimizer",)
     grad_norm_names: tuple[str, ...] = ("grad_norm",)
     log_iteration: bool = True
+    needs_logits: bool = False
+    """The loss reads the policy's logits ``[B, m, V]`` (:attr:`Minibatch.logits`), not only the sampled tokens'
+    log-probs (every row then takes part in the backward: no inert rows are skipped)."""
     """Log the outer iteration on every record, also with ``iterations = 1`` (False: only with more than one)."""
 
     def __init__(self, policy, config=None, run_dir: str | None = None):
@@ -268,8 +274,11 @@ class OnPolicyAgent:
     def _forward(self, ro: Rollout, rows: torch.Tensor, n_live: int) -> Minibatch:
         """Log-probs and entropies of ``rows``; only the first ``n_live`` are recorded for backward."""
         tokens, mask, p, m = used_slice(ro, rows)  # columns that are padding in every row are skipped
+        logits = None
         with self._autocast(ro.tokens.device):
-            if n_live == len(rows):
+            if self.needs_logits:
+                logp, ent, logits = self.policy(tokens, mask, p, return_entropy=True, return_logits=True)
+            elif n_live == len(rows):
                 logp, ent = self.policy(tokens, mask, p, return_entropy=True)
             else:
                 with torch.no_grad():
@@ -278,7 +287,7 @@ class OnPolicyAgent:
                     live = self.policy(tokens[:n_live], mask[:n_live], p, return_entropy=True)
                     logp, ent = torch.cat([live[0], logp]), torch.cat([live[1], ent])
             extra = self.forward_extra(tokens, mask, p, m)
-        return Minibatch(rows, m, ro.action_mask[rows, :m], logp, ent, extra)
+        return Minibatch(rows, m, ro.action_mask[rows, :m], logp, ent, extra, logits)
 
     def _update(self, ro: Rollout, batch: dict[str, torch.Tensor], kinds: list[str], measure_mismatch: bool,
                 old_from_forward: bool = False) -> dict[str, float]:
@@ -299,7 +308,7 @@ class OnPolicyAgent:
                     shard, shares[kind] = dp.shard(rows, w)
                 rows = shard
                 # sharded modules all-gather in every forward: each rank runs the same passes, inert rows included
-                inert = self.inert_rows(batch, rows) if dp.sharding == "none" else None
+                inert = self.inert_rows(batch, rows) if dp.sharding == "none" and not self.needs_logits else None
                 n_live = len(rows) if inert is None else int((~inert).sum())
                 if inert is not None:  # the order of rows does not change the loss
                     rows = torch.cat([rows[~inert], rows[inert]])

@@ -21,7 +21,7 @@ ON_POLICY_RUN_FIELDS = frozenset({"prompts", "group_size", "temperature", "rewar
                                   "keep_checkpoints", "sharding"})
 """The :class:`~tokengym.agents.cli.runner.RunConfig` fields an on-policy algorithm takes beyond the common ones."""
 
-ORDER = ("grpo", "ppo", "reinforce-pp", "rloo", "dpo", "spin", "sft", "rm", "prm")
+ORDER = ("grpo", "ppo", "reinforce-pp", "rloo", "distill", "dpo", "spin", "sft", "rm", "prm")
 """``tokengym train``'s order of the bundled algorithms (others follow in registration order)."""
 
 

@@ -12,7 +12,7 @@ __all__ = ["PANELS", "plot_run"]
 PANELS: dict[str, tuple[str, ...]] = {
     "reward": ("reward/mean", "objective/score", "eval/mean_reward", "rewards/margins"),
     "accuracy": ("eval/accuracy", "reward/accuracy", "rewards/accuracies", "eval/rewards/accuracies"),
-    "kl": ("train/kl", "objective/kl", "train/approx_kl"),
+    "kl": ("train/kl", "objective/kl", "train/approx_kl", "train/reverse_kl"),
     "loss": ("train/loss", "train/pg_loss", "train/policy_loss", "train/value_loss", "loss", "train/train_loss"),
     "entropy": ("train/entropy",),
     "clip_fraction": ("train/clipfrac", "train/clipfrac_low", "train/clipfrac_high", "train/vf_clipfrac"),

@@ -16,14 +16,18 @@ __all__ = ["PACKING", "AUTO_FILL", "Bins", "check_packing", "pack", "place", "pl
 
 
 def lm_logprobs(model: nn.Module, bins: Bins, tokens: torch.Tensor, mask: torch.Tensor, prompt_len: int,
-                temperature: float = 1.0, return_entropy: bool = False):
+                temperature: float = 1.0, return_entropy: bool = False, return_logits: bool = False):
     """:meth:`~tokengym.agents.Policy.forward` on bins: log-probs ``[N, M]`` of ``tokens[:, P:]`` (0 where there is
-    no real token to score), and with ``return_entropy`` the per-token entropy; the LM head runs on the scored
-    positions only."""
+    no real token to score), and with ``return_entropy`` the per-token entropy, with ``return_logits`` the logits
+    ``[N, M, V]`` (0 where there is no real token); the LM head runs on the scored positions only."""
     N, M = tokens.shape[0], tokens.shape[1] - prompt_len
     logits, dst = head_logits(model, bins, mask, prompt_len)
     if temperature != 1.0:
         logits = logits / temperature
     labels = tokens[:, prompt_len:].reshape(-1)[dst][None]
-    logp = place(Fn.token_logprobs(logits, labels)[0], dst, N, M)  # float32 (float64 for a float64 model), as padded
-    return (logp, place(Fn.entropy(logits)[0], dst, N, M)) if return_entropy else logp
+    out = [place(Fn.token_logprobs(logits, labels)[0], dst, N, M)]  # float32 (float64 for a float64 model), as padded
+    if return_entropy:
+        out.append(place(Fn.entropy(logits)[0], dst, N, M))
+    if return_logits:
+        out.append(logits.new_zeros(N * M, logits.shape[-1]).index_copy(0, dst, logits[0]).view(N, M, -1))
+    return out[0] if len(out) == 1 else tuple(out)

@@ -399,28 +399,32 @@ class Policy(nn.Module):
 
     # ------------------------------------------------------------------ training API
     def forward(
-        self, tokens: torch.Tensor, mask: torch.Tensor, prompt_len: int, return_entropy: bool = False
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        self, tokens: torch.Tensor, mask: torch.Tensor, prompt_len: int, return_entropy: bool = False,
+        return_logits: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """Log-probabilities ``[N, M]`` of the generated tokens ``tokens[:, P:]`` under the policy.
 
         One forward pass over ``tokens[N, P + M]``; logits are divided by the sampling temperature so
         that they match the rollout's log-probabilities. Values at padding positions are meaningless:
-        multiply by the action mask ``mask[:, P:]``. With ``return_entropy`` also the per-token entropy.
+        multiply by the action mask ``mask[:, P:]``. With ``return_entropy`` also the per-token entropy, with
+        ``return_logits`` also those logits ``[N, M, V]`` (after the entropy; distillation's ``topk`` and ``full``).
         ``self.packing`` (``off``, ``bins``, ``auto``) runs the real tokens packed into bins instead (equal up to
         float rounding, 0 at padding: :mod:`~tokengym.agents.engine.packing`).
         """
         bins = plan(self.packing, self.model, tokens, mask)
         if bins is not None:
-            return lm_logprobs(self.model, bins, tokens, mask, prompt_len, self.temperature, return_entropy)
+            return lm_logprobs(self.model, bins, tokens, mask, prompt_len, self.temperature, return_entropy, return_logits)
         m = tokens.shape[1] - prompt_len
         out = self.model(input_ids=tokens, attention_mask=mask.long(), position_ids=position_ids(mask), logits_to_keep=m + 1)
         logits = out.logits[:, :-1]
         if self.temperature != 1.0:
             logits = logits / self.temperature
-        logp = Fn.token_logprobs(logits, tokens[:, prompt_len:])
+        outs = [Fn.token_logprobs(logits, tokens[:, prompt_len:])]
         if return_entropy:
-            return logp, Fn.entropy(logits, mask[:, prompt_len:])
-        return logp
+            outs.append(Fn.entropy(logits, mask[:, prompt_len:]))
+        if return_logits:
+            outs.append(logits)
+        return outs[0] if len(outs) == 1 else tuple(outs)
 
 
 class AdapterDisabledReference:

@@ -69,14 +69,15 @@ class RunLogger:
 class SignalWatch:
     """Warns once when the rollouts give no learning signal for ``patience`` steps in a row: every GRPO group's
     rewards equal (``reward/frac_zero_std_groups`` = 1, so every advantage is 0), or every PPO episode's reward
-    the same (``reward/std`` = 0). Training then changes nothing (GRPO) or only fits the critic (PPO)."""
+    the same (``reward/std`` = 0). Training then changes nothing (GRPO) or only fits the critic (PPO). A record with
+    a teacher's per-token signal (distillation's ``train/reverse_kl``) always has one."""
 
     def __init__(self, patience: int = 5):
         self.patience, self.flat, self.warned = patience, 0, False
 
     def update(self, record: dict[str, float]) -> None:
         frac, std = record.get("reward/frac_zero_std_groups"), record.get("reward/std")
-        if frac is None and std is None:
+        if (frac is None and std is None) or "train/reverse_kl" in record:
             return
         self.flat = self.flat + 1 if (frac >= 1.0 if frac is not None else std == 0) else 0
         if self.flat < self.patience or self.warned:
