@@ -126,7 +126,9 @@ class TeacherReward:
     """A frozen teacher causal LM as a per-token reward on a rollout's action columns.
 
     Args:
-        model: a ``transformers`` causal LM; frozen here (eval mode, no gradients).
+        model: a ``transformers`` causal LM, frozen here (eval mode, no gradients); or a scorer served elsewhere, any
+            object with the generation seam's scoring call ``score(sequences, starts)`` (log-probs at temperature 1 of
+            each token sequence from ``starts[i]`` on), which serves the ``sampled`` estimator at temperature 1.
         tokenizer: its tokenizer; :meth:`check_student` refuses a student whose vocabulary differs.
         estimator: ``sampled``, ``topk`` or ``full`` (the module docstring).
         top_k: the ``topk`` estimator's support size.
@@ -151,7 +153,19 @@ class TeacherReward:
         _check_temperature(temperature)
         if not (math.isfinite(coef) and coef > 0):
             raise ValueError(f"coef must be finite and > 0, got {coef!r}")
-        self.model, self.tokenizer = model.eval().requires_grad_(False), tokenizer
+        self.scorer = None
+        if isinstance(model, nn.Module):
+            model = model.eval().requires_grad_(False)
+        elif callable(getattr(model, "score", None)):
+            if estimator != "sampled" or temperature != 1.0:
+                raise ValueError(f"a teacher behind the scoring call gives the log-probs of the sampled tokens at "
+                                 f"temperature 1 only: use estimator='sampled' and temperature 1 (got {estimator!r}, "
+                                 f"{temperature})")
+            self.scorer, model = model, None
+        else:
+            raise TypeError(f"model must be a causal LM (torch.nn.Module) or have score(sequences, starts), got "
+                            f"{type(model).__name__}")
+        self.model, self.tokenizer = model, tokenizer
         self.estimator, self.top_k, self.temperature, self.coef, self.packing = estimator, top_k, float(temperature), float(coef), packing
 
     def check_student(self, tokenizer: Any) -> None:
@@ -176,11 +190,37 @@ class TeacherReward:
             out = self.model(input_ids=tokens, attention_mask=mask.long(), position_ids=pos, logits_to_keep=m + 1).logits[:, :-1]
         return out.float() / self.temperature
 
+    @property
+    def positions_model(self) -> nn.Module | None:
+        """The model whose position limit bounds the rows it scores (a scorer's, when it shows one)."""
+        if self.model is not None:
+            return self.model
+        held = getattr(self.scorer, "model", None) or getattr(getattr(self.scorer, "policy", None), "model", None)
+        return held if isinstance(held, nn.Module) else None
+
     @torch.no_grad()
     def logprobs(self, tokens: Tensor, mask: Tensor, prompt_len: int) -> Tensor:
-        """The teacher's log-probs ``[N, M]`` (at its temperature) of the tokens ``tokens[:, prompt_len:]``."""
+        """The teacher's log-probs ``[N, M]`` (at its temperature) of the tokens ``tokens[:, prompt_len:]`` (0 at
+        padding from a scorer)."""
+        if self.scorer is not None:
+            return self._scored(tokens, mask, prompt_len)
         lp = torch.log_softmax(self.logits(tokens, mask, prompt_len), -1)
         return lp.gather(2, tokens[:, prompt_len:, None])[..., 0]
+
+    def _scored(self, tokens: Tensor, mask: Tensor, prompt_len: int) -> Tensor:
+        """:meth:`logprobs` through the scorer: each row's real tokens, scored from its first generated one."""
+        real = mask.bool()
+        seqs = [row[keep].tolist() for row, keep in zip(tokens, real)]
+        starts = [max(int(n), 1) for n in real[:, :prompt_len].sum(1).tolist()]
+        scores = self.scorer.score(seqs, starts)
+        out = torch.zeros(tokens.shape[0], tokens.shape[1] - prompt_len, dtype=torch.float32, device=tokens.device)
+        for i, vals in enumerate(scores):
+            cols = real[i, prompt_len:].nonzero()[:, 0]
+            if len(vals) != len(cols):
+                raise ValueError(f"the teacher's scorer returned {len(vals)} log-probs for row {i}, which has "
+                                 f"{len(cols)} generated tokens")
+            out[i, cols] = torch.tensor(vals, dtype=torch.float32, device=tokens.device)
+        return out
 
     def __call__(self, tokens: Tensor, mask: Tensor, action_mask: Tensor, prompt_len: int,
                  student_logp: Tensor | None = None, student_logits: Tensor | None = None) -> Tensor:

@@ -104,14 +104,19 @@ def load_teacher(teacher: Any, policy: Any, cfg: DistillConfig) -> TeacherReward
             model, tok = load_model(_teacher_folder(os.fspath(teacher)), device=policy.device)
         except Exception as e:
             raise ValueError(f"cannot load teacher {os.fspath(teacher)!r}: {first_line(e)}") from None
+    elif callable(getattr(teacher, "score", None)):  # an engine's scoring call (the generation seam)
+        model, tok = teacher, getattr(teacher, "tokenizer", None) or teacher.policy.tokenizer
     elif hasattr(teacher, "model") and hasattr(teacher, "tokenizer"):
         model, tok = teacher.model, teacher.tokenizer
     else:
-        raise ValueError(f"teacher must be a model name or folder, or a Policy, got {type(teacher).__name__}")
+        raise ValueError(f"teacher must be a model name or folder, a Policy or a generator with score(), got "
+                         f"{type(teacher).__name__}")
     out = TeacherReward(model, tok, cfg.estimator, cfg.top_k, cfg.teacher_temperature, cfg.distill_coef, cfg.packing)
     out.check_student(policy.tokenizer)
+    if cfg.estimator == "sampled":
+        return out
     sizes = [m.get_output_embeddings().weight.shape[0] for m in (model, policy.model)]
-    if cfg.estimator != "sampled" and sizes[0] != sizes[1]:
+    if sizes[0] != sizes[1]:
         raise ValueError(f"estimator={cfg.estimator!r} compares whole distributions, but the teacher's head has "
                          f"{sizes[0]} outputs and the student's {sizes[1]}; use estimator='sampled'")
     return out
@@ -124,7 +129,8 @@ class DistillAgent(GRPOAgent):
         policy: the student :class:`~tokengym.agents.Policy` (sampling settings are the policy's).
         config: :class:`DistillConfig`.
         run_dir: where to write TensorBoard events and ``metrics.jsonl`` (None = memory only).
-        teacher: the teacher, when not ``config.teacher``: a name or folder, or a :class:`~tokengym.agents.Policy`.
+        teacher: the teacher, when not ``config.teacher``: a name or folder, a :class:`~tokengym.agents.Policy`, or a
+            generator with the generation seam's scoring call (an engine serving the teacher; ``sampled`` only).
 
     Example:
         >>> import gymnasium as gym, tokengym.envs
@@ -156,7 +162,8 @@ class DistillAgent(GRPOAgent):
         """GRPO's checks, and the teacher's positions against the env's rows (refused before any rollout)."""
         super().check_env(env)
         try:
-            check_fits(self.teacher.model, env)
+            if self.teacher.positions_model is not None:
+                check_fits(self.teacher.positions_model, env)
         except ValueError as e:
             raise ValueError(f"the teacher: {e}") from None
 

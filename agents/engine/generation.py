@@ -25,6 +25,11 @@ The contract every generator keeps:
   draws); an engine with per-request seeds derives one from ``(seed, step)``.
 
 :func:`~tokengym.agents.engine.conformance.check_generator` is the conformance check against the token-level path.
+
+**Scoring** (optional): ``gen.score(sequences, starts)`` returns, for each token sequence, the log-probabilities at
+temperature 1 of its tokens from ``starts[i]`` on, each given every token before it (an engine's prompt log-probs).
+This is how a teacher served by an engine grades a student's tokens (distillation's ``sampled`` estimator);
+:func:`policy_score` serves it in process.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 import torch
 
 __all__ = ["FINISH_REASONS", "SAMPLERS", "Generation", "GenerationRequest", "Generator", "PolicyGenerator", "SamplingSettings",
-           "is_generation_backend", "make_sampler", "policy_generate", "request_seed", "stream_seed"]
+           "is_generation_backend", "make_sampler", "policy_generate", "policy_score", "request_seed", "stream_seed"]
 
 FINISH_REASONS = ("stop", "length")
 """Why a generation ended: a stop token or sequence (``stop``), or its ``max_tokens`` budget (``length``)."""
@@ -293,6 +298,34 @@ def _decode_batch(policy: Any, reqs: Sequence[GenerationRequest]) -> list[Genera
     return [Generation(toks[i][: lens[i]], lps[i][: lens[i]], "stop" if why[i] else "length") for i in range(R)]
 
 
+def check_scoring(sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> None:
+    """ValueError in one line for a scoring call whose starts do not fit their sequences (a token at position 0 has
+    nothing before it to be scored given)."""
+    if len(sequences) != len(starts):
+        raise ValueError(f"score() got {len(sequences)} sequences but {len(starts)} starts")
+    for i, (seq, start) in enumerate(zip(sequences, starts)):
+        if not 1 <= int(start) <= len(seq):
+            raise ValueError(f"sequence {i} has {len(seq)} tokens; its start must be in 1..{len(seq)}, got {start}")
+
+
+@torch.no_grad()
+def policy_score(policy: Any, sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> list[list[float]]:
+    """The scoring call in process: log-probs at temperature 1 of ``sequences[i][starts[i]:]`` under ``policy``'s
+    model, in one right-padded forward."""
+    check_scoring(sequences, starts)
+    if not sequences:
+        return []
+    width = max(len(s) for s in sequences)
+    tokens = torch.zeros(len(sequences), width, dtype=torch.long, device=policy.device)
+    mask = torch.zeros_like(tokens)
+    for i, seq in enumerate(sequences):
+        tokens[i, : len(seq)] = torch.as_tensor(list(seq), dtype=torch.long)
+        mask[i, : len(seq)] = 1
+    logits = policy.model(input_ids=tokens, attention_mask=mask).logits[:, :-1].float()
+    lp = torch.log_softmax(logits, -1).gather(2, tokens[:, 1:, None])[..., 0].tolist()
+    return [lp[i][int(start) - 1 : len(seq) - 1] for i, (seq, start) in enumerate(zip(sequences, starts))]
+
+
 class PolicyGenerator:
     """A :class:`~tokengym.agents.Policy` as a :class:`Generator`: its fast decoder serves whole generations (what a
     remote worker serves, and how the generation seam is checked against the token-level path). It shares the
@@ -321,3 +354,7 @@ class PolicyGenerator:
     def load_weights(self, state_dict: Mapping[str, torch.Tensor] | None = None, version: int | None = None) -> None:
         self.policy.load_weights(state_dict)
         self.version = version
+
+    def score(self, sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> list[list[float]]:
+        """The scoring call (see the module docstring): :func:`policy_score`."""
+        return policy_score(self.policy, sequences, starts)

@@ -28,7 +28,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
-from tokengym.agents.engine.generation import Generation, GenerationRequest, SamplingSettings, check_requests, request_seed
+from tokengym.agents.engine.generation import Generation, GenerationRequest, SamplingSettings, check_requests, check_scoring, request_seed
 from tokengym.agents.runtime.distributed import _engine_group, engine_owns_default_group
 
 __all__ = ["VLLMSampler", "import_vllm"]
@@ -209,6 +209,19 @@ class VLLMSampler:
             result.append(Generation(ids, [float(d[t].logprob) for d, t in zip(c.logprobs, ids)],
                                      "length" if c.finish_reason == "length" else str(c.finish_reason), self.version))
         return result
+
+    def score(self, sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> list[list[float]]:
+        """The scoring call: vLLM's prompt log-probs (temperature 1) of ``sequences[i][starts[i]:]``, one engine call."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        check_scoring(sequences, starts)
+        prompts = [TokensPrompt(prompt_token_ids=list(map(int, seq))) for seq in sequences]
+        params = SamplingParams(n=1, max_tokens=1, prompt_logprobs=0, detokenize=False, temperature=1.0)
+        with torch.autocast(self.policy.device.type, enabled=False):
+            outs = self.llm.generate(prompts, params, use_tqdm=False)
+        return [[float(o.prompt_logprobs[j][int(seq[j])].logprob) for j in range(int(start), len(seq))]
+                for o, seq, start in zip(outs, sequences, starts)]
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor] | None = None, version: int | None = None) -> None:
         """Load the trainer's weights as ``version``: ``state_dict`` (Hugging Face names) or, with ``None``, the

@@ -210,3 +210,18 @@ def test_the_command_refuses_a_missing_teacher_in_one_line(tmp_path, monkeypatch
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--teacher RUN_OR_MODEL" in err[0]
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_teacher_behind_the_scoring_call_gives_the_in_process_rewards(rollout):
+    """The generation seam's scoring call (here the in-process PolicyGenerator; vLLM's in test_vllm_engine) serves the
+    sampled estimator: the same teacher log-probs, so the same advantages; it refuses what it cannot serve."""
+    from tokengym.agents import PolicyGenerator
+
+    student, teacher, _, ro = rollout
+    scored = TeacherReward(PolicyGenerator(teacher), teacher.tokenizer).logprobs(ro.tokens, ro.attention_mask, ro.prompt_len)
+    assert torch.allclose(scored * ro.action_mask, teacher_logp_padded(teacher, ro), rtol=0, atol=1e-4)
+    by_score, _ = DistillAgent(student, DistillConfig(), teacher=PolicyGenerator(teacher)).prepare(ro, ro.logprobs, None)
+    in_process, _ = DistillAgent(student, DistillConfig(), teacher=teacher).prepare(ro, ro.logprobs, None)
+    assert torch.allclose(by_score["adv"], in_process["adv"], rtol=0, atol=1e-4)
+    with pytest.raises(ValueError, match="estimator='sampled' and temperature 1"):
+        DistillAgent(student, DistillConfig(estimator="full"), teacher=PolicyGenerator(teacher))

@@ -101,3 +101,24 @@ def test_the_engine_samples_only_with_the_version_it_was_given(calc):
     finally:
         engine.llm.collective_rpc("tokengym_mark", args=(engine.version,))
     assert engine.generate([GenerationRequest(prompt_ids=prompt, max_tokens=4)])[0].version == engine.version
+
+
+def test_the_engines_scoring_call_is_the_models_log_probs_and_serves_a_distillation_teacher(calc):
+    """``score``: vLLM's prompt log-probs of each sequence from its start equal the model's own (temperature 1, within
+    LP_TOL), so an engine serving the teacher gives distillation the in-process teacher's advantages."""
+    from tokengym.agents import DistillAgent, DistillConfig
+    from tokengym.agents.engine.generation import policy_score
+
+    policy, engine = calc
+    seqs = [[1, 5, 9, 12, 30, 7], [1, 40, 41], [1, 22, 23, 24, 25, 26, 27, 28]]
+    starts = [2, 1, 5]
+    got, want = engine.score(seqs, starts), policy_score(policy, seqs, starts)
+    assert [len(g) for g in got] == [len(s) - st for s, st in zip(seqs, starts)] == [len(w) for w in want]
+    assert max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g, w)) < LP_TOL
+    student = Policy.from_pretrained("tiny-arithmetic", seed=0)
+    ro = collect(TokenVectorEnv(8, "arithmetic", group_size=2, max_new_tokens=16), student, seed=2)
+    by_engine, _ = DistillAgent(student, DistillConfig(), teacher=engine).prepare(ro, ro.logprobs, None)
+    in_process, _ = DistillAgent(student, DistillConfig(), teacher=policy).prepare(ro, ro.logprobs, None)
+    assert torch.allclose(by_engine["adv"], in_process["adv"], rtol=0, atol=LP_TOL)
+    with pytest.raises(ValueError, match="start must be in 1..3"):
+        engine.score([[1, 2, 3]], [0])
