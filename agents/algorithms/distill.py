@@ -206,7 +206,8 @@ class DistillAgent(GRPOAgent):
 
     def loss(self, mb: Minibatch, batch: dict[str, torch.Tensor]):
         """GRPO's terms, plus ``distill_coef * KL(pi_theta || teacher)`` for ``topk``/``full``; logs the per-token
-        reverse KL (``train/reverse_kl``) and the teacher's log-prob of the student's tokens (``train/teacher_logp``)."""
+        reverse KL (``train/reverse_kl``) and the teacher's log-prob of the student's tokens (``train/teacher_logp``),
+        each averaged over tokens as ``aggregation`` averages the loss."""
         cfg = self.config
         terms, stats = super().loss(mb, batch)
         am = mb.take(batch["mask"])
@@ -216,8 +217,9 @@ class DistillAgent(GRPOAgent):
             kl, teacher_logp = kl.detach(), mb.extra["teacher_logp"]
         else:
             kl, teacher_logp = mb.take(batch["distill_kl"]), mb.take(batch["teacher_logp"])
-        stats["reverse_kl"] = F.masked_aggregate(kl, am, "token-mean")
-        stats["teacher_logp"] = F.masked_aggregate(teacher_logp, am, "token-mean")
+        # aggregated as the loss is, so that data-parallel ranks' shares combine into the whole batch's value
+        stats["reverse_kl"] = F.masked_aggregate(kl, am, cfg.aggregation)
+        stats["teacher_logp"] = F.masked_aggregate(teacher_logp, am, cfg.aggregation)
         return terms, stats
 
 

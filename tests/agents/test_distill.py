@@ -131,7 +131,7 @@ def test_loss_terms_are_the_pure_functions(rollout, estimator):
     assert torch.equal(terms[0][0], pg)
     if estimator == "sampled":
         assert len(terms) == 1
-        want_kl = F.masked_aggregate(mb.take(ro.logprobs - teacher_logp_padded(teacher, ro)), am, "token-mean")
+        want_kl = F.masked_aggregate(mb.take(ro.logprobs - teacher_logp_padded(teacher, ro)), am, cfg.aggregation)
         assert float(stats["reverse_kl"]) == pytest.approx(float(want_kl), abs=1e-4)
         return
     with torch.no_grad():
@@ -225,3 +225,31 @@ def test_a_teacher_behind_the_scoring_call_gives_the_in_process_rewards(rollout)
     assert torch.allclose(by_score["adv"], in_process["adv"], rtol=0, atol=1e-4)
     with pytest.raises(ValueError, match="estimator='sampled' and temperature 1"):
         DistillAgent(student, DistillConfig(estimator="full"), teacher=PolicyGenerator(teacher))
+
+
+def test_a_resumed_run_ends_where_the_uninterrupted_one_does(tmp_path):
+    """Interrupt a run folder after 2 of 4 steps, then resume it with a fresh student and teacher (the teacher is the
+    config's name, loaded again): the same records and final weights as 4 steps in one go."""
+    from safetensors.torch import load_file
+
+    def run(name, stop=None, resume=False):
+        cfg = DistillConfig(steps=4, lr=1e-3, seed=3, teacher="tiny-arithmetic", estimator="topk", top_k=8)
+        env = TokenVectorEnv(8, "arithmetic", group_size=4, max_new_tokens=12)
+        agent = DistillAgent(Policy.from_pretrained("tiny", seed=0), cfg)
+        def crash(record):  # the process dies after step `stop` (its checkpoint written)
+            if stop is not None and record["step"] >= stop:
+                raise KeyboardInterrupt
+
+        try:
+            agent.learn(env, run_dir=str(tmp_path / name), resume=resume, save_every=1, callback=crash)
+        except KeyboardInterrupt:
+            assert not (tmp_path / name / "model").exists()
+        return [{k: v for k, v in r.items() if k != "time" and not k.startswith(("time/", "perf/"))}
+                for r in map(__import__("json").loads, open(tmp_path / name / "metrics.jsonl"))]
+
+    whole = run("whole")
+    run("parts", stop=2)
+    parts = run("parts", resume=True)
+    assert parts == whole and [r["step"] for r in whole if "train/reverse_kl" in r] == [1, 2, 3, 4]
+    a, b = (load_file(str(tmp_path / n / "model" / "model.safetensors")) for n in ("whole", "parts"))
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -39,11 +39,14 @@ RUNS = {  # as in test_distributed.py: GRPO with minibatches, batch scaling and 
     "dpo": ["train", "dpo", "--steps", "3", "--batch-size", "8", "--num-pairs", "64", *COMMON],
     "rloo": ["train", "rloo", "--steps", "3", "--prompts", "2", "--group-size", "4", *COMMON],
     "reinforce-pp": ["train", "reinforce-pp", "--steps", "3", "--prompts", "8", "--beta", "0.05", *COMMON],  # a KL reference
+    "distill": ["train", "distill", "--teacher", "tiny-arithmetic", "--model", "tiny", "--steps", "3", "--prompts", "2",
+                "--group-size", "4", "--estimator", "topk", "--top-k", "8", *COMMON],  # an unsharded teacher per rank
     "sft": ["train", "sft", "--steps", "3", "--batch-size", "8", "--warmup-steps", "1", "--log-every", "1", *COMMON,
             "--eval-prompts", "4"],  # a greedy held-out evaluation: a rollout on gathered weights, before and after
 }
-OPTIMIZER_STEPS = {"grpo": 6, "ppo": 24, "dpo": 3, "rloo": 3, "reinforce-pp": 3, "sft": 3}
+OPTIMIZER_STEPS = {"grpo": 6, "ppo": 24, "dpo": 3, "rloo": 3, "reinforce-pp": 3, "distill": 3, "sft": 3}
 N_TERMS = {"grpo": 4 * 42 * 352, "ppo": 4 * 42 * 352, "dpo": 16 * 42 * 352, "rloo": 8 * 42 * 352, "reinforce-pp": 8 * 42 * 352,
+           "distill": 8 * 42 * 352,
            "sft": 8 * 42 * 352}  # see test_distributed
 FSDP2 = ["--sharding", "fsdp2"]
 
