@@ -7,8 +7,8 @@
 a ``small``-preset model supervised on the same task to at least 85% held-out greedy accuracy (``--teacher``; made
 by the SFT recipe below into ``runs/bench-distill-teacher`` when missing). GRPO (its registered defaults) and
 distillation (``DistillConfig`` defaults: the sampled estimator, no outcome reward) each train for ``--seconds`` per
-seed, 8 prompts x 8 per step, 1 thread, in fresh processes (``bench/_isolate.py``); a contender's seeds run side by
-side (one process per core on a 2-core machine), so both meet the same load. Greedy accuracy on 200 held-out prompts
+seed, 8 prompts x 8 per step, 1 thread, each run in a fresh process (``bench/_isolate.py``), two runs side by side
+(one per core on a 2-core machine), so every run meets the same load. Greedy accuracy on 200 held-out prompts
 is measured after the first step past every ``--eval-seconds`` of training (evaluation time excluded). The JSON line
 has ``time_ratio_to_grpo``: for each seed, the training seconds distillation needed to reach that seed's GRPO accuracy
 at the end of the budget, over the budget, averaged over seeds (null when a seed never reached it), the goal being at
@@ -113,13 +113,15 @@ def teacher_folder(path: str | None) -> tuple[str, float]:
     return folder, float(acc)
 
 
-def _pairs(fn_name: str, algo: str, seeds: list[int], args: list[str]) -> list[dict]:
+def _two_at_a_time(jobs: list[list[str]]) -> list[dict]:
+    """Each job (``bench/distill.py`` arguments) in a fresh process, two side by side (one per core): every job
+    meets the same load, another 1-thread trainer."""
     from concurrent.futures import ThreadPoolExecutor
 
     from _isolate import run_child
 
     with ThreadPoolExecutor(2) as pool:
-        return list(pool.map(lambda s: run_child(__file__, [fn_name, algo, "--seed", str(s), *args]), seeds))
+        return list(pool.map(lambda argv: run_child(__file__, argv), jobs))
 
 
 def reach_time(curve: list, target: float) -> float | None:
@@ -152,7 +154,9 @@ def main() -> None:
         folder, acc = teacher_folder(a.teacher)
         out["teacher"], out["teacher_accuracy"] = folder, acc
         args = ["--seconds", str(a.seconds), "--eval-seconds", str(a.eval_seconds), "--teacher", folder]
-        runs = {algo: _pairs("--arith", algo, a.seeds, args) for algo in ("grpo", "distill")}
+        jobs = [(algo, seed) for algo in ("grpo", "distill") for seed in a.seeds]
+        done = dict(zip(jobs, _two_at_a_time([["--arith", algo, "--seed", str(seed), *args] for algo, seed in jobs])))
+        runs = {algo: [done[algo, seed] for seed in a.seeds] for algo in ("grpo", "distill")}
         ratios = []
         for g, d in zip(runs["grpo"], runs["distill"]):
             t = reach_time(d["curve"], g["final"])
@@ -168,14 +172,9 @@ def main() -> None:
         if not os.path.isdir(a.smollm2_teacher):
             raise SystemExit(f"--smollm2-teacher {a.smollm2_teacher}: no such run folder (train it with the README's "
                              "SmolLM2 GRPO command)")
-        from concurrent.futures import ThreadPoolExecutor
-
-        from _isolate import run_child
-
         args = ["--smollm2-seconds", str(a.smollm2_seconds), "--eval-seconds", str(a.smollm2_seconds / 2),
                 "--smollm2-teacher", a.smollm2_teacher, "--seed", str(a.seeds[0])]
-        with ThreadPoolExecutor(2) as pool:
-            smol = dict(zip(("grpo", "distill"), pool.map(lambda algo: run_child(__file__, ["--smol", algo, *args]), ("grpo", "distill"))))
+        smol = dict(zip(("grpo", "distill"), _two_at_a_time([["--smol", algo, *args] for algo in ("grpo", "distill")])))
         for algo, r in smol.items():
             train_min = r["curve"][-1][0] / 60
             out[f"smollm2_gain_per_min_{algo}"] = (r["final"] - r["start"]) / train_min

@@ -155,20 +155,32 @@ def test_past_length_by_hand():
     assert torch.equal(past_length(am, term, 2), want)
 
 
-def test_distillation_lowers_the_reverse_kl_and_leaves_the_teacher_untouched(rollout):
-    """A few updates of the random student towards tiny-arithmetic: the logged per-token reverse KL falls, and the
-    teacher's weights are bit-equal to what they were."""
+def heldout_kl(student, teacher):
+    """The exact per-token KL(student || teacher) over the vocabulary on 64 fixed held-out rollouts of the student."""
+    ro = collect(TokenVectorEnv(64, "arithmetic", max_new_tokens=32), student, seed=99)
+    with torch.no_grad():
+        s = student(ro.tokens, ro.attention_mask, ro.prompt_len, return_logits=True)[1]
+        t = Policy(teacher.model, teacher.tokenizer)(ro.tokens, ro.attention_mask, ro.prompt_len, return_logits=True)[1]
+    return float(F.masked_aggregate(F.reverse_kl(s, t), ro.action_mask, "token-mean"))
+
+
+def test_distillation_lowers_the_heldout_kl_and_leaves_the_teacher_untouched(rollout):
+    """The student is the teacher's weights sampled at temperature 1.5 (so its distribution is flatter than the
+    teacher's): 20 default steps of the sampled estimator bring the exact held-out KL down (measured 0.036 -> 0.024),
+    the teacher's weights stay bit-equal, and no "no learning signal" warning comes although the env's rewards are
+    not what trains."""
     _, teacher, _, _ = rollout
     before = {k: v.clone() for k, v in teacher.model.state_dict().items()}
-    student = Policy.from_pretrained("tiny", seed=0)
-    env = TokenVectorEnv(16, "arithmetic", group_size=G, max_new_tokens=20)
+    student = Policy.from_pretrained("tiny-arithmetic", seed=0, temperature=1.5)
+    kl0 = heldout_kl(student, teacher)
+    env = TokenVectorEnv(64, "arithmetic", group_size=4, max_new_tokens=32)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the env's rewards are flat (all 0) but the teacher's are not: no warning
-        history = DistillAgent(student, DistillConfig(steps=20, lr=3e-3, seed=0), teacher=teacher).learn(env)
-    kl = [r["train/reverse_kl"] for r in history]
-    assert sum(kl[-3:]) / 3 < 0.8 * sum(kl[:3]) / 3, kl
+        warnings.simplefilter("error")
+        history = DistillAgent(student, DistillConfig(steps=20, seed=0), teacher=teacher).learn(env)
+    kl1 = heldout_kl(student, teacher)
+    assert kl1 < 0.8 * kl0, (kl0, kl1)
     assert all(torch.equal(v, teacher.model.state_dict()[k]) for k, v in before.items())
-    assert {"train/teacher_logp", "completion/length_mean"} <= set(history[-1])
+    assert {"train/reverse_kl", "train/teacher_logp", "completion/length_mean"} <= set(history[-1])
 
 
 def test_a_teacher_with_another_vocabulary_is_refused_naming_both():
@@ -206,7 +218,7 @@ def test_the_command_refuses_a_missing_teacher_in_one_line(tmp_path, monkeypatch
     from tokengym.agents.cli import main
 
     monkeypatch.chdir(tmp_path)
-    assert main(["train", "distill", "--model", "tiny", "--steps", "1"]) == 2
+    assert main(["train", "distill", "--model", "tiny", "--steps", "1", "--threads", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--teacher RUN_OR_MODEL" in err[0]
     assert not (tmp_path / "runs").exists()
