@@ -111,6 +111,8 @@ def load_teacher(teacher: Any, policy: Any, cfg: DistillConfig) -> TeacherReward
     else:
         raise ValueError(f"teacher must be a model name or folder, a Policy or a generator with score(), got "
                          f"{type(teacher).__name__}")
+    if model is policy.model:  # freezing the teacher would freeze the student
+        raise ValueError("the teacher is the student's own model: pass a separate copy (Policy.from_pretrained again)")
     out = TeacherReward(model, tok, cfg.estimator, cfg.top_k, cfg.teacher_temperature, cfg.distill_coef, cfg.packing)
     out.check_student(policy.tokenizer)
     if cfg.estimator == "sampled":

@@ -214,6 +214,13 @@ def test_bad_settings_are_one_line(kw, message):
     assert "\n" not in str(e.value)
 
 
+def test_the_student_cannot_be_its_own_teacher():
+    policy = Policy.from_pretrained("tiny")
+    with pytest.raises(ValueError, match="the teacher is the student's own model"):
+        DistillAgent(policy, DistillConfig(), teacher=policy)
+    assert all(p.requires_grad for p in policy.model.parameters())  # refused before anything was frozen
+
+
 def test_the_command_refuses_a_missing_teacher_in_one_line(tmp_path, monkeypatch, capsys):
     from tokengym.agents.cli import main
 
