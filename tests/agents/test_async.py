@@ -257,7 +257,9 @@ def test_sigterm_or_ctrl_c_stops_the_learner_and_every_worker(tmp_path, sig):
     mark = uuid.uuid4().hex
     run = os.path.join(str(tmp_path), "long")
     env = dict(os.environ, TOKENGYM_TEST_MARK=mark)
-    args = [a if a != "5" else "500" for a in ARGS]  # --steps 500
+    # --steps 500; a short sync timeout bounds how long the stop can wait on a weight sync that a busy worker has not
+    # reached yet (a loaded CI machine once took longer than 60 s with the default 300 s)
+    args = [a if a != "5" else "500" for a in ARGS] + ["--sync-timeout", "20"]
     proc = subprocess.Popen([sys.executable, "-m", "tokengym.agents.cli", *args, "--runs-dir", str(tmp_path),
                              "--name", "long"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True)
@@ -273,7 +275,7 @@ def test_sigterm_or_ctrl_c_stops_the_learner_and_every_worker(tmp_path, sig):
             os.killpg(proc.pid, sig)
         else:
             proc.send_signal(sig)
-        proc.wait(timeout=60)
+        proc.wait(timeout=120)  # at most two 20-s syncs (the one in flight, then the stop message) and the joins
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
