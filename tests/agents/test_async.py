@@ -257,12 +257,13 @@ def test_sigterm_or_ctrl_c_stops_the_learner_and_every_worker(tmp_path, sig):
     mark = uuid.uuid4().hex
     run = os.path.join(str(tmp_path), "long")
     env = dict(os.environ, TOKENGYM_TEST_MARK=mark)
-    # --steps 500; a short sync timeout bounds how long the stop can wait on a weight sync that a busy worker has not
-    # reached yet (a loaded CI machine once took longer than 60 s with the default 300 s)
+    # --steps 500; a short sync timeout bounds how long the stop can wait on a weight sync a busy worker has not reached
     args = [a if a != "5" else "500" for a in ARGS] + ["--sync-timeout", "20"]
+    # Ctrl-C as a terminal delivers it: a test run started in the background of a non-interactive shell inherits
+    # SIGINT ignored, and the learner would keep ignoring it (POSIX background jobs do)
     proc = subprocess.Popen([sys.executable, "-m", "tokengym.agents.cli", *args, "--runs-dir", str(tmp_path),
                              "--name", "long"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and proc.poll() is None:
