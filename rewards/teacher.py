@@ -116,6 +116,18 @@ def teacher_token_rewards(action_mask: Tensor, estimator: str = "sampled", *, st
         return torch.where(action_mask.bool(), -coef * kl, torch.zeros_like(kl))
 
 
+def _label_logprobs(logits: Tensor, labels: Tensor, temperature: float, rows: int = 256) -> Tensor:
+    """``log_softmax(logits / temperature)[k, labels[k]]`` for ``logits[K, V]``, float32, ``rows`` at a time: never a
+    float copy of the whole ``[K, V]`` (a 64 x 128-token SmolLM2 batch's logits alone are 1.6 GB)."""
+    out = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+    for s in range(0, logits.shape[0], rows):
+        x = logits[s : s + rows].float()
+        if temperature != 1.0:
+            x = x / temperature
+        out[s : s + rows] = x.gather(1, labels[s : s + rows, None])[:, 0] - x.logsumexp(-1)
+    return out
+
+
 def vocabulary_name(tokenizer: Any) -> str:
     """``name (N tokens)`` of a tokenizer, for messages that name a vocabulary."""
     name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
@@ -177,18 +189,27 @@ class TeacherReward:
                              "the teacher, so both need the same vocabulary")
 
     @torch.no_grad()
+    def _head(self, tokens: Tensor, mask: Tensor, prompt_len: int) -> tuple[Tensor, Tensor | None]:
+        """The model's raw logits where they predict ``tokens[:, prompt_len:]``: packed, ``([K, V], dst)`` at the real
+        tokens' flat positions in ``[N, M]``; padded, ``([N, M, V], None)``."""
+        m = tokens.shape[1] - prompt_len
+        bins = plan(self.packing, self.model, tokens, mask)
+        if bins is not None:  # the head runs only where a real token is predicted
+            logits, dst = head_logits(self.model, bins, mask, prompt_len)
+            return logits[0], dst
+        pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        return self.model(input_ids=tokens, attention_mask=mask.long(), position_ids=pos, logits_to_keep=m + 1).logits[:, :-1], None
+
+    @torch.no_grad()
     def logits(self, tokens: Tensor, mask: Tensor, prompt_len: int) -> Tensor:
         """The teacher's logits ``[N, M, V]`` (float32, at its temperature) at the positions predicting
         ``tokens[:, prompt_len:]``; rows' padding positions hold zeros under packing, meaningless values otherwise."""
         n, m = tokens.shape[0], tokens.shape[1] - prompt_len
-        bins = plan(self.packing, self.model, tokens, mask)
-        if bins is not None:  # the head runs only where a real token is predicted
-            logits, dst = head_logits(self.model, bins, mask, prompt_len)
-            out = logits.new_zeros(n * m, logits.shape[-1]).index_copy(0, dst, logits[0]).view(n, m, -1)
-        else:
-            pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
-            out = self.model(input_ids=tokens, attention_mask=mask.long(), position_ids=pos, logits_to_keep=m + 1).logits[:, :-1]
-        return out.float() / self.temperature
+        out, dst = self._head(tokens, mask, prompt_len)
+        if dst is not None:
+            out = out.new_zeros(n * m, out.shape[-1]).index_copy(0, dst, out).view(n, m, -1)
+        out = out.float()
+        return out if self.temperature == 1.0 else out / self.temperature
 
     @property
     def positions_model(self) -> nn.Module | None:
@@ -204,8 +225,13 @@ class TeacherReward:
         padding from a scorer)."""
         if self.scorer is not None:
             return self._scored(tokens, mask, prompt_len)
-        lp = torch.log_softmax(self.logits(tokens, mask, prompt_len), -1)
-        return lp.gather(2, tokens[:, prompt_len:, None])[..., 0]
+        n, m = tokens.shape[0], tokens.shape[1] - prompt_len
+        logits, dst = self._head(tokens, mask, prompt_len)
+        labels = tokens[:, prompt_len:].reshape(-1)
+        if dst is None:
+            return _label_logprobs(logits.reshape(n * m, -1), labels, self.temperature).view(n, m)
+        lp = _label_logprobs(logits, labels[dst], self.temperature)
+        return lp.new_zeros(n * m).index_copy(0, dst, lp).view(n, m)
 
     def _scored(self, tokens: Tensor, mask: Tensor, prompt_len: int) -> Tensor:
         """:meth:`logprobs` through the scorer: each row's real tokens, scored from its first generated one."""

@@ -12,6 +12,7 @@ expectation over the token of the ``sampled`` estimator's per-token policy gradi
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -63,7 +64,7 @@ class DistillConfig(GRPOConfig):
                              "(use loss='clip', 'kl-cov' or 'clip-cov')")
 
     def checks(self) -> dict[str, bool]:
-        finite = lambda x: x == x and abs(x) != float("inf")  # noqa: E731
+        finite = math.isfinite
         return {**super().checks(), "top_k": self.top_k >= 1,
                 "teacher_temperature": finite(self.teacher_temperature) and self.teacher_temperature > 0,
                 "distill_coef": finite(self.distill_coef) and self.distill_coef > 0,
