@@ -18,7 +18,7 @@ dictionaries of functions; unknown names raise :class:`ValueError` listing the v
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -854,68 +854,105 @@ class _TokenLogprobs(torch.autograd.Function):
     and the ``[N]`` log-normalisers, recomputing softmax chunk by chunk in backward."""
 
     @staticmethod
-    def forward(ctx, logits: Tensor, labels: Tensor, chunk_size: int) -> Tensor:
+    def forward(ctx, logits: Tensor, labels: Tensor, chunk_size: int, index: Tensor | None = None,
+                table: Tensor | None = None) -> Tensor:
         B, T, V = logits.shape
         dt = _compute_dtype(logits.dtype)
         flat_labels = labels.reshape(B * T, 1).to(torch.long)
         out = torch.empty(B * T, dtype=dt, device=logits.device)
         lse = torch.empty(B * T, dtype=dt, device=logits.device)
         for sl, chunk in _chunks(logits, chunk_size):
-            z = chunk.to(dt)
+            z = _masked(chunk.to(dt), sl, index, table)
             lse[sl] = torch.logsumexp(z, dim=-1)
             out[sl] = z.gather(-1, flat_labels[sl])[:, 0] - lse[sl]
-        ctx.save_for_backward(logits, flat_labels, lse)
+        ctx.save_for_backward(logits, flat_labels, lse, index, table)
         ctx.chunk_size = chunk_size
         return out.view(B, T)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out: Tensor):
-        logits, flat_labels, lse = ctx.saved_tensors
+        logits, flat_labels, lse, index, table = ctx.saved_tensors
         B, T, V = logits.shape
         g = grad_out.reshape(B * T, 1).to(lse.dtype)
         grad = torch.empty((B * T, V), dtype=logits.dtype, device=logits.device)
         for sl, chunk in _chunks(logits, ctx.chunk_size):
-            # d/dz [z_y - logsumexp(z)] = onehot(y) - softmax(z)
-            gz = torch.sub(chunk.to(lse.dtype), lse[sl, None]).exp_().mul_(-g[sl])
+            # d/dz [z_y - logsumexp(z)] = onehot(y) - softmax(z); a masked-out z gets 0 (softmax 0 there)
+            gz = torch.sub(_masked(chunk.to(lse.dtype), sl, index, table), lse[sl, None]).exp_().mul_(-g[sl])
             gz.scatter_add_(-1, flat_labels[sl], g[sl])
             grad[sl] = gz
-        return grad.view(B, T, V), None, None
+        return grad.view(B, T, V), None, None, None, None
 
 
 class _Entropy(torch.autograd.Function):
     """Chunked entropy of ``softmax(logits)``; backward ``dH/dz = -p * (log p + H)``."""
 
     @staticmethod
-    def forward(ctx, logits: Tensor, chunk_size: int) -> Tensor:
+    def forward(ctx, logits: Tensor, chunk_size: int, index: Tensor | None = None, table: Tensor | None = None) -> Tensor:
         B, T, V = logits.shape
         dt = _compute_dtype(logits.dtype)
         out = torch.empty(B * T, dtype=dt, device=logits.device)
         lse = torch.empty(B * T, dtype=dt, device=logits.device)
         for sl, chunk in _chunks(logits, chunk_size):
-            z = chunk.to(dt)
+            z = _masked(chunk.to(dt), sl, index, table)
             lse[sl] = torch.logsumexp(z, dim=-1)
             logp = z - lse[sl, None]
             p = logp.exp()
             # p * log p with the 0 * log 0 = 0 convention (logits may contain -inf); in place
             # to keep the number of chunk-sized temporaries at two.
             out[sl] = -logp.mul_(p).masked_fill_(p == 0, 0.0).sum(-1)
-        ctx.save_for_backward(logits, lse, out)
+        ctx.save_for_backward(logits, lse, out, index, table)
         ctx.chunk_size = chunk_size
         return out.view(B, T)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out: Tensor):
-        logits, lse, H = ctx.saved_tensors
+        logits, lse, H, index, table = ctx.saved_tensors
         B, T, V = logits.shape
         g = grad_out.reshape(B * T, 1).to(lse.dtype)
         grad = torch.empty((B * T, V), dtype=logits.dtype, device=logits.device)
         for sl, chunk in _chunks(logits, ctx.chunk_size):
-            logp = torch.sub(chunk.to(lse.dtype), lse[sl, None])
+            logp = torch.sub(_masked(chunk.to(lse.dtype), sl, index, table), lse[sl, None])
             p = logp.exp()
             grad[sl] = logp.add_(H[sl, None]).mul_(p).masked_fill_(p == 0, 0.0).mul_(-g[sl])
-        return grad.view(B, T, V), None
+        return grad.view(B, T, V), None, None, None
+
+
+def _masked(z: Tensor, sl: slice, index: Tensor | None, table: Tensor | None) -> Tensor:
+    """Chunk ``z`` (rows ``sl`` of ``[B*T, V]``) with ``-inf`` outside each row's allowed set ``table[index[row]]``."""
+    if index is None:
+        return z
+    return z.masked_fill(~table[index[sl]], float("-inf"))
+
+
+def _allowed_pair(allowed: Any, logits: Tensor, labels: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+    """``allowed`` (``None``, a bool ``[B, T, V]``, or ``(index[B, T], table[U, V])``) as a flat index ``[B*T]`` and a
+    bool table, checked: every set non-empty, and every label inside its own set."""
+    if allowed is None:
+        return None, None
+    B, T, V = logits.shape
+    if isinstance(allowed, Tensor):
+        if allowed.shape != logits.shape or allowed.dtype != torch.bool:
+            raise ValueError(f"allowed must be a bool tensor of the logits' shape {_shape(logits)}, got {allowed.dtype} "
+                             f"{_shape(allowed)}")
+        index, table = torch.arange(B * T, device=logits.device), allowed.reshape(B * T, V)
+    else:
+        index, table = allowed
+        if index.shape != (B, T) or table.dim() != 2 or table.dtype != torch.bool:
+            raise ValueError(f"allowed must be (index {_shape(logits)[:2]}, bool table [U, V]), got index "
+                             f"{_shape(index)} and table {table.dtype} {_shape(table)}")
+        if table.shape[1] != V:  # a head wider than the tokenizer: its extra ids are never allowed
+            if table.shape[1] > V:
+                raise ValueError(f"the allowed sets cover {table.shape[1]} tokens but the logits only {V}")
+            table = torch.nn.functional.pad(table, (0, V - table.shape[1]))
+        index = index.reshape(B * T).long()
+    if table.shape[0] and not bool(table.any(1).all()):
+        raise ValueError("an allowed set is empty: a masked distribution needs at least one allowed token")
+    if labels is not None and labels.numel() and not bool(table[index, labels.reshape(-1).long()].all()):
+        at = int((~table[index, labels.reshape(-1).long()]).nonzero()[0])
+        raise ValueError(f"label {int(labels.reshape(-1)[at])} at position {divmod(at, T)} is outside its allowed set")
+    return index, table.to(logits.device)
 
 
 def _check_logits(logits: Tensor, chunk_size: int) -> None:
@@ -926,7 +963,7 @@ def _check_logits(logits: Tensor, chunk_size: int) -> None:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
 
 
-def token_logprobs(logits: Tensor, labels: Tensor, chunk_size: int = 128) -> Tensor:
+def token_logprobs(logits: Tensor, labels: Tensor, chunk_size: int = 128, allowed: Any = None) -> Tensor:
     """Log-probabilities of ``labels`` under ``softmax(logits)``, computed in row chunks.
 
     Equal to ``log_softmax(logits.float(), -1).gather(-1, labels[..., None])[..., 0]``, but the
@@ -943,6 +980,11 @@ def token_logprobs(logits: Tensor, labels: Tensor, chunk_size: int = 128) -> Ten
         logits: ``[B, T, V]`` unnormalised scores (any floating dtype).
         labels: ``[B, T]`` integer token ids in ``[0, V)``.
         chunk_size: Rows of ``B*T`` processed at a time.
+        allowed: an action mask: the log-probs are of the masked, renormalised distribution
+            ``log_softmax(logits masked to -inf outside the allowed set)``, which an env's grammar samples from.
+            ``None`` (no mask), a bool ``[B, T, V]``, or the compact ``(index[B, T], table[U, V] bool)`` (position
+            ``(b, t)`` allows ``table[index[b, t]]``; :meth:`tokengym.envs.masks.TokenMasks.pair`). Each label must be
+            allowed. Masked entries get zero gradient.
 
     Returns:
         ``[B, T]`` float32 log-probs (float64 for float64 logits).
@@ -970,10 +1012,10 @@ def token_logprobs(logits: Tensor, labels: Tensor, chunk_size: int = 128) -> Ten
             f"labels must be in [0, {V}) (vocabulary size); got values in "
             f"[{int(labels.min())}, {int(labels.max())}]"
         )
-    return _TokenLogprobs.apply(logits, labels, chunk_size)
+    return _TokenLogprobs.apply(logits, labels, chunk_size, *_allowed_pair(allowed, logits, labels))
 
 
-def entropy(logits: Tensor, mask: Optional[Tensor] = None, chunk_size: int = 128) -> Tensor:
+def entropy(logits: Tensor, mask: Optional[Tensor] = None, chunk_size: int = 128, allowed: Any = None) -> Tensor:
     """Per-token entropy ``-sum_v p_v log p_v`` of ``softmax(logits)``, computed in row chunks.
 
     Memory behaves like :func:`token_logprobs` (no per-chunk activations saved; differentiable
@@ -983,6 +1025,7 @@ def entropy(logits: Tensor, mask: Optional[Tensor] = None, chunk_size: int = 128
         logits: ``[B, T, V]`` unnormalised scores.
         mask: Optional ``[B, T]``; the result is 0 (with zero gradient) where it is 0.
         chunk_size: Rows of ``B*T`` processed at a time.
+        allowed: an action mask, as :func:`token_logprobs` takes it: the entropy of the masked distribution.
 
     Returns:
         ``[B, T]`` float32 entropies (float64 for float64 logits).
@@ -994,7 +1037,7 @@ def entropy(logits: Tensor, mask: Optional[Tensor] = None, chunk_size: int = 128
         tensor([[1.3863, 0.0000]])
     """
     _check_logits(logits, chunk_size)
-    H = _Entropy.apply(logits, chunk_size)
+    H = _Entropy.apply(logits, chunk_size, *_allowed_pair(allowed, logits, None))
     if mask is None:
         return H
     if mask.shape != logits.shape[:2]:

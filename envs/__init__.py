@@ -8,6 +8,7 @@ the agent mid-episode (:meth:`Task.respond`, :class:`Reply`; see :mod:`tokengym.
 
 from tokengym.envs.check import check_task
 from tokengym.envs.checker import check_vector_env
+from tokengym.envs.masks import TokenMasks, grammar_text
 from tokengym.envs.multiturn import Reply
 from tokengym.envs.registration import ENV_GUIDE, ENV_IDS, register_envs
 from tokengym.envs.tasks.base import Task
@@ -24,11 +25,13 @@ __all__ = [
     "Reply",
     "Task",
     "TokenEnv",
+    "TokenMasks",
     "TokenVectorEnv",
     "char_tokenizer",
     "check_task",
     "check_tokenizer",
     "check_vector_env",
+    "grammar_text",
     "load_tokenizer",
     "register_envs",
     "import_modules",

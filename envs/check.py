@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from tokengym.envs.checker import within_masks
+
 __all__ = ["check_task", "scripted_rollout", "RULES"]
 
 RULES = ("replies-are-context", "rewards-on-actions", "rewards-finite", "no-special-tokens", "deterministic")
@@ -39,6 +41,8 @@ def scripted_rollout(env: Any, policy: str, generator: torch.Generator) -> list[
             acts = torch.tensor([p[k] if k < len(p) else tok.eos_token_id for p, k in zip(plans, pos.tolist())], device=env.device)
         else:
             acts = torch.randint(0, env.vocab_size, (env.num_envs,), generator=generator).to(env.device)
+            if getattr(env, "masker", None) is not None:  # random among the allowed tokens
+                acts = within_masks(env, acts)
         live = (~(env.done | getattr(env, "waiting", env.done))).cpu()  # rows whose action the env takes
         taken += [(r, c) for r, c in zip(live.nonzero().flatten().tolist(), env.gen_len.cpu()[live].tolist())]
         if policy == "reference":

@@ -82,6 +82,10 @@ def check_vector_env(env: VectorEnv, seed: int = 0, max_steps: int = 512) -> Non
     like = obs0["tokens"] if isinstance(obs0, dict) else obs0
     to_act = (lambda a: torch.as_tensor(a, device=like.device)) if isinstance(like, torch.Tensor) else (lambda a: a)
 
+    if getattr(env, "masker", None) is not None:  # an env that masks its actions is stepped inside its masks
+        plain = to_act
+        to_act = lambda a: plain(within_masks(env, torch.as_tensor(a)))  # noqa: E731
+
     def rollout(k: int) -> list[tuple]:
         env.reset(seed=seed)
         return [env.step(to_act(actions[i])) for i in range(k)]
@@ -115,3 +119,14 @@ def check_vector_env(env: VectorEnv, seed: int = 0, max_steps: int = 512) -> Non
     else:
         if mode is AutoresetMode.DISABLED:
             raise AssertionError(f"DISABLED mode: episodes did not all end within {max_steps} steps")
+
+
+def within_masks(env: Any, actions: torch.Tensor) -> torch.Tensor:
+    """``actions[N]`` moved inside ``env.action_masks()``: an allowed action stays, a forbidden one becomes the
+    ``(a mod k)``-th of the row's ``k`` allowed tokens (deterministic, so a seeded check repeats)."""
+    allowed = env.action_masks().cpu()
+    a = actions.reshape(-1).cpu().long().clamp(0, allowed.shape[1] - 1)
+    ok = allowed[torch.arange(len(a)), a]
+    k = a % allowed.sum(1).clamp(min=1)
+    pick = (allowed.long().cumsum(1) <= k[:, None]).sum(1).clamp(max=allowed.shape[1] - 1)  # the (k+1)-th allowed one
+    return torch.where(ok, a, pick).to(actions.device).reshape(actions.shape)

@@ -266,6 +266,8 @@ class MultiTurnMixin:
                 self.attention_mask[s, cols] = True
                 self.gen_len[s] = end + len(ids)
                 self.turn_start[s] = end + len(ids)
+                if self.masker is not None:  # the next agent turn starts under its own grammar
+                    self.masker.next_turn([s], [int(self.turn_counts["turns"][s])])
                 self.reply_len[s] = len(ids)
                 count["replies"][s] += 1
                 self.replied.append(s)

@@ -8,6 +8,9 @@ Observation (a ``Dict`` space that ``check_env`` and stable-baselines3 accept):
 slot ``P`` on, pad after), ``mask`` int8 ``[P + M]`` (1 on real tokens) and ``action_mask`` int8 ``[P + M]`` (1 on
 the agent's own tokens). In a multi-turn task one step can add many tokens: the agent's action and then the env's
 reply (``info["reply_tokens"]`` of them, with ``info["reply"]`` its text).
+
+An env with a grammar (``grammar=`` or the task's) or an ``action_mask_fn`` masks its actions: :meth:`TokenEnv.action_masks`
+and ``info["action_mask"]`` (int8 ``[V]``) say which tokens the next action may be, and a forbidden one is refused.
 """
 
 from __future__ import annotations
@@ -81,7 +84,15 @@ class TokenEnv(gym.Env):
             raise ValueError(f"unknown reset options {sorted(options)}; valid: ['prompt']")
         opts = {"samples": [prompt]} if prompt is not None else None
         obs, _ = self.venv.reset(seed=seed, options=opts)
-        return self._obs(obs), {"prompt": self.venv.samples[0]["prompt"]}
+        info = {"prompt": self.venv.samples[0]["prompt"]}
+        if self.venv.masker is not None:
+            info["action_mask"] = self.action_masks().astype(np.int8)
+        return self._obs(obs), info
+
+    def action_masks(self) -> np.ndarray:
+        """Bool ``[V]``: the tokens the next action may be (sb3-contrib MaskablePPO reads this); all true when the env
+        does not mask, or the episode has ended."""
+        return self.venv.action_masks()[0].cpu().numpy()
 
     def step(self, action: Any):
         if isinstance(action, torch.Tensor):
@@ -105,6 +116,8 @@ class TokenEnv(gym.Env):
                 "step_rewards": list(v.step_scores[0]),
                 "episode_return": float(v.rewards[0].sum()),
             }
+        if self.venv.masker is not None and not (terminated or truncated):
+            info["action_mask"] = self.action_masks().astype(np.int8)
         return self._obs(obs), float(r[0]), terminated, truncated, info
 
     def render(self) -> str | None:

@@ -52,6 +52,7 @@ from gymnasium import spaces
 from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space
 
+from tokengym.envs.masks import ActionMasker, EveryTurn, grammar_text
 from tokengym.envs.chat import check_chat_template, check_roles, encode_prompts, end_of_turn_ids, is_messages, prompt_texts, template_overhead
 from tokengym.envs.multiturn import TURN_EVENTS, DaemonPool, MultiTurnMixin, chat_reply_wrapper
 from tokengym.envs.rollout_env import StopRule
@@ -113,6 +114,10 @@ class TokenVectorEnv(MultiTurnMixin, VectorEnv):
         group_size: G; each prompt fills G contiguous slots (``info["group_id"]``), for GRPO.
         device: where every buffer and returned tensor lives.
         autoreset_mode: ``"disabled"`` (default) or ``"next_step"``; see the module docstring.
+        grammar: the actions' grammar (:func:`~tokengym.envs.masks.grammar_text`'s spec) instead of the task's
+            (:attr:`Task.grammar`), or ``False``: none, even where the task has one. A masking env exposes
+            :meth:`action_masks` and refuses an action outside them; rollouts sample under them.
+        action_mask_fn: masks from a callable ``fn(sample, generated_ids) -> None | bool [V] | allowed ids`` instead.
 
     Example:
         >>> import torch
@@ -141,6 +146,8 @@ class TokenVectorEnv(MultiTurnMixin, VectorEnv):
         device: str | torch.device = "cpu",
         autoreset_mode: str | AutoresetMode = AutoresetMode.DISABLED,
         render_mode: str | None = None,
+        grammar: Any = None,
+        action_mask_fn: Callable | None = None,
         **task_kwargs: Any,
     ):
         if not isinstance(num_envs, int) or isinstance(num_envs, bool) or not 1 <= num_envs <= MAX_COLUMNS:
@@ -197,6 +204,8 @@ class TokenVectorEnv(MultiTurnMixin, VectorEnv):
         self._wrap_ids = tuple(list(ids) for ids in self.tokenizer(list(wrap), add_special_tokens=False)["input_ids"])
         self._pool: DaemonPool | None = None  # tool replies (multi-turn), started on the first one
         self._alloc()
+        self.masker = self._make_masker(grammar, action_mask_fn)
+        """The env's :class:`~tokengym.envs.masks.ActionMasker` (``None``: the env does not mask its actions)."""
 
     # ------------------------------------------------------------------ set-up
     def _default_prompt_len(self) -> int:
@@ -206,6 +215,42 @@ class TokenVectorEnv(MultiTurnMixin, VectorEnv):
         if self.task.chat:
             extra += template_overhead(self.tokenizer, self.task.sample(np.random.default_rng(0))["prompt"])
         return self.task.max_prompt_chars + extra
+
+    def _make_masker(self, grammar: Any, fn: Callable | None) -> ActionMasker | None:
+        """Masks from ``action_mask_fn``, else ``grammar`` (default: the task's, per agent turn: ``task.grammar_for``)."""
+        if grammar is False:  # the task's grammar off: free text
+            if fn is not None:
+                raise ValueError("grammar=False and an action_mask_fn: pass one or the other")
+            return None
+        if fn is not None and grammar is not None:
+            raise ValueError("pass grammar or action_mask_fn, not both")
+        if fn is not None:
+            if not callable(fn):
+                raise TypeError(f"action_mask_fn must be callable (sample, generated_ids) -> allowed, got {fn!r:.60}")
+            return ActionMasker(self.num_envs, self.max_new_tokens, self.vocab_size, self.tokenizer, self.device, fn=fn)
+        if grammar is not None:
+            grammar_text(grammar)  # a bad grammar (or a missing llguidance) fails here, in one line
+            spec_for = EveryTurn(grammar)
+        elif getattr(self.task, "grammar", None) is not None or type(self.task).grammar_for is not Task.grammar_for:
+            spec_for = self.task.grammar_for
+        else:
+            return None
+        return ActionMasker(self.num_envs, self.max_new_tokens, self.vocab_size, self.tokenizer, self.device,
+                            spec_for=spec_for)
+
+    def _live(self) -> torch.Tensor:
+        """Bool ``[N]``: slots whose next action the env takes (not ended, idle, restarting or waiting for a reply)."""
+        if self.autoreset_mode is AutoresetMode.NEXT_STEP:
+            return ~self._needs_reset & ~self.waiting & ~self.idle
+        return ~(self.terminated | self.truncated | self.waiting)
+
+    def action_masks(self) -> torch.Tensor:
+        """Bool ``[N, V]``: the tokens each slot may emit next (MaskablePPO's ``action_masks()``); all true for a slot
+        whose action is ignored, and everywhere when the env does not mask. A live slot whose grammar allows nothing
+        raises, naming the slot and its prefix."""
+        if self.masker is None:
+            return torch.ones((self.num_envs, self.vocab_size), dtype=torch.bool, device=self.device)
+        return self.masker.allowed(self._live())
 
     def _build_lookups(self, stop_strings: Sequence[str]) -> None:
         V, dev, tok = self.vocab_size, self.device, self.tokenizer
@@ -344,6 +389,8 @@ class TokenVectorEnv(MultiTurnMixin, VectorEnv):
         else:
             self.episode_id.fill_(-1)
         self.ended, self.restarted = [], []
+        if self.masker is not None and options.get("reset_mask") is None:
+            self.masker.forget()  # every slot restarts: no record points into the old sets
         if options.get("episodes") is not None:
             return self._start_episodes(options)
         groups = list(range(self.n_groups))
@@ -433,6 +480,8 @@ class TokenVectorEnv(MultiTurnMixin, VectorEnv):
         gid = torch.tensor([self._next_group + g for g in groups], device=self.device)
         self.group_id[idx] = gid.repeat_interleave(self.group_size)
         self._next_group += self.n_groups
+        if self.masker is not None:
+            self.masker.start(slots, samples)
         for s, sample in zip(slots, samples):
             self.samples[s] = sample
             self.history[s] = []
@@ -512,6 +561,8 @@ class TokenVectorEnv(MultiTurnMixin, VectorEnv):
             if flags[3]:  # live slots, all held
                 raise ValueError("hold covers every live slot and no reply is out: the step would do nothing")
             raise RuntimeError("step() called after every episode ended (terminated or truncated); call reset() first")
+        if self.masker is not None and flags[1]:  # a forbidden action is refused before anything changes
+            self.masker.take(active, a_safe, self.gen_len)
 
         col = (self.gen_len + P).clamp(max=self.seq_len - 1).unsqueeze(1)
         self.tokens.scatter_(1, col, torch.where(active, a, self.tokens.gather(1, col)[:, 0]).unsqueeze(1))
@@ -714,6 +765,7 @@ class TokenVectorEnv(MultiTurnMixin, VectorEnv):
             reward_components={k: torch.tensor([c.get(k, 0.0) for c in comps], device=self.device) for k in names},
             turn_rewards=turn_rewards,
             turn_counts={k: v[idx].clone() for k, v in self.turn_counts.items()} if self.multi_turn else {},
+            token_masks=self.masker.record(idx) if self.masker is not None else None,
         )
 
     @property

@@ -28,6 +28,7 @@ from tokengym.agents.algorithms.onpolicy_config import OnPolicyConfig
 from tokengym.agents.engine.generation import make_sampler
 from tokengym.agents.engine.policy import make_reference
 from tokengym.agents.engine.resources import check_fits
+from tokengym.envs.masks import mask_metrics
 from tokengym.agents.engine.rollout import Rollout, collect, evaluate, trimmed_logprobs, used_slice
 from tokengym.agents.engine.workers import RolloutWorkers, check_crosses, check_workers
 from tokengym.envs.rollout_env import check_rollout_env
@@ -265,7 +266,14 @@ class OnPolicyAgent:
     @torch.no_grad()
     def _logprobs(self, fn, ro: Rollout) -> torch.Tensor:
         with self._autocast(ro.tokens.device):
-            return trimmed_logprobs(fn, ro)
+            return trimmed_logprobs(fn, ro, masked=self.config.mask_training == "masked")
+
+    def _allowed(self, ro: Rollout, rows: torch.Tensor, m: int) -> dict[str, Any]:
+        """``{"allowed": masks}`` of ``rows``' first ``m`` columns when the rollout was sampled under masks and training
+        is masked (``{}`` otherwise): the keyword the policy's forward takes."""
+        if ro.token_masks is None or self.config.mask_training != "masked":
+            return {}
+        return {"allowed": ro.token_masks.select(rows).columns(m)}
 
     @property
     def total_steps(self) -> int:
@@ -275,16 +283,17 @@ class OnPolicyAgent:
         """Log-probs and entropies of ``rows``; only the first ``n_live`` are recorded for backward."""
         tokens, mask, p, m = used_slice(ro, rows)  # columns that are padding in every row are skipped
         logits = None
+        kw, kw_live, kw_rest = (self._allowed(ro, r, m) for r in (rows, rows[:n_live], rows[n_live:]))
         with self._autocast(ro.tokens.device):
             if self.needs_logits:
-                logp, ent, logits = self.policy(tokens, mask, p, return_entropy=True, return_logits=True)
+                logp, ent, logits = self.policy(tokens, mask, p, return_entropy=True, return_logits=True, **kw)
             elif n_live == len(rows):
-                logp, ent = self.policy(tokens, mask, p, return_entropy=True)
+                logp, ent = self.policy(tokens, mask, p, return_entropy=True, **kw)
             else:
                 with torch.no_grad():
-                    logp, ent = self.policy(tokens[n_live:], mask[n_live:], p, return_entropy=True)
+                    logp, ent = self.policy(tokens[n_live:], mask[n_live:], p, return_entropy=True, **kw_rest)
                 if n_live:
-                    live = self.policy(tokens[:n_live], mask[:n_live], p, return_entropy=True)
+                    live = self.policy(tokens[:n_live], mask[:n_live], p, return_entropy=True, **kw_live)
                     logp, ent = torch.cat([live[0], logp]), torch.cat([live[1], ent])
             extra = self.forward_extra(tokens, mask, p, m)
         return Minibatch(rows, m, ro.action_mask[rows, :m], logp, ent, extra, logits)
@@ -355,7 +364,8 @@ class OnPolicyAgent:
         cfg = self.config
         t_start = time.perf_counter()
         ro, timing = self._rollout(env)
-        recompute = not cfg.reuse_rollout_logprobs
+        # unmasked training of a masked rollout scores pi_old as the trainer sees it, over the whole vocabulary
+        recompute = not cfg.reuse_rollout_logprobs or (ro.token_masks is not None and cfg.mask_training == "unmasked")
         # one epoch of one minibatch: the update's own forward runs at pi_old's weights, so it gives pi_old (no pass)
         from_update = recompute and cfg.mu == 1 and cfg.minibatches == 1
         old_logp = self._logprobs(self.policy, ro) if recompute and not from_update else None
@@ -378,6 +388,8 @@ class OnPolicyAgent:
             metrics.update(self._async_metrics)
         metrics.update(stats, **timing)
         metrics.update(self.rollout_metrics(ro, batch, time.perf_counter() - t_start))
+        if ro.token_masks is not None:
+            metrics.update(mask_metrics(ro.token_masks, ro.action_mask))
         if self.log_iteration or cfg.iterations > 1:
             metrics["iteration"] = iteration
         return metrics

@@ -74,6 +74,10 @@ class OnPolicyConfig(Renamed, renames={"lr_schedule": "lr_scheduler_type"}):
     """Update forwards (pi_old, the reference, the update, PPO's critic) over the real tokens packed into bins of the
     longest row's width instead of the padded batch: off, bins, or auto (bins when they hold at most 80% of the padded
     tokens). Log-probs and values are equal up to float rounding (tokengym.agents.engine.packing)."""
+    mask_training: str = "masked"
+    """Where the env masks its actions (a grammar): masked scores pi_old, pi_theta and the reference under the allowed
+    set each token was sampled under (exact ratios); unmasked scores them over the whole vocabulary (what a trainer that
+    only passes the grammar to its sampler does), for comparison."""
     eval_every: int = 10
     """Evaluate on held-out prompts every this many sampling steps when learn() gets eval samples (0 = only at the end)."""
     seed: int = 0
@@ -124,7 +128,8 @@ class OnPolicyConfig(Renamed, renames={"lr_schedule": "lr_scheduler_type"}):
         }
         choices = {"lr_scheduler_type": LR_SCHEDULES, "kl_estimator": F.KL_ESTIMATORS, "aggregation": F.AGGREGATIONS,
                    "correction": ("auto", "none", *V.CORRECTION_MODES), "correction_level": V.CORRECTION_LEVELS,
-                   "async_mode": ASYNC_MODES, "sampler": SAMPLERS, "packing": PACKING}
+                   "async_mode": ASYNC_MODES, "sampler": SAMPLERS, "packing": PACKING,
+                   "mask_training": ("masked", "unmasked")}
         check_config(self, {**checks, **self.checks()}, {**choices, **self.choices()})
         if self.async_mode == "one-step" and self.max_staleness != 1:
             raise ValueError(f"{type(self).__name__}: async_mode='one-step' samples each rollout exactly one update "

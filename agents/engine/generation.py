@@ -77,6 +77,10 @@ class GenerationRequest:
     """The episode's sampling stream (``None``: the generator's own random state; greedy draws nothing)."""
     step: int = 0
     """The position of the first new token in the episode's stream (a multi-turn episode's later turns go on with it)."""
+    grammar: Any = None
+    """The grammar the generation follows from its first token (:func:`tokengym.envs.masks.grammar_text`'s spec, e.g.
+    ``{"json_schema": ...}``), or ``None``: each token is sampled from the masked, renormalised distribution and its
+    log-prob is of that distribution."""
 
 
 @dataclass
@@ -196,7 +200,7 @@ def policy_generate(policy: Any, requests: Sequence[GenerationRequest], version:
 
     check_requests(requests, policy.model.config.vocab_size if hasattr(policy.model, "config") else None)
     batches: dict[tuple, _Batch] = {}
-    for i, r in enumerate(requests):
+    for i, r in enumerate(requests):  # (grammars are per row: requests with different ones share a batch)
         b = batches.setdefault((r.sampling, r.stop_token_ids, r.stop_sequences, r.greedy, r.seed is None), _Batch())
         b.index.append(i)
         b.requests.append(r)
@@ -230,6 +234,7 @@ COMPACT_EVERY = 8
 
 def _decode_batch(policy: Any, reqs: Sequence[GenerationRequest]) -> list[Generation]:
     from tokengym.agents.engine.policy import row_uniforms, sample_logits
+    from tokengym.agents.engine.rollout import masked_logits
 
     dev, R = policy.device, len(reqs)
     first = reqs[0]
@@ -257,6 +262,7 @@ def _decode_batch(policy: Any, reqs: Sequence[GenerationRequest]) -> list[Genera
     finished = torch.zeros(R, dtype=torch.bool, device=dev)
     g = _group_size(reqs)
     caps = policy.capabilities(L + M)
+    masker = _request_masker(policy, reqs, M, dev)
     try:
         logits = (policy.prefill(tokens, mask, max_new_tokens=M, copies=g) if g > 1 and caps.shared_prefix
                   else policy.prefill(tokens, mask, max_new_tokens=M))
@@ -265,8 +271,14 @@ def _decode_batch(policy: Any, reqs: Sequence[GenerationRequest]) -> list[Genera
         for t in range(M):
             uniform = None if first.greedy or first.seed is None else row_uniforms(seeds[rows], torch.zeros_like(rows),
                                                                                    steps0[rows] + t)
+            if masker is not None:  # the rows' grammars: sample from the masked distribution
+                logits = masked_logits(logits, masker.allowed(~finished)[rows])
             tok, lp = sample_logits(logits, s.temperature, s.top_k, s.top_p, first.greedy, policy.generator, uniform)
             live = ~finished[rows]
+            if masker is not None:
+                every = torch.zeros(R, dtype=torch.long, device=dev)
+                every[rows] = tok
+                masker.take(~finished, every, torch.full((R,), t, device=dev))
             out_tok[rows, t] = torch.where(live, tok, out_tok[rows, t])
             out_lp[rows, t] = torch.where(live, lp, out_lp[rows, t])
             hit = is_stop[tok]
@@ -296,6 +308,18 @@ def _decode_batch(policy: Any, reqs: Sequence[GenerationRequest]) -> list[Genera
         policy.end_rollout()
     toks, lps, lens, why = out_tok.tolist(), out_lp.tolist(), length.tolist(), stopped.tolist()
     return [Generation(toks[i][: lens[i]], lps[i][: lens[i]], "stop" if why[i] else "length") for i in range(R)]
+
+
+def _request_masker(policy: Any, reqs: Sequence[GenerationRequest], M: int, dev: torch.device):
+    """An :class:`~tokengym.envs.masks.ActionMasker` over the requests where any has a grammar, else ``None``."""
+    if all(r.grammar is None for r in reqs):
+        return None
+    from tokengym.envs.masks import ActionMasker
+
+    masker = ActionMasker(len(reqs), M, len(policy.tokenizer), policy.tokenizer, dev,
+                          spec_for=lambda sample, turn: sample["grammar"])
+    masker.start(range(len(reqs)), [{"grammar": r.grammar} for r in reqs])
+    return masker
 
 
 def check_scoring(sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> None:

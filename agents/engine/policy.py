@@ -400,7 +400,7 @@ class Policy(nn.Module):
     # ------------------------------------------------------------------ training API
     def forward(
         self, tokens: torch.Tensor, mask: torch.Tensor, prompt_len: int, return_entropy: bool = False,
-        return_logits: bool = False,
+        return_logits: bool = False, allowed: Any = None,
     ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """Log-probabilities ``[N, M]`` of the generated tokens ``tokens[:, P:]`` under the policy.
 
@@ -409,19 +409,26 @@ class Policy(nn.Module):
         multiply by the action mask ``mask[:, P:]``. With ``return_entropy`` also the per-token entropy, with
         ``return_logits`` also those logits ``[N, M, V]`` (after the entropy; distillation's ``topk`` and ``full``).
         ``self.packing`` (``off``, ``bins``, ``auto``) runs the real tokens packed into bins instead (equal up to
-        float rounding, 0 at padding: :mod:`~tokengym.agents.engine.packing`).
+        float rounding, 0 at padding: :mod:`~tokengym.agents.engine.packing`). ``allowed`` (a rollout's
+        :class:`~tokengym.envs.masks.TokenMasks` for these columns, or ``(index[N, M], table[U, V])``): the log-probs and
+        entropies are of the masked distribution each token was sampled from (the logits stay unmasked).
         """
+        allowed = allowed.pair() if hasattr(allowed, "pair") else allowed
         bins = plan(self.packing, self.model, tokens, mask)
         if bins is not None:
-            return lm_logprobs(self.model, bins, tokens, mask, prompt_len, self.temperature, return_entropy, return_logits)
+            return lm_logprobs(self.model, bins, tokens, mask, prompt_len, self.temperature, return_entropy, return_logits,
+                               allowed)
         m = tokens.shape[1] - prompt_len
         out = self.model(input_ids=tokens, attention_mask=mask.long(), position_ids=position_ids(mask), logits_to_keep=m + 1)
         logits = out.logits[:, :-1]
         if self.temperature != 1.0:
             logits = logits / self.temperature
-        outs = [Fn.token_logprobs(logits, tokens[:, prompt_len:])]
+        labels = tokens[:, prompt_len:]
+        if allowed is not None:  # padding may hold any token: score it as an unmasked position
+            allowed = (torch.where(mask[:, prompt_len:].bool(), allowed[0], 0), allowed[1])
+        outs = [Fn.token_logprobs(logits, labels, allowed=allowed)]
         if return_entropy:
-            outs.append(Fn.entropy(logits, mask[:, prompt_len:]))
+            outs.append(Fn.entropy(logits, mask[:, prompt_len:], allowed=allowed))
         if return_logits:
             outs.append(logits)
         return outs[0] if len(outs) == 1 else tuple(outs)
@@ -450,9 +457,9 @@ class AdapterDisabledReference:
         finally:
             model.train(was_training)
 
-    def __call__(self, tokens: torch.Tensor, mask: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    def __call__(self, tokens: torch.Tensor, mask: torch.Tensor, prompt_len: int, **kwargs: Any) -> torch.Tensor:
         with self.disabled() as ref:
-            return ref(tokens, mask, prompt_len)
+            return ref(tokens, mask, prompt_len, **kwargs)
 
 
 def make_reference(policy: Policy):

@@ -63,10 +63,12 @@ def _replay(env, gen, greedy: bool, seed: int | None, samples: list | None):
         rows = ready.tolist()
         tokens, mask = env.tokens[ready].tolist(), env.attention_mask[ready].tolist()
         gen_len, ids = env.gen_len[ready].tolist(), env.episode_id[ready].tolist()
+        masker = getattr(env, "masker", None)  # the env's grammar: the engine applies it (and the env checks it)
         requests = [GenerationRequest(
             prompt_ids=[t for t, m in zip(tokens[i], mask[i]) if m], max_tokens=M - gen_len[i], sampling=gen.sampling,
             stop_token_ids=rule.token_ids, stop_sequences=rule.sequences, stop_strings=rule.strings, greedy=greedy,
-            seed=None if key is None else stream_seed(key, ids[i] + offset), step=gen_len[i]) for i in range(len(rows))]
+            seed=None if key is None else stream_seed(key, ids[i] + offset), step=gen_len[i],
+            grammar=None if masker is None else masker.engine_grammar(rows[i])) for i in range(len(rows))]
         outs = gen.generate(requests)
         _check_outputs(gen, requests, outs, rows, version, env.vocab_size)
         counts["requests"][ready] += 1

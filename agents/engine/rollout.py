@@ -18,6 +18,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from tokengym.envs.masks import TokenMasks
 from tokengym.agents.engine.generation import is_generation_backend
 from tokengym.agents.engine.resources import check_fits
 from tokengym.agents.engine.sampler import SamplerCapabilities, capabilities_of
@@ -66,6 +67,9 @@ class Rollout:
     """The policy version that sampled the batch: in async modes the learner's number of updates when a worker took
     its weights, with an inference engine the version its weights were loaded as; ``None``: the policy as it stood
     (synchronous training)."""
+    token_masks: TokenMasks | None = None
+    """The allowed set each token was sampled under (an env that masks its actions: a grammar), compact; the trainer
+    scores every log-prob under the same sets (``mask_training="masked"``). ``None``: unmasked sampling."""
     generation_counts: dict[str, torch.Tensor] = field(default_factory=dict)
     """Rollouts through the generation seam (an engine's tokens replayed through the env): per episode, the
     ``requests`` sent to the engine and the tokens it generated that were ``dropped`` because the env ended the turn
@@ -120,6 +124,8 @@ class Rollout:
                 v = [v[i] for i in pick] if v else v
             elif isinstance(v, dict):
                 v = {k: t[idx_t] for k, t in v.items()}
+            elif isinstance(v, TokenMasks):
+                v = v.select(idx_t)
             out[f.name] = v
         return Rollout(**out)
 
@@ -135,6 +141,8 @@ def concat_rollouts(parts: Sequence[Rollout]) -> Rollout:
             out[f.name] = [x for v in vs for x in v]
         elif isinstance(vs[0], dict):
             out[f.name] = {k: torch.cat([v[k] for v in vs]) for k in vs[0]}
+        elif f.name == "token_masks":
+            out[f.name] = TokenMasks.cat(vs)
         else:
             out[f.name] = vs[0]
     return Rollout(**out)
@@ -172,11 +180,13 @@ def used_slice(ro: "Rollout", rows: torch.Tensor | None = None) -> tuple[torch.T
     return tokens[:, lead : P + m], mask[:, lead : P + m], P - lead, m
 
 
-def trimmed_logprobs(fn, ro: "Rollout") -> torch.Tensor:
+def trimmed_logprobs(fn, ro: "Rollout", masked: bool = True) -> torch.Tensor:
     """``fn(tokens, mask, prompt_len)`` (a policy or reference) over :func:`used_slice` only, zero-padded back to
-    ``[N, M]``."""
+    ``[N, M]``; with ``masked`` and a rollout sampled under action masks, of the masked distributions
+    (``fn(..., allowed=masks)``)."""
     tokens, mask, p, m = used_slice(ro)
-    return torch.nn.functional.pad(fn(tokens, mask, p), (0, ro.action_mask.shape[1] - m))
+    kw = {"allowed": ro.token_masks.columns(m)} if masked and ro.token_masks is not None else {}
+    return torch.nn.functional.pad(fn(tokens, mask, p, **kw), (0, ro.action_mask.shape[1] - m))
 
 
 COMPACT_EVERY = 8
@@ -326,8 +336,11 @@ def _decode_loop(env, policy, caps: SamplerCapabilities, logits: torch.Tensor, g
     actions = torch.full((N,), env.pad_id, dtype=torch.long, device=env.device)
     # slots that restart move at their own pace: per-row cache columns from the first step
     hold0 = torch.zeros(N, dtype=torch.bool, device=env.device) if env.autoreset_mode.name == "NEXT_STEP" else None
+    masker = getattr(env, "masker", None)
     for step in range(limit):
         gen = env.gen_len[rows]
+        if masker is not None:  # sample from the masked, renormalised distribution: its log-probs are the behaviour's
+            logits = masked_logits(logits, env.action_masks()[rows])
         a, lp = (policy.sample(logits, greedy=greedy, ids=env.episode_id[rows], steps=gen) if streams
                  else policy.sample(logits, greedy=greedy))
         actions[rows] = a
@@ -357,6 +370,14 @@ def _decode_loop(env, policy, caps: SamplerCapabilities, logits: torch.Tensor, g
                 else:  # the policy cannot drop rows (generic transformers path)
                     compact = False
     return logps[:, :M]
+
+
+def masked_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """``logits[R, V']`` with ``-inf`` outside ``allowed[R, V]`` (a model head wider than the tokenizer: its extra
+    ids are never allowed)."""
+    if allowed.shape[1] < logits.shape[1]:
+        allowed = torch.nn.functional.pad(allowed, (0, logits.shape[1] - allowed.shape[1]))
+    return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
 
 
 def collect_episodes(env, policy, samples: Sequence[Any] | None = None, n: int | None = None, *, greedy: bool = False,

@@ -9,7 +9,10 @@ temporary folder, LoRA adapters merged), so it serves exactly the model the trai
   ``stop_token_ids`` (with ``ignore_eos``: the env's rule, not the model's), its multi-token stop strings ``stop``
   texts kept in the output; each request's seed is a hash of its episode's stream.
 - **Log-probs** are vLLM's ``processed_logprobs``: the sampled token's log-probability after temperature, top-k and
-  top-p, the distribution it was drawn from (greedy requests: vLLM's temperature-0 log-probs). The trainer's forward
+  top-p, the distribution it was drawn from (greedy requests: vLLM's temperature-0 log-probs).
+- **Grammars** (an env that masks its actions) go to vLLM's structured outputs with the llguidance backend, the env's
+  own library, so both compute the same mask; vLLM applies it to the logits before sampling, so its log-probs are of
+  the masked, renormalised distribution (checked by the tests), and the env refuses any token outside its mask. The trainer's forward
   never matches them bit for bit (other kernels), so training with this backend corrects for it (``correction``
   ``auto`` is ``tis``) and logs ``mismatch/*``.
 - **Weights** go in by name after every optimiser step (:meth:`load_weights`): the Hugging Face names, through the
@@ -142,6 +145,8 @@ class VLLMSampler:
                       enforce_eager=True, max_model_len=self.max_model_len, enable_prefix_caching=True,
                       logprobs_mode="processed_logprobs", generation_config="vllm", disable_log_stats=True,
                       worker_extension_cls="tokengym.agents.engine.vllm_worker.WeightLoader",
+                      # llguidance, the env's own grammar library; JSON schemas compact, as the env compiles them
+                      structured_outputs_config={"backend": "guidance", "disable_any_whitespace": True},
                       distributed_executor_backend="uni",
                       # whole prompts per engine step on the CPU: a prompt prefilled in chunks rolls its seeded
                       # generator back, which vLLM does only for CUDA generators (a RuntimeError on the CPU)
@@ -198,7 +203,8 @@ class VLLMSampler:
                 n=1, temperature=0.0 if r.greedy else s.temperature, top_k=s.top_k, top_p=s.top_p, max_tokens=r.max_tokens,
                 stop_token_ids=list(r.stop_token_ids), stop=list(r.stop_strings) or None, include_stop_str_in_output=True,
                 ignore_eos=True, logprobs=0, detokenize=bool(r.stop_strings), skip_special_tokens=False,
-                seed=None if r.seed is None or r.greedy else request_seed(r.seed, r.step)))
+                seed=None if r.seed is None or r.greedy else request_seed(r.seed, r.step),
+                structured_outputs=_structured(r.grammar)))
         prompts = [TokensPrompt(prompt_token_ids=list(map(int, r.prompt_ids))) for r in requests]
         with torch.autocast(self.policy.device.type, enabled=False):  # the engine's own dtype, not the trainer's autocast
             outs = self.llm.generate(prompts, params, use_tqdm=False)
@@ -253,6 +259,45 @@ class VLLMSampler:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _guidance_reads_any_tokenizer() -> None:
+    """vLLM's llguidance backend builds its tokenizer from the tokenizer's JSON, which fails for a decoder llguidance
+    does not recognise (the bundled char tokenizer's): there it falls back to the token list, as the env does. The
+    engine core runs in this process, so this reaches it."""
+    from vllm.v1.structured_output.backend_guidance import GuidanceBackend
+
+    build = GuidanceBackend.__dict__["_build_ll_tokenizer"].__func__
+    if getattr(build, "tokengym", False):
+        return
+
+    def build_any(tokenizer: Any, vocab_size: int) -> Any:
+        try:
+            return build(tokenizer, vocab_size)
+        except ValueError:
+            from tokengym.envs.masks import token_list_tokenizer
+
+            return token_list_tokenizer(tokenizer, max(vocab_size, len(tokenizer)))
+
+    build_any.tokengym = True
+    GuidanceBackend._build_ll_tokenizer = staticmethod(build_any)
+
+
+def _structured(grammar: Any) -> Any:
+    """vLLM's structured outputs for a grammar spec (``None``: free): the same llguidance grammar the env masks with
+    (JSON schemas compact), so the engine's mask and the env's agree token for token."""
+    if grammar is None:
+        return None
+    from vllm.sampling_params import StructuredOutputsParams
+
+    from tokengym.envs.masks import grammar_text
+
+    grammar_text(grammar)  # checked as the env checks it
+    _guidance_reads_any_tokenizer()
+    kind, body = next(iter(grammar.items()))
+    if kind == "json_schema":
+        return StructuredOutputsParams(json=body)
+    return StructuredOutputsParams(**{"regex" if kind == "regex" else "grammar": body})
 
 
 def _tear_down_vllm_groups() -> None:

@@ -41,6 +41,7 @@ import torch
 
 from tokengym.agents.engine.generation import make_sampler
 from tokengym.agents.engine.rollout import Rollout, collect
+from tokengym.envs.masks import TokenMasks
 from tokengym.agents.runtime.weight_sync import STOP, WeightSync, WeightSyncError
 
 __all__ = ["ASYNC_MODES", "RolloutWorkers", "WorkerError", "check_crosses", "check_workers"]
@@ -56,11 +57,13 @@ def _rollout_checkpoint(ro: Rollout) -> dict[str, Any]:
     """A :class:`Rollout` as a dict that ``torch.load(weights_only=True)`` loads: the task's samples (any Python
     values; no update reads them) as JSON text."""
     state = {f.name: getattr(ro, f.name) for f in dataclasses.fields(ro)}
-    return {**state, "samples": json.dumps(state["samples"], default=repr)}
+    masks = state["token_masks"].state() if state.get("token_masks") is not None else None
+    return {**state, "samples": json.dumps(state["samples"], default=repr), "token_masks": masks}
 
 
 def _rollout_from_checkpoint(state: dict[str, Any]) -> Rollout:
-    return Rollout(**{**state, "samples": json.loads(state["samples"])})
+    return Rollout(**{**state, "samples": json.loads(state["samples"]),
+                      "token_masks": TokenMasks.from_state(state.get("token_masks"))})
 
 
 def _die_with_parent() -> None:

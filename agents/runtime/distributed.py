@@ -43,7 +43,10 @@ from typing import Any, Iterable
 
 import numpy as np
 import torch
+
 import torch.distributed as dist
+
+from tokengym.envs.masks import TokenMasks
 
 __all__ = ["DataParallel", "LOCAL", "init", "shutdown", "prepare", "ShardedTask", "seed_rank",
            "aggregation_weights"]
@@ -129,6 +132,8 @@ class DataParallel:
                    if isinstance(getattr(x, f.name), (torch.Tensor, list))}
             for f in dataclasses.fields(x):
                 d = getattr(x, f.name)
+                if isinstance(d, TokenMasks):  # every rank's (the same env masks on each), their sets offset
+                    out[f.name] = TokenMasks.cat(self.all_gather_object(d))
                 if isinstance(d, dict):  # a name some rank lacks counts 0 on that rank's rows
                     names = sorted({k for part in self.all_gather_object(sorted(d)) for k in part})
                     zero = x.tokens.new_zeros(x.tokens.shape[0], dtype=torch.float32)

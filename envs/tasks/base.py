@@ -37,6 +37,8 @@ class Task:
         reply_grace: ``None`` (a step waits for every reply of its agent turns) or seconds after which a step returns
             with the rows whose reply is still out waiting, so that a slow tool does not hold up the other rows.
         reply_role: the chat role of the env's replies in chat tasks.
+        grammar: the actions' grammar, declared as stop strings are (``{"json_schema": ...}``, ``{"regex": ...}`` or
+            ``{"lark": ...}``, see :func:`~tokengym.envs.masks.grammar_text`); ``None``: free text. Needs llguidance.
         bundled_data: the names of the data methods (:data:`BUNDLED_DATA`) that give data instead of raising;
             ask with :meth:`has_bundled_data`.
 
@@ -56,6 +58,12 @@ class Task:
     reply_grace: float | None = None
     reply_role: str = "user"
     bundled_data: tuple[str, ...] = ()
+    grammar: dict[str, Any] | None = None
+
+    def grammar_for(self, sample: dict[str, Any], turn: int) -> dict[str, Any] | None:
+        """The grammar agent turn ``turn`` (0 = the first) of ``sample``'s episode is sampled under, or ``None`` (free
+        text). Default: :attr:`grammar` for every turn; a multi-turn task overrides it to constrain only some turns."""
+        return self.grammar
 
     def sample(self, rng: np.random.Generator) -> dict[str, Any]:
         raise NotImplementedError

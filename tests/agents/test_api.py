@@ -27,8 +27,8 @@ FUNCTIONS = {
         "loss_type",
         "label_smoothing",
     ],
-    "token_logprobs": ["logits", "labels", "chunk_size"],
-    "entropy": ["logits", "mask", "chunk_size"],
+    "token_logprobs": ["logits", "labels", "chunk_size", "allowed"],
+    "entropy": ["logits", "mask", "chunk_size", "allowed"],
 }
 
 

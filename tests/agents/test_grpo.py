@@ -146,7 +146,7 @@ def test_passes_skip_columns_past_every_rows_end_without_changing_the_update(mon
         if full_width:
             monkeypatch.setattr(skeleton, "used_slice", lambda ro, rows: (
                 ro.tokens[rows], ro.attention_mask[rows], ro.prompt_len, ro.action_mask.shape[1]))
-            monkeypatch.setattr(skeleton, "trimmed_logprobs", lambda fn, ro: fn(ro.tokens, ro.attention_mask, ro.prompt_len))
+            monkeypatch.setattr(skeleton, "trimmed_logprobs", lambda fn, ro, masked=True: fn(ro.tokens, ro.attention_mask, ro.prompt_len))
         env = gym.make_vec("tokengym/Arithmetic-v0", num_envs=16, vectorization_mode="vector_entry_point", group_size=8,
                            n_operands=(2, 3), digits=2)
         policy = Policy.from_pretrained("tiny-arithmetic")

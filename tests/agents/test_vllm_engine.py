@@ -45,7 +45,7 @@ def test_the_engine_stops_where_every_bundled_env_stops(env_id, calc, bundled_en
     ro = collect(env, engine, seed=3)
     assert ro.generation_counts["dropped"].sum() == 0
     assert torch.equal(ro.generation_counts["requests"], agent_turns(ro))
-    full = policy(ro.tokens, ro.attention_mask, ro.prompt_len).detach()
+    full = policy(ro.tokens, ro.attention_mask, ro.prompt_len, allowed=ro.token_masks).detach()  # (None: no grammar)
     assert float(((full - ro.logprobs) * ro.action_mask).abs().max()) < LP_TOL  # behaviour log-probs = the model's
 
 
@@ -122,3 +122,24 @@ def test_the_engines_scoring_call_is_the_models_log_probs_and_serves_a_distillat
     assert torch.allclose(by_engine["adv"], in_process["adv"], rtol=0, atol=LP_TOL)
     with pytest.raises(ValueError, match="start must be in 1..3"):
         engine.score([[1, 2, 3]], [0])
+
+
+def test_the_engine_samples_inside_the_envs_grammar_with_masked_log_probs(calc):
+    """An env with a grammar (ToolCall's JSON schema): vLLM's structured outputs (llguidance, the env's library) keep
+    every token inside the env's mask, every call parses, and the log-probs vLLM reports are of the masked,
+    renormalised distribution (the trainer's masked forward), not the model's full one."""
+    pytest.importorskip("llguidance")
+    from tokengym.envs.tasks.tool_call import parse_call
+
+    policy, engine = calc
+    env = TokenVectorEnv(8, "tool_call", group_size=2)
+    ro = collect(env, engine, seed=2)
+    act = ro.action_mask.bool()
+    gen = ro.tokens[:, ro.prompt_len:]
+    assert bool(ro.token_masks.dense().gather(2, gen[..., None])[..., 0][act].all())
+    assert all(parse_call(c) is not None for c in ro.completions)
+    assert ro.generation_counts["dropped"].sum() == 0
+    masked = policy(ro.tokens, ro.attention_mask, ro.prompt_len, allowed=ro.token_masks).detach()
+    full = policy(ro.tokens, ro.attention_mask, ro.prompt_len).detach()
+    assert float((masked - ro.logprobs)[act].abs().max()) < LP_TOL
+    assert float((full - ro.logprobs)[act].abs().max()) > 1.0

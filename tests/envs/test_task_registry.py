@@ -15,9 +15,11 @@ BUNDLED = {  # id -> task name, in the order `tokengym envs` lists them
     "tokengym/ReasoningGym-v0": "reasoning_gym",
     "tokengym/Calculator-v0": "calculator",
     "tokengym/GuessNumber-v0": "guess_number",
+    "tokengym/ToolCall-v0": "tool_call",
 }
 CLASSES = {"arithmetic": "ArithmeticTask", "reverse": "ReverseTask", "dataset": "DatasetTask", "target": "TargetTask",
-           "reasoning_gym": "ReasoningGymTask", "calculator": "CalculatorTask", "guess_number": "GuessNumberTask"}
+           "reasoning_gym": "ReasoningGymTask", "calculator": "CalculatorTask", "guess_number": "GuessNumberTask",
+           "tool_call": "ToolCallTask"}
 
 
 class EchoTask(Task):
@@ -135,4 +137,4 @@ def test_register_envs_restores_a_missing_id():
 def test_tasks_is_the_procedural_part_of_the_table():
     assert TASKS["arithmetic"] is ArithmeticTask
     assert set(TASKS) == {n for n, s in TASK_SPECS.items() if s.kind == "procedural"} == {
-        "arithmetic", "reverse", "calculator", "guess_number"}
+        "arithmetic", "reverse", "calculator", "guess_number", "tool_call"}

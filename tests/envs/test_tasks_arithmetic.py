@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tokengym.envs.tasks import TASKS, ArithmeticTask, CalculatorTask, GuessNumberTask, ReverseTask, Task
+from tokengym.envs.tasks import TASKS, ArithmeticTask, CalculatorTask, GuessNumberTask, ReverseTask, Task, ToolCallTask
 from tokengym.rewards import arithmetic_correct, arithmetic_step_reward, extract_final_answer, parse_int, score_process
 
 STEP = re.compile(r"(-?\d+)([-+*])(\d+)=(-?\d+)")
@@ -15,7 +15,7 @@ STEP = re.compile(r"(-?\d+)([-+*])(\d+)=(-?\d+)")
 
 def test_registry_and_defaults():
     assert TASKS == {"arithmetic": ArithmeticTask, "reverse": ReverseTask, "calculator": CalculatorTask,
-                     "guess_number": GuessNumberTask}
+                     "guess_number": GuessNumberTask, "tool_call": ToolCallTask}
     t = ArithmeticTask()
     assert isinstance(t, Task) and t.name == "arithmetic"
     assert t.step_delimiter == "\n" and t.stop_strings == ()
