@@ -240,7 +240,7 @@ class ActionMasker:
                  spec_for: Callable[[dict, int], Any] | None = None, fn: Callable | None = None):
         self.n, self.m, self.V, self.tokenizer, self.device = n, m, vocab_size, tokenizer, device
         self.spec_for, self.fn = spec_for, fn
-        self.W = -(-vocab_size // 8)
+        self.W8, self.W4 = -(-vocab_size // 8), 4 * -(-vocab_size // 32)  # bytes per set: stored, and as int32 words
         self.index = torch.zeros((n, m), dtype=torch.int32, device=device)
         self._rows: list[bytes] = [bytes(pack_bits(torch.ones(vocab_size, dtype=torch.bool)).numpy())]
         self._ids: dict[bytes, int] = {self._rows[0]: 0}
@@ -309,11 +309,12 @@ class ActionMasker:
 
     # -- the current step
     def packed(self, live: torch.Tensor) -> torch.Tensor:
-        """Packed allowed sets ``[N, W]`` (uint8, on the env's device) of the current step; rows not in ``live`` (bool
-        ``[N]``) allow everything. Raises naming the row and its prefix where a live row allows nothing."""
+        """Packed allowed sets ``[N, 4 * ceil(V / 32)]`` (uint8, llguidance's bit order, viewable as its int32 words; on
+        the env's device) of the current step; rows not in ``live`` (bool ``[N]``) allow everything. Raises naming the
+        row and its prefix where a live row allows nothing."""
         if self._cache is not None:
             return self._cache
-        out = np.full((self.n, self.W), 255, dtype=np.uint8)
+        out = np.full((self.n, self.W4), 255, dtype=np.uint8)
         rows = live.nonzero().flatten().tolist()
         if self.spec_for is not None:
             import llguidance.torch as lt
@@ -322,31 +323,14 @@ class ActionMasker:
             if todo:
                 bm = lt.allocate_token_bitmask(len(todo), self._llt.vocab_size)
                 lt.fill_next_token_bitmask_par(self._executor, [(self._matchers[s], i) for i, s in enumerate(todo)], bm)
-                raw = bm.numpy().view(np.uint8)[:, : self.W].copy()
-                if self.V % 8:  # bits past the vocabulary are not tokens
-                    raw[:, -1] &= (1 << (self.V % 8)) - 1
-                out[todo] = raw
+                out[todo] = bm.numpy().view(np.uint8)[:, : self.W4]
         else:
             for s in rows:
-                got = self.fn(self._samples[s], list(self._prefix[s]))
-                if got is None:
-                    continue
-                a = np.asarray(got)
-                if a.dtype != np.bool_:
-                    ids, a = a.astype(np.int64).reshape(-1), np.zeros(self.V, dtype=np.bool_)
-                    if ids.size and (ids.min() < 0 or ids.max() >= self.V):
-                        raise ValueError(f"action_mask_fn returned token id {int(ids.max() if ids.max() >= self.V else ids.min())}"
-                                         f" for env row {s}, outside the vocabulary [0, {self.V})")
-                    a[ids] = True
-                elif a.shape != (self.V,):
-                    raise ValueError(f"action_mask_fn returned a bool array of shape {a.shape} for env row {s}; "
-                                     f"expected ({self.V},)")
-                out[s] = np.packbits(a, bitorder="little")
-        if self.V % 8:
-            out[:, -1] &= (1 << (self.V % 8)) - 1
-        empty = [s for s in rows if not out[s].any()]
-        if empty:
-            s = empty[0]
+                out[s] = self._from_fn(s)
+        self._tail(out)
+        empty = np.flatnonzero(~out[rows].any(1)) if rows else []
+        if len(empty):
+            s = rows[int(empty[0])]
             prefix = self.tokenizer.decode(self._prefix[s])
             src = "its grammar" if self.spec_for is not None else "action_mask_fn"
             raise ValueError(f"the action mask of env row {s} allows no token after the prefix {prefix!r} ({src} is at a "
@@ -354,9 +338,52 @@ class ActionMasker:
         self._cache = torch.from_numpy(out).to(self.device)
         return self._cache
 
+    def _tail(self, out: np.ndarray) -> None:
+        """Clear the bits past the vocabulary (they are not tokens)."""
+        if self.V % 8:
+            out[:, self.W8 - 1] &= (1 << (self.V % 8)) - 1
+        out[:, self.W8:] = 0
+
+    def _from_fn(self, s: int) -> np.ndarray:
+        """Row ``s``'s packed set from ``action_mask_fn`` (all ones where it returns ``None``)."""
+        got = self.fn(self._samples[s], list(self._prefix[s]))
+        row = np.full(self.W4, 255, dtype=np.uint8)
+        if got is None:
+            return row
+        a = np.asarray(got)
+        if a.dtype != np.bool_:
+            ids, a = a.astype(np.int64).reshape(-1), np.zeros(self.V, dtype=np.bool_)
+            if ids.size and (ids.min() < 0 or ids.max() >= self.V):
+                bad = int(ids.max() if ids.max() >= self.V else ids.min())
+                raise ValueError(f"action_mask_fn returned token id {bad} for env row {s}, outside the vocabulary "
+                                 f"[0, {self.V})")
+            a[ids] = True
+        elif a.shape != (self.V,):
+            raise ValueError(f"action_mask_fn returned a bool array of shape {a.shape} for env row {s}; expected "
+                             f"({self.V},)")
+        row[: self.W8] = np.packbits(a, bitorder="little")
+        return row
+
     def allowed(self, live: torch.Tensor) -> torch.Tensor:
         """Bool ``[N, V]``: the current step's allowed tokens (everything, for rows not in ``live``)."""
-        return unpack_bits(self.packed(live), self.V)
+        return unpack_bits(self.packed(live)[:, : self.W8], self.V)
+
+    def mask_logits(self, logits: torch.Tensor, live: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """``logits[R, V']`` of slots ``rows`` with ``-inf`` outside the current step's masks: in place, with
+        llguidance's bitmask kernel on the CPU (a tenth of unpacking the sets), else through :meth:`allowed`. A head
+        wider than the tokenizer gets ``-inf`` on its extra ids."""
+        packed = self.packed(live)[rows]
+        if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous():
+            from llguidance.torch import apply_token_bitmask_inplace
+
+            apply_token_bitmask_inplace(logits, packed.contiguous().view(torch.int32))
+            if logits.shape[1] > self.V:
+                logits[:, self.V:] = float("-inf")
+            return logits
+        allowed = unpack_bits(packed[:, : self.W8], self.V)
+        if allowed.shape[1] < logits.shape[1]:
+            allowed = torch.nn.functional.pad(allowed, (0, logits.shape[1] - allowed.shape[1]))
+        return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
 
     def take(self, live: torch.Tensor, actions: torch.Tensor, cols: torch.Tensor) -> None:
         """Check ``actions`` of the ``live`` rows against their masks, record each row's set at its generated column
@@ -371,7 +398,7 @@ class ActionMasker:
             raise ValueError(f"action {tok} ({self.tokenizer.decode([tok])!r}) for env {s} is outside its action mask "
                              f"after the prefix {self.tokenizer.decode(self._prefix[s])!r}")
         host_rows, host_a, host_cols = rows.tolist(), a.tolist(), cols[rows].tolist()
-        keys = packed[rows].cpu().numpy()
+        keys = packed[rows, : self.W8].cpu().numpy()
         for s, t, c, key in zip(host_rows, host_a, host_cols, keys):
             b = key.tobytes()
             k = self._ids.get(b)
@@ -394,7 +421,7 @@ class ActionMasker:
         remap = torch.zeros(len(self._rows), dtype=torch.int32, device=self.device)
         remap[used.long()] = torch.arange(1, len(used) + 1, dtype=torch.int32, device=self.device)
         rows = [self._rows[0]] + [self._rows[k] for k in used.tolist()]
-        table = torch.from_numpy(np.frombuffer(b"".join(rows), dtype=np.uint8).reshape(len(rows), self.W).copy())
+        table = torch.from_numpy(np.frombuffer(b"".join(rows), dtype=np.uint8).reshape(len(rows), self.W8).copy())
         return TokenMasks(remap[index.long()], table.to(self.device), self.V)
 
     def forget(self) -> None:

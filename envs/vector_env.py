@@ -252,6 +252,11 @@ class TokenVectorEnv(MultiTurnMixin, VectorEnv):
             return torch.ones((self.num_envs, self.vocab_size), dtype=torch.bool, device=self.device)
         return self.masker.allowed(self._live())
 
+    def mask_logits(self, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Next-token ``logits[R, V']`` of slots ``rows`` with ``-inf`` outside :meth:`action_masks` (possibly in place):
+        what a rollout samples from, so that its log-probs are the masked distribution's."""
+        return logits if self.masker is None else self.masker.mask_logits(logits, self._live(), rows)
+
     def _build_lookups(self, stop_strings: Sequence[str]) -> None:
         V, dev, tok = self.vocab_size, self.device, self.tokenizer
         is_stop = torch.zeros(V, dtype=torch.bool)

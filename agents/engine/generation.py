@@ -234,7 +234,6 @@ COMPACT_EVERY = 8
 
 def _decode_batch(policy: Any, reqs: Sequence[GenerationRequest]) -> list[Generation]:
     from tokengym.agents.engine.policy import row_uniforms, sample_logits
-    from tokengym.agents.engine.rollout import masked_logits
 
     dev, R = policy.device, len(reqs)
     first = reqs[0]
@@ -272,7 +271,7 @@ def _decode_batch(policy: Any, reqs: Sequence[GenerationRequest]) -> list[Genera
             uniform = None if first.greedy or first.seed is None else row_uniforms(seeds[rows], torch.zeros_like(rows),
                                                                                    steps0[rows] + t)
             if masker is not None:  # the rows' grammars: sample from the masked distribution
-                logits = masked_logits(logits, masker.allowed(~finished)[rows])
+                logits = masker.mask_logits(logits, ~finished, rows)
             tok, lp = sample_logits(logits, s.temperature, s.top_k, s.top_p, first.greedy, policy.generator, uniform)
             live = ~finished[rows]
             if masker is not None:

@@ -340,7 +340,7 @@ def _decode_loop(env, policy, caps: SamplerCapabilities, logits: torch.Tensor, g
     for step in range(limit):
         gen = env.gen_len[rows]
         if masker is not None:  # sample from the masked, renormalised distribution: its log-probs are the behaviour's
-            logits = masked_logits(logits, env.action_masks()[rows])
+            logits = env.mask_logits(logits, rows)
         a, lp = (policy.sample(logits, greedy=greedy, ids=env.episode_id[rows], steps=gen) if streams
                  else policy.sample(logits, greedy=greedy))
         actions[rows] = a
@@ -370,14 +370,6 @@ def _decode_loop(env, policy, caps: SamplerCapabilities, logits: torch.Tensor, g
                 else:  # the policy cannot drop rows (generic transformers path)
                     compact = False
     return logps[:, :M]
-
-
-def masked_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """``logits[R, V']`` with ``-inf`` outside ``allowed[R, V]`` (a model head wider than the tokenizer: its extra
-    ids are never allowed)."""
-    if allowed.shape[1] < logits.shape[1]:
-        allowed = torch.nn.functional.pad(allowed, (0, logits.shape[1] - allowed.shape[1]))
-    return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
 
 
 def collect_episodes(env, policy, samples: Sequence[Any] | None = None, n: int | None = None, *, greedy: bool = False,

@@ -159,8 +159,8 @@ class ArithmeticTask(Task):
             biggest = width(n * m) + sign
         return total + len("A: ") + biggest
 
-    def sample(self, rng: np.random.Generator | None = None) -> dict[str, Any]:
-        """One expression, its canonical solution and its value (deterministic given ``rng``)."""
+    def expression(self, rng: np.random.Generator | None = None) -> str:
+        """One expression such as ``"12+7+30"`` (what :meth:`sample` poses), drawn from ``rng``."""
         rng = self._rng if rng is None else rng
         n = int(rng.integers(self.n_operands[0], self.n_operands[1] + 1))
         values = []
@@ -168,7 +168,11 @@ class ArithmeticTask(Task):
             d = int(rng.integers(self.digits[0], self.digits[1] + 1))
             values.append(int(rng.integers(0, 10**d)))
         ops = [self.operators[int(i)] for i in rng.integers(0, len(self.operators), size=n - 1)]
-        expression = str(values[0]) + "".join(f"{op}{v}" for op, v in zip(ops, values[1:]))
+        return str(values[0]) + "".join(f"{op}{v}" for op, v in zip(ops, values[1:]))
+
+    def sample(self, rng: np.random.Generator | None = None) -> dict[str, Any]:
+        """One expression, its canonical solution and its value (deterministic given ``rng``)."""
+        expression = self.expression(rng)
         steps, answer = solve_expression(expression)
         if self.chat:
             question = self.QUESTION.format(expression=expression)

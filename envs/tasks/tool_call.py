@@ -94,11 +94,10 @@ class ToolCallTask(ArithmeticTask):
             self.default_max_new_tokens = 48
 
     def sample(self, rng=None) -> dict[str, Any]:
-        s = super().sample(rng)
-        expression = s["prompt"].strip()
-        prompt = user_prompt(self.QUESTION.format(expression=expression), self.system_prompt) if self.chat else s["prompt"]
+        expression = self.expression(rng)
+        prompt = user_prompt(self.QUESTION.format(expression=expression), self.system_prompt) if self.chat else expression + "\n"
         return {"prompt": prompt, "solution": json.dumps({"expression": expression}, separators=(",", ":")),
-                "answer": s["answer"]}
+                "answer": solve_expression(expression)[1]}
 
     def reward(self) -> Callable:
         return tool_call_correct

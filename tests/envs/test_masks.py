@@ -165,3 +165,21 @@ def test_a_multi_turn_env_can_constrain_only_its_tool_call_turns():
         first_turn[i, : t.index("</calc>") + len("</calc>")] = True
     assert bool(masked[first_turn & ro.action_mask.bool()].sum() > 0)
     assert not bool(masked[~first_turn].any())  # the reply and the answer turn: unconstrained
+
+
+def test_masking_logits_in_place_and_through_the_bool_sets_agree():
+    """``mask_logits``: llguidance's bitmask kernel (CPU, float32) and the unpacked sets (elsewhere) forbid the same
+    tokens, and a head wider than the tokenizer gets -inf on its extra ids."""
+    env = TokenVectorEnv(4, "tool_call")
+    env.reset(seed=0)
+    for tok in "{\"expression\":\"1":  # into the string, where the sets are wide
+        env.step(torch.full((4,), env.tokenizer.convert_tokens_to_ids(tok)))
+    rows = torch.tensor([2, 0])
+    logits = torch.randn(2, env.vocab_size + 3)
+    fast = env.mask_logits(logits.clone(), rows)
+    slow = env.mask_logits(logits.double(), rows)
+    allowed = env.action_masks()[rows]
+    assert torch.equal(torch.isfinite(fast), torch.isfinite(slow))
+    assert torch.equal(torch.isfinite(fast[:, : env.vocab_size]), allowed) and not bool(torch.isfinite(fast[:, -3:]).any())
+    assert torch.equal(fast[torch.isfinite(fast)], logits[torch.isfinite(fast)])
+    assert 10 < int(allowed[0].sum()) < env.vocab_size
