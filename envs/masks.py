@@ -99,18 +99,21 @@ class TokenMasks:
     def from_dense(cls, allowed: torch.Tensor) -> "TokenMasks":
         """From bool ``[N, M, V]`` (tests and small vocabularies); all-true positions get index 0."""
         N, M, V = allowed.shape
-        full = allowed.all(-1)
-        packed = pack_bits(allowed.reshape(N * M, V))
+        index = torch.arange(1, N * M + 1, device=allowed.device).view(N, M)
         ones = pack_bits(torch.ones(1, V, dtype=torch.bool, device=allowed.device))
-        uniq, inv = torch.unique(torch.cat([ones, packed]), dim=0, return_inverse=True)
-        # row 0 must be the all-ones set: reorder so that it is
-        order = torch.cat([inv[:1], torch.tensor([i for i in range(len(uniq)) if i != int(inv[0])], dtype=torch.long,
-                                                 device=allowed.device)])
-        where = torch.empty_like(order)
-        where[order] = torch.arange(len(order), device=allowed.device)
-        index = torch.where(full.reshape(-1), 0, where[inv[1:]]).view(N, M)
-        return cls(index, uniq[order], V)
+        return cls._distinct(index, torch.cat([ones, pack_bits(allowed.reshape(N * M, V))]), V)
 
+    @classmethod
+    def _distinct(cls, index: torch.Tensor, table: torch.Tensor, V: int) -> "TokenMasks":
+        """``index`` into ``table`` (row 0 all ones) with every set stored once, row 0 still the all-ones set (and
+        every position whose set allows everything pointing at it)."""
+        uniq, inv = torch.unique(table, dim=0, return_inverse=True)
+        ones = int(inv[0])
+        order = torch.cat([torch.tensor([ones], device=table.device),
+                           torch.tensor([i for i in range(len(uniq)) if i != ones], dtype=torch.long, device=table.device)])
+        where = torch.empty_like(order)
+        where[order] = torch.arange(len(order), device=table.device)
+        return cls(where[inv][index.long()], uniq[order], V)
     def dense(self) -> torch.Tensor:
         """Bool ``[N, M, V]`` (for tests; training reads :meth:`pair`)."""
         return unpack_bits(self.table, self.vocab_size)[self.index.long()]
@@ -136,19 +139,18 @@ class TokenMasks:
 
     @staticmethod
     def cat(parts: Sequence["TokenMasks | None"]) -> "TokenMasks | None":
-        """The rows of ``parts`` in order (each part's table rows offset; ``None`` parts hold no masks)."""
+        """The rows of ``parts`` in order, each distinct set stored once (``None`` for parts that all hold no masks)."""
         if all(p is None for p in parts):
             return None
-        real = [p for p in parts if p is not None]
-        V, dev = real[0].vocab_size, real[0].index.device
-        tables, index, offset = [real[0].table[:1]], [], 0
+        if any(p is None for p in parts):
+            raise ValueError("cannot concatenate rollouts with and without action masks")
+        V, dev = parts[0].vocab_size, parts[0].index.device
+        tables, index, offset = [parts[0].table[:1]], [], 0
         for p in parts:
-            if p is None:  # a part without masks: its rows were unconstrained
-                raise ValueError("cannot concatenate rollouts with and without action masks")
             index.append(torch.where(p.index > 0, p.index + offset, 0))
             tables.append(p.table[1:].to(dev))
             offset += p.table.shape[0] - 1
-        return TokenMasks(torch.cat(index), torch.cat(tables), V)
+        return TokenMasks._distinct(torch.cat(index), torch.cat(tables), V)  # a set two parts share: stored once
 
     def state(self) -> dict[str, Any]:
         """Plain tensors and an int, for ``torch.save`` / ``torch.load(weights_only=True)``."""

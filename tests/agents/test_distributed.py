@@ -41,6 +41,10 @@ RUNS = {  # name -> command line (GRPO with minibatches, batch scaling and token
              "--scale-rewards", "batch", "--aggregation", "token-mean", *COMMON],
     "ppo": ["train", "ppo", "--steps", "3", "--prompts", "8", "--mu", "2", "--minibatches", "2", "--whiten-advantages", "true",
             "--aggregation", "seq-mean-token-mean", "--kl-target", "0.01", "--kl-horizon", "100", "--entropy-coef", "0.01", *COMMON],
+    # GRPO under a grammar (Arithmetic's own solution format): each rank's rollout masks are gathered with it
+    "grpo-masked": ["train", "grpo", "--steps", "3", "--prompts", "2", "--group-size", "4", "--minibatches", "2",
+                    "--aggregation", "token-mean", "--env-kwargs", json.dumps({"grammar": {"regex": r"([0-9]+\+[0-9]+=[0-9]+\n)+A: [0-9]+"}}),
+                    *COMMON],
     "dpo": ["train", "dpo", "--steps", "3", "--batch-size", "8", "--num-pairs", "64", *COMMON],
     # SFT's rows split by completion tokens (their lengths differ), a held-out eval before and after (greedy: the
     # same weights score the same on every rank)
@@ -62,8 +66,8 @@ def _metrics(path: str) -> list[dict]:
 # and critic optimizers; DPO and SFT: 3 steps), and a bound on the float32 terms summed into one gradient entry:
 # the tokens of the largest global minibatch (GRPO 4 rows, PPO 4 rows, DPO 8 pairs = 16 rows, SFT 8 rows; the
 # Arithmetic-v0 prompt buffer 11 + 31 completion tokens) times the widest layer of the tiny models (352 features).
-OPTIMIZER_STEPS = {"grpo": 6, "ppo": 24, "dpo": 3, "sft": 3}
-N_TERMS = {"grpo": 4 * 42 * 352, "ppo": 4 * 42 * 352, "dpo": 16 * 42 * 352, "sft": 8 * 42 * 352}
+OPTIMIZER_STEPS = {"grpo": 6, "grpo-masked": 6, "ppo": 24, "dpo": 3, "sft": 3}
+N_TERMS = {"grpo": 4 * 42 * 352, "grpo-masked": 4 * 42 * 352, "ppo": 4 * 42 * 352, "dpo": 16 * 42 * 352, "sft": 8 * 42 * 352}
 
 
 @pytest.fixture(scope="module")

@@ -183,3 +183,19 @@ def test_masking_logits_in_place_and_through_the_bool_sets_agree():
     assert torch.equal(torch.isfinite(fast[:, : env.vocab_size]), allowed) and not bool(torch.isfinite(fast[:, -3:]).any())
     assert torch.equal(fast[torch.isfinite(fast)], logits[torch.isfinite(fast)])
     assert 10 < int(allowed[0].sum()) < env.vocab_size
+
+
+def test_a_rollouts_masks_survive_an_async_checkpoint_and_a_gather_stores_each_set_once(tmp_path):
+    """What a bounded async run saves (loaded back with ``weights_only=True``), and what concatenating two ranks'
+    rollouts gives: the same sets at every position, each distinct set once."""
+    from tokengym.agents import Policy, collect
+    from tokengym.agents.engine.rollout import concat_rollouts
+    from tokengym.agents.engine.workers import _rollout_checkpoint, _rollout_from_checkpoint
+
+    ro = collect(TokenVectorEnv(8, "tool_call", group_size=4), Policy.from_pretrained("tiny-arithmetic", seed=0), seed=0)
+    torch.save(_rollout_checkpoint(ro), tmp_path / "ro.pt")
+    back = _rollout_from_checkpoint(torch.load(tmp_path / "ro.pt", weights_only=True))
+    assert torch.equal(back.token_masks.dense(), ro.token_masks.dense())
+    both = concat_rollouts([ro, ro.select([3, 1])])
+    assert torch.equal(both.token_masks.dense(), torch.cat([ro.token_masks.dense(), ro.token_masks.dense()[[3, 1]]]))
+    assert both.token_masks.table.shape == ro.token_masks.table.shape
