@@ -20,6 +20,11 @@ to run), ``waiting`` (a reply is still out), ``pending_replies`` (host bool: any
 
 Events of the last step (host lists of slots): ``ended`` (episodes that ended), ``replied`` (rows the env answered:
 ``reply_len[N]`` reply tokens appended), ``restarted`` (next-step mode: slots that took a new prompt).
+
+Action masks (:mod:`tokengym.envs.masks`): ``masker`` (``None`` where the env does not mask; else its
+``engine_grammar(slot)`` tells a generation backend the grammar to apply), ``mask_logits(logits, rows)`` (the rows'
+next-token logits with ``-inf`` outside their masks: what the token-level loop samples from). ``record`` then carries
+``token_masks``.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ ROLLOUT_ENV_NAMES: tuple[str, ...] = (
     "tokens", "attention_mask", "gen_len", "episode_id", "done", "finished", "waiting", "pending_replies", "all_done",
     "reward_seconds",
     "ended", "replied", "reply_len", "restarted",
+    "masker", "mask_logits",
 )
 """Every name of :class:`RolloutEnv` (the module docstring says what each is)."""
 

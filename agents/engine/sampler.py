@@ -25,6 +25,9 @@ Invariants every sampler keeps:
   it was drawn from (temperature, top-k, top-p applied; for greedy, under the temperature-scaled distribution): the
   behaviour log-probs that importance ratios and KL terms divide by.
 - **Positions from the mask.** A row's positions are ``cumsum(mask) - 1``: padding never shifts a real token.
+- **Action masks are the rollout's.** Where the env masks its actions (a grammar), the rollout hands ``sample`` logits
+  already ``-inf`` outside each row's mask, so the sampled token and its log-prob are the masked distribution's; a
+  sampler needs nothing of its own for it.
 - A ``hold[n]`` row's token is ignored by the env; its history does not grow, and its reply comes through ``extend``.
 
 Optional capabilities, and what the rollout does without them:

@@ -63,7 +63,8 @@ def tool_call_correct(prompts: list[str], completions: list[str], answer: list[A
 @register_task("tool_call", description="Arithmetic answered by one calculator call in JSON, masked to its JSON schema",
                prompt_format="completion: {\"expression\":\"<expr>\"}; reward 1 iff the call parses and has the "
                              "prompt's value; needs llguidance (pip install 'tokengym[grammar]')",
-               models="tiny-arithmetic (under the mask it copies the expression; GRPO teaches it to close the call)")
+               models="tiny-arithmetic after a short SFT on the calls (well formed under the mask from the start, "
+                      "right after SFT + GRPO); without the mask it never writes JSON")
 class ToolCallTask(ArithmeticTask):
     """:class:`ArithmeticTask` prompts, answered with a JSON calculator call (see the module docstring).
 
