@@ -257,7 +257,8 @@ class ActionMasker:
             self._executor = _llguidance().LLExecutor()
 
     def __getstate__(self) -> dict[str, Any]:
-        """Pickled without llguidance's objects (an async run's workers receive the env before any episode starts)."""
+        """Pickled without llguidance's objects; unpickling rebuilds each slot's matcher from its turn's grammar and the
+        tokens of the turn so far (an async run's workers receive the env pickled)."""
         state = dict(self.__dict__)
         for k in ("_llt", "_executor"):
             state.pop(k, None)
@@ -269,6 +270,11 @@ class ActionMasker:
         if self.spec_for is not None:
             self._llt = _ll_tokenizer(self.tokenizer)
             self._executor = _llguidance().LLExecutor()
+            for s, spec in enumerate(self._specs):
+                if spec is not None:
+                    self._matchers[s] = mt = self._matcher(spec)
+                    for t in self._prefix[s]:
+                        mt.consume_token(t)
 
     # -- episode and turn starts
     def start(self, slots: Sequence[int], samples: Sequence[dict]) -> None:

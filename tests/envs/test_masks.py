@@ -101,6 +101,10 @@ def test_a_masked_env_crosses_to_a_process_and_keeps_masking():
     env.reset(seed=1)
     copy.reset(seed=1)
     assert torch.equal(env.action_masks(), copy.action_masks()) and int(copy.action_masks().sum()) == 2  # '{"'
+    for ch in '{"expression":"1':  # and mid-episode: the copy's grammar goes on from the same place
+        env.step(torch.full((2,), env.tokenizer.convert_tokens_to_ids(ch)))
+    mid = pickle.loads(pickle.dumps(env))
+    assert torch.equal(env.action_masks(), mid.action_masks()) and 10 < int(mid.action_masks()[0].sum()) < 20
 
 
 def _replay(env_like, ro):
