@@ -36,6 +36,11 @@ from tokengym.envs.rollout_env import check_rollout_env
 __all__ = ["NonFiniteLoss", "OnPolicyAgent", "OnPolicyConfig", "Minibatch", "both"]
 
 
+TOKEN_MEAN_STATS = frozenset({"entropy", "clipfrac", "clipfrac_low", "clipfrac_high", "approx_kl", "ratio_mean"})
+"""Loss statistics that are means over a minibatch's agent tokens whatever the loss's aggregation
+(:func:`~tokengym.agents.functional.policy_loss`'s, the entropy): data parallel combines them by token shares."""
+
+
 class NonFiniteLoss(RuntimeError):
     """An update's loss was NaN or infinite: training stops before the weights change (the message says the step)."""
 
@@ -162,8 +167,16 @@ class OnPolicyAgent:
         """Called once per step after the update (PPO's adaptive KL)."""
 
     def reduce_stats(self, stats: dict[str, Any], shares: dict[str, float], mb: Minibatch, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
-        """A minibatch's statistics over every rank (weighted by the first loss term's share)."""
-        return self.dp.weighted(stats, next(iter(shares.values()), 1.0))
+        """A minibatch's statistics over every rank: the means over its agent tokens (:data:`TOKEN_MEAN_STATS`)
+        weighted by each rank's share of those tokens, the rest by the first loss term's share."""
+        if not self.dp.distributed:
+            return stats
+        first = next(iter(shares.values()), 1.0)
+        by_token = {k: v for k, v in stats.items() if k in TOKEN_MEAN_STATS}
+        out = self.dp.weighted({k: v for k, v in stats.items() if k not in by_token}, first)
+        if by_token:  # (every rank has the same keys)
+            out.update(self.dp.weighted(by_token, shares.get("token-mean", first)))
+        return {k: out[k] for k in stats}
 
     def collect(self, env) -> Rollout:
         """One rollout batch of the current policy (async modes: the workers' rollout for this step, of an older
@@ -306,7 +319,8 @@ class OnPolicyAgent:
         cfg, dp = self.config, self.dp
         self.train_mode(True)
         # Data parallel: each loss term is weighted by this rank's share of its aggregation's denominator (1 alone).
-        weights = {kind: aggregation_weights(ro.action_mask, kind) for kind in kinds}
+        # (and the token-mean share, which token statistics are combined by: reduce_stats)
+        weights = {kind: aggregation_weights(ro.action_mask, kind) for kind in dict.fromkeys([*kinds, "token-mean"])}
         sums: dict[str, float] = {}
         count = 0
         for _ in range(cfg.mu):

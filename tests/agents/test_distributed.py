@@ -42,8 +42,10 @@ RUNS = {  # name -> command line (GRPO with minibatches, batch scaling and token
     "ppo": ["train", "ppo", "--steps", "3", "--prompts", "8", "--mu", "2", "--minibatches", "2", "--whiten-advantages", "true",
             "--aggregation", "seq-mean-token-mean", "--kl-target", "0.01", "--kl-horizon", "100", "--entropy-coef", "0.01", *COMMON],
     # GRPO under a grammar (Arithmetic's own solution format): each rank's rollout masks are gathered with it
+    # and the default aggregation (seq-mean-token-mean), whose token statistics (entropy, clip fractions) are combined
+    # by each rank's share of the tokens, not of the loss
     "grpo-masked": ["train", "grpo", "--steps", "3", "--prompts", "2", "--group-size", "4", "--minibatches", "2",
-                    "--aggregation", "token-mean", "--env-kwargs", json.dumps({"grammar": {"regex": r"([0-9]+\+[0-9]+=[0-9]+\n)+A: [0-9]+"}}),
+                    "--env-kwargs", json.dumps({"grammar": {"regex": r"([0-9]+\+[0-9]+=[0-9]+\n)+A: [0-9]+"}}),
                     *COMMON],
     "dpo": ["train", "dpo", "--steps", "3", "--batch-size", "8", "--num-pairs", "64", *COMMON],
     # SFT's rows split by completion tokens (their lengths differ), a held-out eval before and after (greedy: the
