@@ -45,12 +45,8 @@ def grammar_text(spec: Any) -> str:
     m = _llguidance().LLMatcher
     if kind == "json_schema":
         schema = json.loads(body) if isinstance(body, str) else body
-        text = m.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
-    elif kind == "regex":
-        text = m.grammar_from_regex(str(body))
-    else:
-        text = m.grammar_from_lark(str(body))
-    return text
+        return m.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+    return m.grammar_from_regex(str(body)) if kind == "regex" else m.grammar_from_lark(str(body))
 
 
 # ---------------------------------------------------------------------------------------------- bit packing
@@ -109,11 +105,12 @@ class TokenMasks:
         every position whose set allows everything pointing at it)."""
         uniq, inv = torch.unique(table, dim=0, return_inverse=True)
         ones = int(inv[0])
-        order = torch.cat([torch.tensor([ones], device=table.device),
-                           torch.tensor([i for i in range(len(uniq)) if i != ones], dtype=torch.long, device=table.device)])
+        order = torch.arange(len(uniq), device=table.device)
+        order = torch.cat([order[ones : ones + 1], order[:ones], order[ones + 1 :]])  # the all-ones set first
         where = torch.empty_like(order)
         where[order] = torch.arange(len(order), device=table.device)
         return cls(where[inv][index.long()], uniq[order], V)
+
     def dense(self) -> torch.Tensor:
         """Bool ``[N, M, V]`` (for tests; training reads :meth:`pair`)."""
         return unpack_bits(self.table, self.vocab_size)[self.index.long()]
@@ -250,7 +247,8 @@ class ActionMasker:
         self._specs: list[Any] = [None] * n  # the grammar of each slot's current turn
         self._samples: list[dict] = [{}] * n
         self._prefix: list[list[int]] = [[] for _ in range(n)]  # the current turn's tokens (callable; messages)
-        self._cache: torch.Tensor | None = None  # packed [N, W] of the current step
+        self._cache: torch.Tensor | None = None  # packed [N, W4] of the current step, on the device
+        self._host: np.ndarray | None = None  # the same, on the host (what take() keys the sets by)
         self._grammars: dict[str, Any] = {}
         if spec_for is not None:
             self._llt = _ll_tokenizer(tokenizer)
@@ -262,7 +260,7 @@ class ActionMasker:
         state = dict(self.__dict__)
         for k in ("_llt", "_executor"):
             state.pop(k, None)
-        state["_matchers"], state["_cache"] = [None] * self.n, None
+        state["_matchers"], state["_cache"], state["_host"] = [None] * self.n, None, None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -319,7 +317,8 @@ class ActionMasker:
     def packed(self, live: torch.Tensor) -> torch.Tensor:
         """Packed allowed sets ``[N, 4 * ceil(V / 32)]`` (uint8, llguidance's bit order, viewable as its int32 words; on
         the env's device) of the current step; rows not in ``live`` (bool ``[N]``) allow everything. Raises naming the
-        row and its prefix where a live row allows nothing."""
+        row and its prefix where a live row allows nothing. Computed once per step (until :meth:`take` or a turn
+        start): later calls of the step pass the same rows or fewer (the env's live rows, then those it acts on)."""
         if self._cache is not None:
             return self._cache
         out = np.full((self.n, self.W4), 255, dtype=np.uint8)
@@ -343,7 +342,7 @@ class ActionMasker:
             src = "its grammar" if self.spec_for is not None else "action_mask_fn"
             raise ValueError(f"the action mask of env row {s} allows no token after the prefix {prefix!r} ({src} is at a "
                              "dead end): fix the grammar, or give the episode more room")
-        self._cache = torch.from_numpy(out).to(self.device)
+        self._host, self._cache = out, torch.from_numpy(out).to(self.device)
         return self._cache
 
     def _tail(self, out: np.ndarray) -> None:
@@ -405,20 +404,22 @@ class ActionMasker:
             s, tok = int(rows[bad]), int(a[bad])
             raise ValueError(f"action {tok} ({self.tokenizer.decode([tok])!r}) for env {s} is outside its action mask "
                              f"after the prefix {self.tokenizer.decode(self._prefix[s])!r}")
-        host_rows, host_a, host_cols = rows.tolist(), a.tolist(), cols[rows].tolist()
-        keys = packed[rows, : self.W8].cpu().numpy()
-        for s, t, c, key in zip(host_rows, host_a, host_cols, keys):
-            b = key.tobytes()
+        host_rows, host_a = rows.tolist(), a.tolist()
+        ks = []
+        for s, t in zip(host_rows, host_a):
+            b = self._host[s, : self.W8].tobytes()  # the step's sets, still on the host: no device round trip
             k = self._ids.get(b)
             if k is None:
                 k = self._ids[b] = len(self._rows)
                 self._rows.append(b)
-            if c < self.m:
-                self.index[s, c] = k
+            ks.append(k)
             self._prefix[s].append(t)
             mt = self._matchers[s] if self.spec_for is not None else None
             if mt is not None and not mt.consume_token(t):  # the mask allowed it, so this is the grammar's own error
                 raise ValueError(f"env {s}: the grammar refused token {t} it had allowed: {mt.get_error()}")
+        c = cols[rows].to(self.device)
+        fits = c < self.m
+        self.index[rows[fits], c[fits]] = torch.tensor(ks, dtype=torch.int32, device=self.device)[fits]
         self._cache = None
 
     def record(self, idx: Any) -> TokenMasks:

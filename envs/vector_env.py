@@ -534,12 +534,8 @@ class TokenVectorEnv(MultiTurnMixin, VectorEnv):
         if not self._started:
             raise RuntimeError("call reset() before step()")
         a = self._check_actions(actions)
-        if self.autoreset_mode is AutoresetMode.NEXT_STEP:
-            resetting = self._needs_reset.clone()
-            active = ~resetting & ~self.waiting & ~self.idle
-        else:
-            resetting = None
-            active = ~(self.terminated | self.truncated | self.waiting)
+        resetting = self._needs_reset.clone() if self.autoreset_mode is AutoresetMode.NEXT_STEP else None
+        active = self._live()
         if hold is not None:
             hold = torch.as_tensor(hold, device=self.device)
             if hold.shape != (self.num_envs,) or hold.dtype != torch.bool:

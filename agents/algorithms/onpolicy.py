@@ -296,17 +296,19 @@ class OnPolicyAgent:
         """Log-probs and entropies of ``rows``; only the first ``n_live`` are recorded for backward."""
         tokens, mask, p, m = used_slice(ro, rows)  # columns that are padding in every row are skipped
         logits = None
-        kw, kw_live, kw_rest = (self._allowed(ro, r, m) for r in (rows, rows[:n_live], rows[n_live:]))
         with self._autocast(ro.tokens.device):
             if self.needs_logits:
-                logp, ent, logits = self.policy(tokens, mask, p, return_entropy=True, return_logits=True, **kw)
+                logp, ent, logits = self.policy(tokens, mask, p, return_entropy=True, return_logits=True,
+                                                **self._allowed(ro, rows, m))
             elif n_live == len(rows):
-                logp, ent = self.policy(tokens, mask, p, return_entropy=True, **kw)
+                logp, ent = self.policy(tokens, mask, p, return_entropy=True, **self._allowed(ro, rows, m))
             else:
                 with torch.no_grad():
-                    logp, ent = self.policy(tokens[n_live:], mask[n_live:], p, return_entropy=True, **kw_rest)
+                    logp, ent = self.policy(tokens[n_live:], mask[n_live:], p, return_entropy=True,
+                                            **self._allowed(ro, rows[n_live:], m))
                 if n_live:
-                    live = self.policy(tokens[:n_live], mask[:n_live], p, return_entropy=True, **kw_live)
+                    live = self.policy(tokens[:n_live], mask[:n_live], p, return_entropy=True,
+                                       **self._allowed(ro, rows[:n_live], m))
                     logp, ent = torch.cat([live[0], logp]), torch.cat([live[1], ent])
             extra = self.forward_extra(tokens, mask, p, m)
         return Minibatch(rows, m, ro.action_mask[rows, :m], logp, ent, extra, logits)
