@@ -119,7 +119,7 @@ def _reference_logp(policy, tokens, mask, p, allowed):
     return torch.log_softmax(logits, -1).gather(2, tokens[:, p:, None])[..., 0]
 
 
-def _update_gap(policy, mode: str, masks_of_reference: bool = True) -> tuple[float, float, object]:
+def _update_gap(policy, mode: str) -> tuple[float, float, object]:
     """One GRPO step on ToolCall (two minibatches): the largest gap, over the agent's tokens, between the update's
     log-probs and the masked pure function of an independent forward at the same weights (taken as each minibatch's
     loss is computed), and between pi_old and that function at pi_old's weights."""

@@ -78,7 +78,10 @@ def test_a_callable_mask_and_a_dead_end_name_the_row_and_its_prefix_never_a_nan(
         e = TokenVectorEnv(1, "arithmetic", action_mask_fn=lambda s, ids: [999])
         e.reset(seed=0)
         e.action_masks()
-    assert eos != seven
+    e = TokenVectorEnv(1, "arithmetic", action_mask_fn=fn)
+    e.reset(seed=0)
+    with pytest.raises(ValueError, match=r"^action \d+ \('<eos>'\) for env 0 is outside its action mask"):
+        e.step(torch.tensor([eos]))  # the callable's mask is enforced: EOS is not "7"
 
 
 def test_bad_grammars_and_a_missing_library_are_one_line(monkeypatch):
