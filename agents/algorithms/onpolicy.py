@@ -30,7 +30,8 @@ from tokengym.agents.engine.policy import make_reference
 from tokengym.agents.engine.resources import check_fits
 from tokengym.envs.masks import mask_metrics
 from tokengym.agents.engine.rollout import Rollout, collect, evaluate, trimmed_logprobs, used_slice
-from tokengym.agents.engine.workers import RolloutWorkers, check_crosses, check_workers
+from tokengym.agents.engine.sources import InProcess, RolloutSource
+from tokengym.agents.engine.workers import check_crosses, check_workers
 from tokengym.envs.rollout_env import check_rollout_env
 
 __all__ = ["NonFiniteLoss", "OnPolicyAgent", "OnPolicyConfig", "Minibatch", "both"]
@@ -114,8 +115,8 @@ class OnPolicyAgent:
         self._engine = None  # sampler='vllm': the inference engine that samples rollouts (rollout_sampler)
         self._engine_sync_seconds = 0.0  # time spent loading weights into it (cumulative)
         self._engine_stale = False  # its weights may not be the policy's although their version matches (a restore)
-        self._workers: RolloutWorkers | None = None  # async modes: the rollout worker processes, while learn() runs
-        self._async_state: dict[str, Any] | None = None  # their checkpointed state (resume), until learn() starts them
+        self._source: RolloutSource | None = None  # where rollouts come from, while learn() runs (make_source)
+        self._async_state: dict[str, Any] | None = None  # async: the workers' checkpointed state, until learn() starts them
         self._async_metrics: dict[str, float] = {}
 
     # ------------------------------------------------------------------ what an algorithm supplies
@@ -179,10 +180,10 @@ class OnPolicyAgent:
         return {k: out[k] for k in stats}
 
     def collect(self, env) -> Rollout:
-        """One rollout batch of the current policy (async modes: the workers' rollout for this step, of an older
-        policy version)."""
-        if self._workers is not None:
-            ro, self._async_metrics = self._workers.take(self.global_step)
+        """One rollout batch of the current policy (during :meth:`learn`: its source's rollout for this step; in async
+        modes sampled by a worker with an older policy version)."""
+        if self._source is not None:
+            ro, self._async_metrics = self._source.take(self.global_step)
             return ro
         return collect(env, self.rollout_sampler(env), seed=self.config.seed if self.global_step == 0 else None)
 
@@ -211,8 +212,14 @@ class OnPolicyAgent:
         if self.config.minibatches > env.num_envs:
             raise ValueError(f"minibatches={self.config.minibatches} is more than the {env.num_envs} episodes of a rollout "
                              "batch: every minibatch needs at least one; use fewer minibatches or more prompts")
-        if self.config.async_mode != "off":
-            check_crosses(env)
+        if self.config.async_mode != "off" and self.config.remote_workers and self.dp.is_main:
+            from tokengym.agents.engine.remote import check_workers_reachable, read_secret, worker_env_spec
+
+            worker_env_spec(env, env.num_envs * self.dp.world_size)
+            check_workers_reachable(self.config.worker_addresses, read_secret(self.config.worker_secret_file or None))
+        if self.config.async_mode != "off" and not self.config.remote_workers and self.dp.is_main:
+            if not self.dp.distributed:  # (a data-parallel learner's workers get an env rebuilt from its record)
+                check_crosses(env)
             check_workers(self.policy, env, self.config.rollout_workers, self.config.worker_threads)
         if self.config.sampler != "tokengym":
             if self.dp.distributed:
@@ -240,7 +247,7 @@ class OnPolicyAgent:
         state = {"global_step": self.global_step, **self.optim.state_dict(), **self.extra_state(),
                  "shuffle_rng": self._shuffle.get_state(), "policy_rng": self.policy.generator.get_state()}
         if self.config.async_mode != "off":
-            state["async"] = self._workers.state_dict() if self._workers is not None else self._async_state
+            state["async"] = self._source.state_dict() if self._source is not None else self._async_state
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -272,7 +279,7 @@ class OnPolicyAgent:
             ro = self.collect(env)
         reward_t, sync_t = env.reward_seconds - r0, self._engine_sync_seconds - s0
         timing = {"time/rollout": time.perf_counter() - t0 - reward_t - sync_t, "time/reward": reward_t}
-        if self._engine is not None and self._workers is None:
+        if self._engine is not None and self.config.async_mode == "off":
             timing["time/weight_sync"] = sync_t
         return ro, timing
 
@@ -358,8 +365,8 @@ class OnPolicyAgent:
                 else:  # every row is inert: the gradient is exactly 0, and AdamW still takes its (momentum) step
                     for p in self.optim.params:
                         p.grad = torch.zeros_like(p)
-                if self._workers is not None:  # the weight sync of the last version reads them until here
-                    self._workers.settle()
+                if self._source is not None:  # the weight sync of the last version reads them until here
+                    self._source.settle()
                 report = self.optim.step()  # one flat all-reduce of every optimiser's gradients, clip each, step each
                 stats.update((name, report[name]) for name in self.grad_norm_names)
                 total = terms[0][0].detach()
@@ -399,8 +406,8 @@ class OnPolicyAgent:
         timing["time/update"] = time.perf_counter() - t_up
         self.after_update(ro, stats)
         self.global_step += 1
-        if self._workers is not None:  # the new version to the workers, while the learner goes on (settled
-            self._workers.publish(self.global_step, wait=False)  # before its next optimiser step)
+        if self._source is not None:  # the new version to the workers, while the learner goes on (settled
+            self._source.publish(self.global_step, wait=False)  # before its next optimiser step)
             metrics.update(self._async_metrics)
         metrics.update(stats, **timing)
         metrics.update(self.rollout_metrics(ro, batch, time.perf_counter() - t_start))
@@ -460,29 +467,71 @@ class OnPolicyAgent:
         self.check_env(env)
         if self.global_step == 0:
             self.policy.seed(cfg.seed)
-        if cfg.async_mode == "off":
-            return self._learn(env, eval_env, eval_samples, callback)
-        self._workers = self.start_workers(env)
+        self._source = self.make_source(env)
         try:
             history = self._learn(env, eval_env, eval_samples, callback)
-            self._async_state = self._workers.state_dict()  # a later learn() call continues the workers' streams
+            if cfg.async_mode != "off":  # a later learn() call continues the workers' streams
+                self._async_state = self._source.state_dict()
             return history
         finally:
-            workers, self._workers = self._workers, None
-            workers.close()
+            source, self._source = self._source, None
+            source.close()
 
-    def start_workers(self, env) -> RolloutWorkers:
-        """The rollout worker processes of an async run, from the checkpointed state after a resume."""
-        cfg = self.config
-        if self.dp.distributed:
-            raise ValueError(f"async_mode={cfg.async_mode!r} runs in one learner process; data-parallel learners "
-                             "(torchrun) with rollout workers are not supported yet")
+    def make_source(self, env) -> RolloutSource:
+        """Where this run's rollouts come from (:mod:`~tokengym.agents.engine.sources`): the agent's own sampler, or
+        in async modes local worker processes or remote ``tokengym worker`` servers, continuing the checkpointed
+        state after a resume; under torchrun rank 0 holds the workers and every rank gets its share of each rollout."""
+        from tokengym.agents.engine.sources import DataParallelSource, WorkerError, full_named
+
+        cfg, dp = self.config, self.dp
+        if cfg.async_mode == "off":
+            return InProcess(env, self.rollout_sampler, cfg.seed if self.global_step == 0 else None)
+        pool, failure = None, None
+        if dp.is_main:
+            try:
+                pool = self._worker_pool(env, publish=not dp.distributed)
+            except (WorkerError, ValueError) as e:
+                failure = e
+        if not dp.distributed:
+            if failure is not None:
+                raise failure
+            return pool
+        word = dp.broadcast_object(str(failure) if failure is not None else None)
+        if word is not None:
+            if failure is not None:
+                raise failure
+            raise WorkerError(word)
+        source = DataParallelSource(pool, dp, env.num_envs, env.device, lambda: full_named(self.policy.model))
+        try:
+            source.publish(self.global_step)
+        except BaseException:
+            source.close()
+            raise
+        return source
+
+    def _worker_pool(self, env, publish: bool):
+        """Rank 0's rollout workers: local processes or remote servers, sampling the global batch."""
+        from tokengym.agents.engine.remote import RemoteWorkers, read_secret
+        from tokengym.agents.engine.workers import RolloutWorkers
+
+        cfg, dp = self.config, self.dp
+        rows = env.num_envs * dp.world_size
         # a bound beyond the run's rollouts changes nothing but how far ahead the workers sample: capped there
-        return RolloutWorkers(env, self.policy, sampler=cfg.sampler, workers=cfg.rollout_workers,
-                              max_staleness=min(cfg.max_staleness, self.total_steps),
-                              exact=cfg.async_mode == "one-step" or cfg.max_staleness == 0, version=self.global_step,
-                              state=self._async_state, seed=cfg.seed, threads=cfg.worker_threads, bf16=cfg.bf16,
-                              timeout=cfg.sync_timeout, total=self.total_steps, rollout_timeout=cfg.rollout_timeout)
+        common = dict(max_staleness=min(cfg.max_staleness, self.total_steps),
+                      exact=cfg.async_mode == "one-step" or cfg.max_staleness == 0, version=self.global_step,
+                      state=self._async_state, seed=cfg.seed, bf16=cfg.bf16, timeout=cfg.sync_timeout,
+                      sampler=cfg.sampler, total=self.total_steps, rollout_timeout=cfg.rollout_timeout,
+                      bucket=int(cfg.sync_bucket_mb * 2**20), publish=publish)
+        if cfg.remote_workers:
+            return RemoteWorkers(cfg.worker_addresses, read_secret(cfg.worker_secret_file or None), env, self.policy,
+                                 rows=rows, min_workers=cfg.min_workers, sync_host=cfg.sync_host,
+                                 sync_port=cfg.sync_port, **common)
+        if dp.distributed:  # the workers sample the global batch: an env of every row, rebuilt from the env's record
+            from tokengym.agents.engine.remote import build_env, worker_env_spec
+
+            env = build_env(worker_env_spec(env, rows), self.policy.tokenizer)
+        return RolloutWorkers(env, self.policy, workers=cfg.rollout_workers, threads=cfg.worker_threads,
+                              rebuild=dp.distributed, **common)
 
     def close(self) -> None:
         """Shut down the agent's inference engine (``sampler='vllm'``; a later rollout starts a new one). One engine
@@ -493,7 +542,7 @@ class OnPolicyAgent:
 
     def worker_pids(self) -> list[int]:
         """Process ids of the rollout workers (async modes, while :meth:`learn` runs; else empty)."""
-        return [p.pid for p in self._workers.procs] if self._workers is not None else []
+        return self._source.pids() if self._source is not None and hasattr(self._source, "pids") else []
 
     def _learn(self, env, eval_env, eval_samples, callback) -> list[dict[str, float]]:
         cfg = self.config

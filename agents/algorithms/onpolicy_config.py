@@ -112,6 +112,33 @@ class OnPolicyConfig(Renamed, renames={"lr_schedule": "lr_scheduler_type"}):
     """Async: seconds the learner waits for the rollout it needs before the run stops with an error naming the worker
     (a task's sample() or reward(), or a tool, that never returns; 1 s to 7 days)."""
 
+    remote_workers: str = ""
+    """Async: host:port,... of `tokengym worker` servers that sample the rollouts, one worker each, instead of local
+    worker processes (the CLI's --rollout-workers takes a count or these addresses; the secret: worker_secret_file
+    or $TOKENGYM_SECRET)."""
+    min_workers: int = 0
+    """Async, remote workers: the run goes on while at least this many remain when one is lost, and a lost one that
+    answers again rejoins (0: every worker; a lost one stops the run in one line)."""
+    worker_secret_file: str = ""
+    """Async, remote workers: a file whose first line is the workers' shared secret (empty: $TOKENGYM_SECRET)."""
+    sync_host: str = ""
+    """Async, remote workers: the address the workers reach this learner's weight store at (empty: this machine's
+    address on the route to the first worker)."""
+    sync_port: int = 0
+    """Async, remote workers: the weight store's TCP port (0: a free port)."""
+    sync_bucket_mb: float = 64.0
+    """Async: MiB per weight-sync bucket; the learner's extra memory during a sync is one bucket and one tensor."""
+
+    @property
+    def worker_addresses(self) -> list[str]:
+        """The remote workers' addresses (empty: local workers)."""
+        return [a.strip() for a in self.remote_workers.split(",") if a.strip()]
+
+    @property
+    def worker_count(self) -> int:
+        """How many rollout workers: the remote addresses, else ``rollout_workers``."""
+        return len(self.worker_addresses) or self.rollout_workers
+
     def __post_init__(self) -> None:
         check_field_types(self)  # types first: the bounds below compare values
         checks = {
@@ -125,12 +152,22 @@ class OnPolicyConfig(Renamed, renames={"lr_schedule": "lr_scheduler_type"}):
             "worker_threads": self.worker_threads >= 1,
             "sync_timeout": 1 <= self.sync_timeout <= WeightSync.WORKER_TIMEOUT,  # what a TCPStore and gloo can take
             "rollout_timeout": 1 <= self.rollout_timeout <= WeightSync.WORKER_TIMEOUT,
+            "min_workers": 0 <= self.min_workers <= max(1, len(self.worker_addresses)),
+            "sync_port": 0 <= self.sync_port <= 65535, "sync_bucket_mb": self.sync_bucket_mb > 0,
         }
         choices = {"lr_scheduler_type": LR_SCHEDULES, "kl_estimator": F.KL_ESTIMATORS, "aggregation": F.AGGREGATIONS,
                    "correction": ("auto", "none", *V.CORRECTION_MODES), "correction_level": V.CORRECTION_LEVELS,
                    "async_mode": ASYNC_MODES, "sampler": SAMPLERS, "packing": PACKING,
                    "mask_training": ("masked", "unmasked")}
         check_config(self, {**checks, **self.checks()}, {**choices, **self.choices()})
+        if self.remote_workers:
+            from tokengym.agents.engine.remote import parse_address
+
+            for a in self.worker_addresses or [self.remote_workers]:
+                try:
+                    parse_address(a)
+                except ValueError as e:
+                    raise ValueError(f"{type(self).__name__}: remote_workers: {e}; give host:port,host:port,...") from None
         if self.async_mode == "one-step" and self.max_staleness != 1:
             raise ValueError(f"{type(self).__name__}: async_mode='one-step' samples each rollout exactly one update "
                              f"behind (max_staleness=1), not max_staleness={self.max_staleness}; use async_mode='bounded'")

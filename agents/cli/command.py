@@ -187,6 +187,34 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_worker(args: argparse.Namespace) -> int:
+    import signal
+
+    from tokengym.agents.runtime import config_io as R
+    from tokengym.agents.engine.remote import PROTOCOL, WorkerServer, parse_address, read_secret
+
+    try:
+        host, port = parse_address(args.listen)
+        secret = read_secret(args.secret_file)
+    except ValueError as e:
+        raise R.UsageError(f"tokengym worker: {e}") from None
+    if args.threads is not None and args.threads < 1:
+        raise R.UsageError(f"--threads must be at least 1, got {args.threads}")
+    try:
+        server = WorkerServer(host, port, secret=secret, model=args.model, threads=args.threads)
+    except OSError as e:
+        raise R.UsageError(f"tokengym worker: cannot listen on {args.listen}: {e.strerror or e}") from None
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    print(f"tokengym worker: listening on {server.address} (protocol {PROTOCOL}); waiting for a learner", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        print("tokengym worker: stopped", file=sys.stderr, flush=True)
+    finally:
+        server.close()
+    return 0
+
+
 def _cmd_convert(args: argparse.Namespace) -> int:
     import time
 
@@ -332,6 +360,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", help="the folder to write (default: the cache, $TOKENGYM_CACHE or ~/.cache/tokengym, "
                    "which --model NAME.gguf also uses)")
     p.set_defaults(fn=_cmd_convert)
+    p = sub.add_parser("worker", help="serve rollouts to an async learner on another machine (or this one)",
+                       description="A rollout worker: it waits for an async learner (tokengym train ... --async-mode "
+                       "one-step|bounded --rollout-workers HOST:PORT,...), samples rollouts for it, and goes back to "
+                       "waiting when the learner ends. Every request must carry the shared secret.")
+    p.add_argument("--listen", default="127.0.0.1:7960", metavar="HOST:PORT",
+                   help="where to listen (default: 127.0.0.1:7960, this machine only; 0.0.0.0:PORT for every interface; "
+                   "port 0: a free one, printed)")
+    p.add_argument("--secret-file", help="a file whose first line is the shared secret (default: $TOKENGYM_SECRET)")
+    p.add_argument("--model", help="the model folder or preset to build (default: the one the learner names)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads for sampling (default: torch's)")
+    p.set_defaults(fn=_cmd_worker)
     p = sub.add_parser("envs", help="list registered environment ids")
     p.set_defaults(fn=_cmd_envs)
     p = sub.add_parser("sample", help="roll out a scripted policy and print completions with their rewards")

@@ -96,14 +96,13 @@ def resolve(algo: str, values_file: dict[str, Any], values_flags: dict[str, Any]
         if other is not None:
             users = ", ".join(sorted(users_of[other.replace("-", "_")]))
             raise R.UsageError(f"{other!r} in {source} does not apply to `tokengym train {algo}` (it is for {users})")
-        R.apply_overrides(configs, values, source)
+        R.apply_overrides(configs, _worker_addresses(values), source)
     try:  # re-run the dataclass validation on the final values
         cfg = spec.config_cls(**dataclasses.asdict(cfg))
     except (TypeError, ValueError) as e:
         raise R.UsageError(str(e)) from None
     _check_run(run, algo)
     _check_sharding(run, algo, cfg)
-    _check_async(cfg)
     if saved:
         changed = [(k, saved[part][k], v) for part, obj in (("run", run), ("config", cfg))
                    for k, v in _jsonable(dataclasses.asdict(obj)).items()
@@ -167,12 +166,15 @@ def _check_sharding(run: RunConfig, algo: str, cfg: Any = None) -> None:
                            "the two would be sharded twice; drop --share-trunk or --sharding")
 
 
-def _check_async(cfg: Any) -> None:
-    """``--async-mode``: one learner process (not under torchrun) for now."""
-    mode = getattr(cfg, "async_mode", "off")
-    if mode != "off" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise R.UsageError(f"--async-mode {mode} runs one learner process with rollout workers; data-parallel learners "
-                           "(torchrun) with rollout workers are not supported yet: launch it without torchrun")
+def _worker_addresses(values: dict[str, Any]) -> dict[str, Any]:
+    """``rollout_workers`` as ``host:port,...`` (remote workers) becomes ``remote_workers``; a count stays."""
+    for key in ("rollout_workers", "rollout-workers"):
+        v = values.get(key)
+        if isinstance(v, str) and ":" in v:
+            values = {k: x for k, x in values.items() if k != key}
+            values["remote_workers"] = v
+            values["rollout_workers"] = len([a for a in v.split(",") if a.strip()])
+    return values
 
 
 _jsonable = jsonable

@@ -1,9 +1,12 @@
 """Rollout worker processes: rollouts of an older policy version while the learner updates (async training).
 
 :class:`RolloutWorkers` starts ``workers`` processes (``torch.multiprocessing``, spawn). Each holds its own copy of
-the env (tool replies of a multi-turn env run there) and of the policy, takes the learner's weights over
+the env (tool replies of a multi-turn env run there) and of the policy, takes the learner's weights by name over
 :class:`~tokengym.agents.runtime.weight_sync.WeightSync`, and sends back finished rollouts tagged with the policy
-version that sampled them. Rollout ``j`` (the ``j``-th the learner will train on) is worker ``j % workers``'s, and is
+version that sampled them, as typed messages (:mod:`~tokengym.agents.engine.messages`). The learner's side is a
+:class:`~tokengym.agents.engine.sources.WorkerPool`; the worker's schedule is
+:class:`~tokengym.agents.engine.worker_loop.WorkerLoop`, which remote workers (:mod:`~tokengym.agents.engine.remote`)
+run too. Rollout ``j`` (the ``j``-th the learner will train on) is worker ``j % workers``'s, and is
 sampled with a policy version ``v`` where ``v >= j - max_staleness``; the learner trains on it at step ``j``
 (version ``j``), so its staleness ``j - v`` is at most ``max_staleness``.
 
@@ -27,8 +30,6 @@ Ctrl-C, which the learner handles.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import json
 import os
 import queue as queue_mod
 import signal
@@ -39,31 +40,15 @@ from typing import Any
 
 import torch
 
-from tokengym.agents.engine.generation import make_sampler
-from tokengym.agents.engine.rollout import Rollout, collect
-from tokengym.envs.masks import TokenMasks
-from tokengym.agents.runtime.weight_sync import STOP, WeightSync, WeightSyncError
+from tokengym.agents.engine.messages import encode_rollout
+from tokengym.agents.engine.remote import model_name
+from tokengym.agents.engine.sources import WorkerError, WorkerPool, full_named
+from tokengym.agents.engine.worker_loop import WorkerLoop, weight_manifest
+from tokengym.agents.runtime.weight_sync import DEFAULT_BUCKET, STOP, WeightSync, send
 
 __all__ = ["ASYNC_MODES", "RolloutWorkers", "WorkerError", "check_crosses", "check_workers"]
 
 ASYNC_MODES = ("off", "one-step", "bounded")
-
-
-class WorkerError(RuntimeError):
-    """A rollout worker died or failed; the message names it."""
-
-
-def _rollout_checkpoint(ro: Rollout) -> dict[str, Any]:
-    """A :class:`Rollout` as a dict that ``torch.load(weights_only=True)`` loads: the task's samples (any Python
-    values; no update reads them) as JSON text."""
-    state = {f.name: getattr(ro, f.name) for f in dataclasses.fields(ro)}
-    masks = state["token_masks"].state() if state.get("token_masks") is not None else None
-    return {**state, "samples": json.dumps(state["samples"], default=repr), "token_masks": masks}
-
-
-def _rollout_from_checkpoint(state: dict[str, Any]) -> Rollout:
-    return Rollout(**{**state, "samples": json.loads(state["samples"]),
-                      "token_masks": TokenMasks.from_state(state.get("token_masks"))})
 
 
 def _die_with_parent() -> None:
@@ -75,14 +60,15 @@ def _die_with_parent() -> None:
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-class RolloutWorkers:
-    """The learner's handle on its rollout workers (see the module docstring).
+class RolloutWorkers(WorkerPool):
+    """The learner's handle on its local rollout worker processes (see the module docstring).
 
     Args:
-        env, policy: the run's env and policy; each worker gets a copy (weights follow over the weight sync).
+        env, policy: the run's env (every row of the global batch) and policy; each worker gets a copy (weights
+            follow over the weight sync).
         workers: how many worker processes.
         max_staleness: ``K``; ``exact``: the fixed version schedule ``max(0, j - K)`` (one-step-off, ``K = 0``).
-        version: the learner's policy version now (its ``global_step``); published at once.
+        version: the learner's policy version now (its ``global_step``); published at once unless ``publish=False``.
         state: :meth:`state_dict` of a checkpoint (resume), else ``None`` (a fresh run from rollout 0).
         seed: the run's seed (worker ``i`` seeds its env and sampler with ``seed + i``).
         threads: torch threads of each worker; ``bf16``: the rollout's autocast; ``timeout``: a weight sync's limit.
@@ -90,29 +76,23 @@ class RolloutWorkers:
             policy, or an inference engine of its own that each received version is loaded into.
         total: the run's number of rollouts (``None``: open-ended); a bounded run's checkpoint keeps none past it.
         rollout_timeout: seconds the learner waits for a rollout it needs before stopping with a :class:`WorkerError`.
+        bucket: bytes per weight-sync bucket. ``publish``: send ``version`` at once (else the caller does).
+        rebuild: each worker builds its policy from the model's name (a sharded learner's policy cannot be copied).
     """
 
     def __init__(self, env: Any, policy: Any, *, workers: int, max_staleness: int, exact: bool, version: int,
                  state: dict[str, Any] | None, seed: int, threads: int = 1, bf16: bool = False, timeout: float = 300.0,
-                 sampler: str = "tokengym", total: int | None = None, rollout_timeout: float = 1800.0):
+                 sampler: str = "tokengym", total: int | None = None, rollout_timeout: float = 1800.0,
+                 bucket: int = DEFAULT_BUCKET, publish: bool = True, rebuild: bool = False):
         import torch.multiprocessing as mp
 
         if getattr(mp.current_process(), "_inheriting", False):  # the user's script, re-run by a worker being spawned,
             _exit_unguarded()  # reached its training: it has no __main__ guard (the learner names the cause)
-        self.workers, self.k, self.exact, self.timeout, self.total = workers, max_staleness, exact, timeout, total
-        self.rollout_timeout = rollout_timeout
-        self._pending: threading.Thread | None = None  # a sync in flight (publish(wait=False))
-        self._failed: WeightSyncError | None = None
-        self.params = list(policy.model.parameters())
-        state = state or {"next": 0, "queue": [], "streams": [None] * workers}
-        if len(state["streams"]) != workers:
-            raise ValueError(f"the checkpoint's async state has {len(state['streams'])} rollout workers' streams, and this "
-                             f"run has rollout_workers={workers}; resume with the same number of workers")
-        self.next = int(state["next"])  # the next rollout the learner trains on
-        self.received: dict[int, tuple] = {int(m["index"]): (_rollout_from_checkpoint(m["rollout"]), int(m["version"]),
-                                                              int(m["worker"]), m["stream"], 0.0) for m in state["queue"]}
-        self.streams: list[Any] = list(state["streams"])  # each worker's stream after its newest kept rollout
-        first = self.next + len(self.received)  # the first rollout a worker samples
+        super().__init__(max_staleness=max_staleness, exact=exact, state=state, workers=workers, total=total,
+                         rollout_timeout=rollout_timeout, rows=env.num_envs, width=env.seq_len, device=env.device)
+        self.timeout, self.bucket = timeout, bucket
+        self.named = lambda: full_named(policy.model)
+        self.manifest = weight_manifest(policy.model)
         ctx = mp.get_context("spawn")
         self.results = ctx.Queue()
         store = WeightSync.serve(workers, timeout)
@@ -124,8 +104,10 @@ class RolloutWorkers:
                                 "script again to find it, and the script trained again there: put its training under "
                                 "`if __name__ == \"__main__\":`, or define the class in a module")
             for i in range(workers):
-                spec = {"env": env, "policy": policy, "workers": workers, "worker": i, "k": max_staleness, "exact": exact,
-                        "start": first, "stream": self.streams[i], "seed": seed + i, "port": store.port,
+                copy = {"model": model_name(policy), "temperature": float(getattr(policy, "temperature", 1.0))} \
+                    if rebuild else policy
+                spec = {"env": env, "policy": copy, "workers": workers, "worker": i, "k": max_staleness, "exact": exact,
+                        "start": self.first, "stream": self.streams[i], "seed": seed + i, "port": store.port,
                         "threads": threads, "bf16": bf16, "device": device, "sampler": sampler}
                 # the spec (the policy's weights) goes over a pipe of its own after the start: a spawned child that
                 # dies before reading its start-up data would leave proc.start() writing it forever
@@ -145,17 +127,19 @@ class RolloutWorkers:
             ready: set[int] = set()
             try:
                 while len(ready) < workers:  # a worker that fails to start is named, not waited for
-                    ready.add(self._message()[1])
-            except WorkerError as e:
+                    ready.add(self._next_message()[1])
+            except WorkerError:
                 if script_classes and any(p.exitcode == _UNGUARDED for p in self.procs):
                     raise guard from None
                 raise
             self.sync = WeightSync(store, 0, workers, timeout, device)
+            self.sync.names = self.names()
+            self.sync.gone = self._gone
             self._previous_sigterm = None
             if threading.current_thread() is threading.main_thread():  # SIGTERM unwinds the learner, closing the workers
                 self._previous_sigterm = signal.signal(signal.SIGTERM, _raise_exit)
-            self.sync_seconds = 0.0
-            self.publish(version)
+            if publish:
+                self.publish(version)
         except BaseException:
             self.close()
             raise
@@ -163,36 +147,18 @@ class RolloutWorkers:
     def names(self) -> dict[int, str]:
         return {i + 1: f"rollout worker {i} (pid {p.pid})" for i, p in enumerate(self.procs)}
 
-    def publish(self, version: int, wait: bool = True) -> None:
-        """Send the policy's weights as ``version`` to every worker. ``wait=False``: in a thread, while the learner
-        goes on; the weights must not change until :meth:`settle` (the learner calls it before its optimiser
-        step, so the next update's forward and backward overlap the sync)."""
-        self.settle()
-        if wait:
-            self._publish(version)
-            self._raise_failed()
-            return
-        self._pending = threading.Thread(target=self._publish, args=(version,), name="weight-publish", daemon=True)
-        self._pending.start()
+    def _name(self, worker: Any) -> str:
+        return self.names().get(int(worker) + 1, "a rollout worker") if isinstance(worker, int) else "a rollout worker"
 
-    def _publish(self, version: int) -> None:
-        try:
-            self.sync_seconds = self.sync.publish(version, self.params, self.names())
-        except WeightSyncError as e:
-            self._failed = e
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
 
-    def settle(self) -> None:
-        """Wait for a sync started with ``wait=False``; raise its failure as a :class:`WorkerError`."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.join()
-        self._raise_failed()
+    def _send(self, version: int) -> float:
+        return send([self.sync], version, self.named(), self.manifest, self.bucket)
 
-    def _raise_failed(self) -> None:
-        failed, self._failed = self._failed, None
-        if failed is not None:
-            self._check_alive()
-            raise WorkerError(str(failed)) from None
+    def _gone(self) -> str | None:
+        dead = next((p for p in self.procs if p.exitcode is not None), None)
+        return None if dead is None else f"{dead.name} (pid {dead.pid}) exited with {dead.exitcode}"
 
     def _check_alive(self) -> None:
         for i, p in enumerate(self.procs):
@@ -201,10 +167,7 @@ class RolloutWorkers:
                 raise WorkerError(f"rollout worker {i} (pid {p.pid}) died ({how}) before rollout {self.next}; the run "
                                   "stops (its checkpoints are intact: resume it)")
 
-    def _message(self, waiting_for: int | None = None, wait: bool = True) -> tuple | None:
-        """The workers' next message (``wait=False``: None if none has come); a worker's error or death is a
-        :class:`WorkerError` naming it, and so is a rollout ``waiting_for`` that has not come within
-        ``rollout_timeout`` seconds."""
+    def _next_message(self, waiting_for: int | None = None, wait: bool = True) -> tuple | None:
         t0 = time.monotonic()
         while True:
             try:
@@ -218,80 +181,25 @@ class RolloutWorkers:
                     raise WorkerError(f"rollout worker {i} (pid {self.procs[i].pid}) sent no rollout {waiting_for} for "
                                       f"{self.rollout_timeout:g} s (rollout_timeout): a task's sample() or reward(), or "
                                       "a tool, may never return; the run stops (its checkpoints are intact: resume it)")
-                if self._pending is not None and not self._pending.is_alive():
-                    self.settle()  # a sync that failed meanwhile: its worker will send nothing
+                self._pending_failed()
                 continue
             if msg[0] == "error":
                 _, i, text = msg
                 raise WorkerError(f"rollout worker {i} (pid {self.procs[i].pid}) failed: {text}")
             return msg
 
-    def _receive(self, index: int) -> float:
-        """Wait until rollout ``index`` has arrived; return the seconds waited."""
-        t0 = time.perf_counter()
-        while index not in self.received:  # (each message restarts the clock: the others' rollouts are progress too)
-            self._store(self._message(waiting_for=index))
-        return time.perf_counter() - t0
+    def _message(self, waiting_for: int | None = None, wait: bool = True) -> bytes | None:
+        msg = self._next_message(waiting_for, wait)
+        return None if msg is None else msg[1]
 
-    def _store(self, msg: tuple) -> None:
-        _, j, version, i, packed, seconds = msg
-        ro, stream = _unpack(packed)
-        self.received[j] = (ro, version, i, stream, seconds)
-
-    def take(self, step: int) -> tuple[Rollout, dict[str, float]]:
-        """The rollout the learner trains on at ``step`` (its policy version) and its ``async/*`` metrics."""
-        if step != self.next:
-            raise RuntimeError(f"the learner asked for rollout {step}, and the next one is {self.next}")
-        waited = self._receive(self.next)
-        ro, version, i, stream, seconds = self.received.pop(self.next)
-        self.streams[i] = stream
-        self.next += 1
-        lag = step - version
-        if not 0 <= lag <= self.k:  # the schedule makes this impossible; a broken invariant must not train silently
-            raise RuntimeError(f"rollout {step} was sampled by policy version {version}: staleness {lag} is outside "
-                               f"[0, max_staleness={self.k}]")
-        return ro, {"async/staleness": float(lag), "async/policy_version": float(version),
-                    "time/async_wait": waited, "time/worker_rollout": seconds, "time/weight_sync": self.sync_seconds}
-
-    def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint after the learner's current step keeps (see the module docstring). An exact schedule waits
-        for its K (at most 1) rollouts sampled with versions before the step, so it resumes bit for bit; a bounded run
-        keeps those that have arrived (in order, none past the run's last) and waits for none, so a large K never
-        holds up a checkpoint or a SIGTERM: the rest are sampled again after a resume, with newer weights."""
-        self.settle()
-        if self.exact:
-            keep = range(self.next, self.next + self.k)
-            for j in keep:
-                self._receive(j)
-        else:
-            while (msg := self._message(wait=False)) is not None:
-                self._store(msg)
-            end, j = self.next + self.k if self.total is None else min(self.next + self.k, self.total), self.next
-            while j < end and j in self.received:
-                j += 1
-            keep = range(self.next, j)
-        streams = list(self.streams)
-        for j in keep:
-            _, _, i, stream, _ = self.received[j]
-            streams[i] = stream  # j ascending: the newest kept rollout of worker i wins
-        queue = [{"index": j, "version": self.received[j][1], "worker": self.received[j][2],
-                  "stream": self.received[j][3], "rollout": _rollout_checkpoint(self.received[j][0])}
-                 for j in keep]
-        return {"next": self.next, "queue": queue, "streams": streams}
-
-    def close(self) -> None:
-        """Stop the workers (a stop message, then SIGTERM and SIGKILL for any that linger); idempotent."""
-        if getattr(self, "_closed", False):
-            return
-        self._closed = True
-        with contextlib.suppress(Exception):
-            self.settle()
+    def _shutdown(self) -> None:
+        """Stop the workers (a stop message, then SIGTERM and SIGKILL for any that linger)."""
         if getattr(self, "_previous_sigterm", None) is not None:
             signal.signal(signal.SIGTERM, self._previous_sigterm)
         sync = getattr(self, "sync", None)
         if sync is not None and all(p.exitcode is None for p in self.procs):
             with contextlib.suppress(Exception):
-                sync.publish(STOP, [])
+                sync.publish(STOP)
         for p in self.procs:
             p.join(timeout=2.0)
             if p.exitcode is None:
@@ -377,8 +285,9 @@ def _raise_exit(signum: int, frame: Any) -> None:
 
 # ---------------------------------------------------------------------------------------------- in the worker
 def _pack(obj: Any) -> bytes:
-    """``obj`` as bytes (``torch.save``): the workers' messages carry plain bytes, not torch's shared-memory tensors
-    (whose file descriptors fail for some storages and outlive a killed sender)."""
+    """The start-up spec (the env and the policy, pickled: the learner's own child on this machine, never another
+    machine) as plain bytes, not torch's shared-memory tensors (whose file descriptors fail for some storages and
+    outlive a killed sender). Everything after it is a typed message."""
     import io
 
     buf = io.BytesIO()
@@ -393,14 +302,27 @@ def _unpack(data: bytes) -> Any:
 
 
 def _worker_main(spec_in: Any, results: Any) -> None:
-    """A rollout worker's process: receive weights in a thread, sample rollouts by the version schedule, send them."""
+    """A local rollout worker's process: :class:`WorkerLoop` with the learner's queue as its outbox."""
     _die_with_parent()
     spec = _unpack(spec_in.recv_bytes())
     spec_in.close()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the learner stops us
     code = 0
     try:
-        _worker_loop(spec, results)
+        torch.set_num_threads(spec["threads"])
+        env, policy, i = spec["env"], spec["policy"], spec["worker"]
+        if isinstance(policy, dict):  # rebuilt from its name: the weights come with the first sync
+            from tokengym.agents.engine.policy import Policy
+
+            policy = Policy.from_pretrained(policy["model"], device=spec["device"], temperature=policy["temperature"])
+        store = WeightSync.connect(spec["port"], spec["workers"])
+        results.put(("ready", i))  # the learner joins the group only once every worker got this far
+        sync = WeightSync(store, i + 1, spec["workers"], WeightSync.WORKER_TIMEOUT, spec["device"])
+
+        def put(j: int, v: int, ro: Any, stream: dict, seconds: float) -> None:
+            results.put(("rollout", encode_rollout(ro, {"index": j, "worker": i, "seconds": seconds}, stream)))
+
+        WorkerLoop(spec, env, policy, sync, put).run()
     except BaseException as e:  # one line to the learner, which names this worker
         code = 1
         with contextlib.suppress(Exception):
@@ -409,83 +331,3 @@ def _worker_main(spec_in: Any, results: Any) -> None:
         results.close()
         results.join_thread()  # what was put reaches the learner before the process ends
     os._exit(code)
-
-
-def _worker_loop(spec: dict[str, Any], results: Any) -> None:
-    torch.set_num_threads(spec["threads"])
-    env, policy, w, i, k, exact = (spec[key] for key in ("env", "policy", "workers", "worker", "k", "exact"))
-    policy.train(False)
-    sampler = make_sampler(spec["sampler"], policy, rows=env.num_envs, row_len=env.seq_len, bf16=spec["bf16"])
-    params = list(policy.model.parameters())
-    store = WeightSync.connect(spec["port"], w)
-    results.put(("ready", i))  # the learner joins the group only once every worker got this far
-    sync = WeightSync(store, i + 1, w, WeightSync.WORKER_TIMEOUT, spec["device"])
-    versions: dict[int, list[torch.Tensor]] = {}  # received, not loaded yet: version -> its tensors
-    free: list[list[torch.Tensor]] = []  # buffers to receive into, reused (a fresh one costs page faults)
-    cond = threading.Condition()
-    status: dict[str, Any] = {"stop": False, "error": None}
-
-    def receive() -> None:
-        try:
-            while True:
-                with cond:
-                    into = free.pop() if free else None
-                into = into or [torch.empty_like(p) for p in params]
-                v = sync.receive(into)
-                with cond:
-                    if v == STOP:
-                        status["stop"] = True
-                    else:
-                        if not exact:  # bounded: only the newest is ever used
-                            free.extend(versions.values())
-                            versions.clear()
-                        versions[v] = into
-                    cond.notify_all()
-                if v == STOP:
-                    return
-        except BaseException as e:  # the learner is gone or the channel broke
-            with cond:
-                status["error"], status["stop"] = e, True
-                cond.notify_all()
-
-    threading.Thread(target=receive, name="weight-sync", daemon=True).start()
-    j = spec["start"] + (i - spec["start"]) % w  # this worker's first rollout
-    seed = None
-    if spec["stream"] is not None:
-        env.load_state_dict(spec["stream"]["env"])
-        policy.generator.set_state(spec["stream"]["rng"])
-    else:
-        policy.seed(spec["seed"])
-        seed = spec["seed"]
-    loaded = -1  # the version in the policy's weights (none yet)
-    device = torch.device(spec["device"])
-    while True:
-        lo = max(0, j - k)  # the oldest version rollout j may use; exact modes use it and no other
-        with cond:
-            cond.wait_for(lambda: status["stop"] or loaded >= lo or any(u >= lo for u in versions))
-            if status["stop"]:
-                break
-            v = lo if exact else max([loaded, *versions])
-            if v != loaded and v not in versions:  # exact: a version it needs was skipped; fail, never wait forever
-                raise RuntimeError(f"rollout {j} needs policy version {lo} exactly, and the worker holds versions "
-                                   f"{sorted(versions) or [loaded]}")
-            slot = versions.pop(v) if v != loaded else None
-            for old in [u for u in versions if u < v]:
-                free.append(versions.pop(old))
-        if slot is not None:
-            WeightSync.load(params, slot)
-            if sampler is not policy:  # the worker's engine takes them by name
-                sampler.load_weights(None, v)
-            loaded = v
-            with cond:
-                free.append(slot)
-        t0 = time.perf_counter()
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=spec["bf16"]):
-            ro = collect(env, sampler, seed=seed)
-        ro.policy_version = v
-        seed = None
-        stream = {"env": env.state_dict(), "rng": policy.generator.get_state()}
-        results.put(("rollout", j, v, i, _pack((ro, stream)), time.perf_counter() - t0))
-        j += w
-    if status["error"] is not None and not isinstance(status["error"], SystemExit):
-        raise RuntimeError(f"the weight sync broke (is the learner gone?): {status['error']}")

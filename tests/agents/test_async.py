@@ -129,7 +129,7 @@ def test_the_learner_refuses_a_rollout_beyond_the_staleness_bound():
     """The invariant is checked where the learner takes a rollout, so a broken schedule cannot train silently."""
     workers = RolloutWorkers.__new__(RolloutWorkers)
     workers.k, workers.next, workers.streams, workers.sync_seconds = 1, 5, [None], 0.0
-    workers.received = {5: (None, 3, 0, None, 0.0)}
+    workers.received = {5: (None, 3, 0, None, 0.0, b"")}
     with pytest.raises(RuntimeError, match="rollout 5 was sampled by policy version 3: staleness 2 is outside"):
         workers.take(5)
 
@@ -140,17 +140,23 @@ def test_a_bounded_checkpoint_keeps_what_has_arrived_and_waits_for_nothing():
     (it used to wait for K rollouts, so a huge K held up every checkpoint and SIGTERM). Exact schedules still wait."""
     import queue
 
+    from tokengym.agents.engine.messages import encode_rollout
+
+    def stream(text):
+        return {"env": text, "rng": torch.arange(3, dtype=torch.uint8)}
+
     def fake(exact, k):
         workers = RolloutWorkers.__new__(RolloutWorkers)
         workers.k, workers.next, workers.exact, workers.total, workers._pending, workers._failed = k, 5, exact, None, None, None
-        workers.results, workers.procs, workers.streams = queue.Queue(), [], ["s0", "s1"]
+        workers.results, workers.procs, workers.streams = queue.Queue(), [], [stream("s0"), stream("s1")]
         ro = collect(TokenVectorEnv(2, "arithmetic", max_new_tokens=2), Policy.from_pretrained("tiny-arithmetic"), seed=0)
-        workers.received = {j: (ro, 4, j % 2, f"after {j}", 0.0) for j in (5, 6, 8)}
+        workers.received = {j: (ro, 4, j % 2, stream(f"after {j}"), 0.0, encode_rollout(ro, {}, stream(f"after {j}")))
+                            for j in (5, 6, 8)}
         return workers
 
     state = fake(exact=False, k=1000).state_dict()
-    assert [m["index"] for m in state["queue"]] == [5, 6] and state["streams"] == ["after 6", "after 5"]
-    assert state["next"] == 5
+    assert [m["index"] for m in state["queue"]] == [5, 6] and [s["env"] for s in state["streams"]] == ["after 6", "after 5"]
+    assert state["next"] == 5 and state["streams"][0]["rng"] == [0, 1, 2]
     state = fake(exact=True, k=1).state_dict()  # one-step: rollout 5, which has arrived
     assert [m["index"] for m in state["queue"]] == [5]
 
@@ -318,7 +324,10 @@ def test_sigterm_or_ctrl_c_stops_the_learner_and_every_worker(tmp_path, sig):
     (["--async-mode", "sometimes"], {}, "async_mode"),
     (["--sync-timeout", "0.000001"], {}, "sync_timeout"),  # the store's own connect would fail with a traceback
     (["--sync-timeout", "1e300"], {}, "sync_timeout"),  # an OverflowError in the process group's timedelta
-    ([], {"WORLD_SIZE": "2"}, "data-parallel learners (torchrun) with rollout workers are not supported yet"),
+    (["--rollout-workers", "127.0.0.1:99999"], {}, "remote_workers: '127.0.0.1:99999' is not host:port"),
+    (["--rollout-workers", "127.0.0.1:9", "--min-workers", "2"], {"TOKENGYM_SECRET": "x"}, "min_workers"),
+    (["--rollout-workers", "127.0.0.1:9"], {"TOKENGYM_SECRET": ""}, "rollout workers need a shared secret"),
+    (["--rollout-workers", "127.0.0.1:9"], {"TOKENGYM_SECRET": "x"}, "rollout worker 127.0.0.1:9 cannot be reached"),
 ])
 def test_bad_async_settings_are_one_line_and_write_nothing(tmp_path, extra, env_extra, message):
     r = cli([*ARGS, *extra, "--runs-dir", str(tmp_path), "--name", "bad"], env_extra)
@@ -367,7 +376,7 @@ def test_an_env_that_cannot_cross_to_a_worker_is_refused_before_any_worker_start
     env.lock = threading.Lock()
     agent = GRPOAgent(Policy.from_pretrained("tiny-arithmetic"), GRPOConfig(**FAST, async_mode="one-step"))
     started = []
-    agent.start_workers = lambda env: started.append(env)
+    agent._worker_pool = lambda env, publish: started.append(env)
     with pytest.raises(ValueError, match=r"^async training sends the env .* TokenVectorEnv cannot be pickled \(TypeError: "
                                          r"cannot pickle '_thread.lock' object\)"):
         agent.learn(env)
@@ -381,7 +390,7 @@ def test_more_workers_than_the_machine_holds_are_refused_before_any_starts(monke
     env = TokenVectorEnv(8, "arithmetic", group_size=4, max_new_tokens=12)
     agent = GRPOAgent(Policy.from_pretrained("tiny-arithmetic"), GRPOConfig(**FAST, async_mode="one-step"))
     started = []
-    agent.start_workers = lambda env: started.append(env)
+    agent._worker_pool = lambda env, publish: started.append(env)
     cores = len(os.sched_getaffinity(0))
     agent.config.rollout_workers = 1000
     with pytest.raises(ValueError, match=rf"^rollout_workers=1000 is more worker processes than the {cores} CPU cores"):

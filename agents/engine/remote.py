@@ -1,0 +1,591 @@
+"""Rollout workers anywhere: ``tokengym worker`` servers, and the learner's handle on them.
+
+A worker (:class:`WorkerServer`) listens for one learner at a time on HTTP (loopback by default). Every request
+carries the shared secret (``Authorization: Bearer ...``); control messages are JSON, rollouts come back as typed
+messages (:mod:`~tokengym.agents.engine.messages`). Paths:
+
+* ``POST /v1/hello``: the worker's protocol, device and whether it serves a learner now.
+* ``POST /v1/join``: serve a learner. The message says how to build the env (its id and JSON arguments) and the model
+  (a preset or a folder on the worker's machine; ``tokengym worker --model`` overrides it), the worker's place in the
+  version schedule, its stream, the weight manifest (checked against the model: names, shapes, dtypes) and where
+  the learner's store is. The worker then joins a 2-rank weight group with the learner (gloo on CPU, nccl on CUDA)
+  and runs :class:`~tokengym.agents.engine.worker_loop.WorkerLoop`. A join replaces the session before it.
+* ``POST /v1/next``: the next finished rollout (waits up to ``wait`` seconds; 204 when none came).
+* ``POST /v1/leave``: end the session; the worker goes back to waiting for a learner.
+
+A killed learner closes the weight group's connection, which ends the session: the worker waits for the next one.
+The learner (:class:`RemoteWorkers`) polls each worker for rollouts in a thread of its own; a worker that stops
+answering (or whose session failed) is lost: the run stops with one line naming it, or with ``min_workers`` goes on
+with the rest (their schedule is re-planned from the next rollout, and the current weights sent again). A lost
+worker that answers again (restarted at the same address) joins the running learner the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import http.client
+import json
+import queue as queue_mod
+import socket
+import sys
+import threading
+import time
+import uuid
+import warnings
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tokengym.rewards.common import TokengymWarning
+from tokengym.agents.engine.messages import MessageError, check_manifest, encode_rollout
+from tokengym.agents.engine.sources import WorkerError, WorkerPool, _stream_from_state, _stream_state, full_named
+from tokengym.agents.engine.worker_loop import WorkerLoop, weight_manifest
+from tokengym.agents.runtime.weight_sync import DEFAULT_BUCKET, STOP, WeightSync, WeightSyncError, send
+
+__all__ = ["WorkerServer", "RemoteWorkers", "parse_address", "read_secret", "worker_env_spec", "build_env", "PROTOCOL",
+           "check_workers_reachable"]
+
+PROTOCOL = 1
+MAX_BODY = 16 << 20  # a control message's limit (a join's manifest and stream are far smaller)
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port`` too) as ``(host, port)``; ``ValueError`` (one line) otherwise."""
+    host, sep, port = text.strip().rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"{text!r} is not host:port")
+    return host, int(port)
+
+
+def read_secret(path: str | None) -> bytes:
+    """The shared secret: the file's first line (``path``), else ``$TOKENGYM_SECRET``; ``ValueError`` when neither
+    gives one."""
+    import os
+
+    if path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                secret = f.readline().strip()
+        except OSError as e:
+            raise ValueError(f"cannot read the secret file {path!r}: {e.strerror}") from None
+        if not secret:
+            raise ValueError(f"the secret file {path!r} is empty")
+        return secret.encode()
+    secret = os.environ.get("TOKENGYM_SECRET", "").strip()
+    if not secret:
+        raise ValueError("rollout workers need a shared secret: --secret-file PATH (--worker-secret-file for a learner) "
+                         "or TOKENGYM_SECRET")
+    return secret.encode()
+
+
+def _route_to(host: str) -> str:
+    """This machine's address on the route to ``host`` (no packet is sent)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((socket.gethostbyname(host), 9))
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+# ---------------------------------------------------------------------------------------------- building the env
+def worker_env_spec(env: Any, num_envs: int) -> dict[str, Any]:
+    """What a remote worker builds ``env`` from (its Gymnasium id and JSON arguments), for ``num_envs`` rows;
+    ``ValueError`` (one line) when part of the env cannot be recorded (a callable reward, a class in ``__main__``)."""
+    from tokengym.agents.runtime.session import env_record
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        record = env_record(env)
+    if caught:
+        why = str(caught[0].message).split(";")[0].removeprefix("config.json ")
+        raise ValueError(f"remote rollout workers build the env from its id and JSON arguments, and they {why}: make "
+                         "the env from an id with JSON arguments, or use local workers (rollout_workers=N)")
+    return {"env": record["env"], "env_kwargs": record["env_kwargs"] or {}, "num_envs": int(num_envs),
+            "group_size": int(env.group_size), "device": str(env.device)}
+
+
+def build_env(spec: dict[str, Any], tokenizer: Any) -> Any:
+    """The env of a :func:`worker_env_spec`."""
+    import gymnasium as gym
+
+    from tokengym.envs import resolve_env
+
+    env_id = resolve_env(spec["env"], ())
+    return gym.make_vec(env_id, num_envs=spec["num_envs"], vectorization_mode="vector_entry_point",
+                        group_size=spec["group_size"], device=spec["device"], tokenizer=tokenizer, **spec["env_kwargs"])
+
+
+def model_name(policy: Any) -> str | None:
+    """How a worker finds the policy's architecture: a shipped checkpoint's name, else the folder it came from."""
+    import os
+
+    path = getattr(getattr(policy.model, "config", None), "_name_or_path", None) or None
+    shipped = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints")
+    if path and os.path.dirname(os.path.abspath(path)) == shipped:
+        return os.path.basename(path)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------- the worker
+class _Session:
+    """One learner's session on a worker: its weight group and its :class:`WorkerLoop` thread."""
+
+    def __init__(self, server: "WorkerServer", spec: dict[str, Any], env: Any, policy: Any):
+        self.id, self.spec = spec["session"], spec
+        self.outbox: queue_mod.Queue = queue_mod.Queue()
+        self.error: str | None = None
+        self.loop: WorkerLoop | None = None
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(server, env, policy), name=f"session-{self.id[:8]}",
+                                       daemon=True)
+        self.thread.start()
+
+    def _run(self, server: "WorkerServer", env: Any, policy: Any) -> None:
+        spec = self.spec
+        try:
+            host, port = spec["store"]
+            store = dist.PrefixStore(spec["prefix"], WeightSync.connect(port, 1, host, timeout=spec["timeout"]))
+            sync = WeightSync(store, 1, 1, WeightSync.WORKER_TIMEOUT, spec["device"], hostname=_route_to(host))
+            slot = spec["slot"]
+
+            def put(j: int, v: int, ro: Any, stream: dict, seconds: float) -> None:
+                self.outbox.put(encode_rollout(ro, {"index": j, "worker": slot, "seconds": seconds}, stream))
+
+            self.loop = WorkerLoop({**spec, "stream": _stream_from_state(spec["stream"])}, env, policy, sync, put)
+            self.loop.run()
+        except BaseException as e:  # noqa: BLE001 (the learner reads it as one line)
+            self.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+            server.log(f"session {self.id[:8]} ended: {self.error}")
+        finally:
+            self.done.set()
+
+    def stop(self, wait: float = 120.0) -> None:
+        if self.loop is not None:
+            self.loop.stop()
+        self.done.wait(wait)  # a rollout in progress finishes first: the env and the policy are the next session's
+
+
+class WorkerServer:
+    """``tokengym worker``: serves rollouts to one learner at a time (see the module docstring).
+
+    Args:
+        host, port: where to listen (port 0: a free one; :attr:`address` says which).
+        secret: the shared secret every request must carry.
+        model: the model folder or preset to build (default: what the learner names).
+        threads: torch CPU threads for sampling.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, secret: bytes, model: str | None = None,
+                 threads: int | None = None, quiet: bool = False):
+        self.secret, self.model, self.quiet = secret, model, quiet
+        if threads:
+            torch.set_num_threads(threads)
+        self.lock = threading.Lock()
+        self.session: _Session | None = None
+        self.built: dict[str, tuple[Any, Any]] = {}  # the last env and policy, reused by a session with the same spec
+        server = self
+
+        class Handler(_Handler):
+            owner = server
+
+        self.httpd = ThreadingHTTPServer((host, port), Handler)
+        self.httpd.daemon_threads = True
+        self.address = f"{host}:{self.httpd.server_address[1]}"
+
+    def log(self, text: str) -> None:
+        if not self.quiet:
+            print(f"tokengym worker {self.address}: {text}", file=sys.stderr, flush=True)
+
+    def serve_forever(self) -> None:
+        self.httpd.serve_forever(poll_interval=0.5)
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        if self.session is not None:
+            self.session.stop(wait=5.0)
+
+    # ------------------------------------------------------------------ messages
+    def hello(self, body: dict[str, Any]) -> dict[str, Any]:
+        busy = self.session is not None and not self.session.done.is_set()
+        return {"protocol": PROTOCOL, "busy": busy, "session": self.session.id if busy else None}
+
+    def join(self, body: dict[str, Any]) -> dict[str, Any]:
+        need = {"protocol": int, "session": str, "env": dict, "model": (str, type(None)), "temperature": (int, float),
+                "workers": int, "worker": int, "slot": int, "k": int, "exact": bool, "start": int,
+                "stream": (dict, type(None)), "seed": int, "store": list, "prefix": str, "manifest": list,
+                "timeout": (int, float), "bf16": bool, "sampler": str}
+        for key, tp in need.items():
+            if not isinstance(body.get(key), tp) or isinstance(body.get(key), bool) and tp is int:
+                raise MessageError(f"a join message needs {key!r} ({getattr(tp, '__name__', tp)})")
+        if body["protocol"] != PROTOCOL:
+            raise MessageError(f"the learner speaks protocol {body['protocol']}, this worker {PROTOCOL}: install the "
+                               "same tokengym on both")
+        if body["sampler"] not in ("tokengym", "vllm"):
+            raise MessageError(f"unknown sampler {body['sampler']!r}")
+        with self.lock:
+            if self.session is not None:  # a new learner (or the same one, re-planned) replaces the last session
+                self.session.stop()
+                self.session = None
+            env, policy = self._build(body)
+            check_manifest(body["manifest"], weight_manifest(policy.model))
+            spec = {**body, "device": str(policy.device)}
+            self.session = _Session(self, spec, env, policy)
+        self.log(f"serving learner session {body['session'][:8]} as worker {body['worker']} of {body['workers']}")
+        return {"ok": True, "device": str(policy.device)}
+
+    def _build(self, body: dict[str, Any]) -> tuple[Any, Any]:
+        from tokengym.agents.engine.policy import Policy
+
+        model = self.model or body["model"]
+        if model is None:
+            raise MessageError("the learner names no model; start the worker with --model PATH")
+        key = json.dumps([model, body["env"], body["temperature"]], sort_keys=True)
+        if key not in self.built:
+            self.built.clear()  # one model at a time
+            try:
+                policy = Policy.from_pretrained(model, device=body["env"].get("device", "cpu"),
+                                                temperature=float(body["temperature"]))
+                env = build_env(body["env"], policy.tokenizer)
+            except Exception as e:
+                raise MessageError(f"cannot build model {model!r} and env {body['env'].get('env')!r}: "
+                                   f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+            self.built[key] = (env, policy)
+        return self.built[key]
+
+    def next(self, body: dict[str, Any]) -> bytes | None:
+        session = self._session(body)
+        try:
+            return session.outbox.get(timeout=min(float(body.get("wait", 2.0)), 30.0))
+        except queue_mod.Empty:
+            if session.done.is_set() and session.outbox.empty():
+                raise _Gone(session.error or "the session ended")
+            return None
+
+    def leave(self, body: dict[str, Any]) -> dict[str, Any]:
+        session = self._session(body)
+        session.stop(wait=10.0)
+        with self.lock:
+            if self.session is session:
+                self.session = None
+        self.log(f"learner session {session.id[:8]} left; waiting for a learner")
+        return {"ok": True}
+
+    def _session(self, body: dict[str, Any]) -> _Session:
+        session = self.session
+        if session is None or body.get("session") != session.id:
+            raise _Gone("no such session (the worker serves another learner now, or was restarted)")
+        return session
+
+
+class _Gone(Exception):
+    """The session a request names is not this worker's (HTTP 409)."""
+
+
+class _Handler(BaseHTTPRequestHandler):
+    owner: WorkerServer
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, fmt: str, *args: Any) -> None:  # the server logs refusals itself
+        pass
+
+    def _reply(self, code: int, body: bytes, kind: str = "application/json") -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _refuse(self, code: int, text: str) -> None:
+        self.owner.log(f"refused {self.command} {self.path} from {self.client_address[0]}: {text}")
+        self._reply(code, json.dumps({"error": text}).encode())
+
+    def do_GET(self) -> None:
+        self._refuse(405, "every message is a POST")
+
+    def do_POST(self) -> None:
+        given = self.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), b"Bearer " + self.owner.secret):
+            return self._refuse(401, "wrong or missing secret")
+        routes = {"/v1/hello": self.owner.hello, "/v1/join": self.owner.join, "/v1/next": self.owner.next,
+                  "/v1/leave": self.owner.leave}
+        if self.path not in routes:
+            return self._refuse(404, f"unknown message {self.path!r}")
+        n = int(self.headers.get("Content-Length") or 0)
+        if n > MAX_BODY:
+            return self._refuse(413, f"a message of {n} bytes is over the limit of {MAX_BODY}")
+        try:
+            body = json.loads(self.rfile.read(n) or b"{}")
+            if not isinstance(body, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as e:
+            return self._refuse(400, f"the message is not JSON: {e}")
+        try:
+            out = routes[self.path](body)
+        except _Gone as e:  # (not logged: a learner's fetcher meets it whenever a session ends)
+            return self._reply(409, json.dumps({"error": str(e)}).encode())
+        except MessageError as e:
+            return self._refuse(400, str(e))
+        except Exception as e:  # noqa: BLE001
+            return self._refuse(500, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        if out is None:
+            self._reply(204, b"")
+        elif isinstance(out, bytes):
+            self._reply(200, out, "application/octet-stream")
+        else:
+            self._reply(200, json.dumps(out).encode())
+
+
+# ---------------------------------------------------------------------------------------------- the learner
+def call(address: str, path: str, body: dict[str, Any], secret: bytes, timeout: float) -> tuple[int, bytes]:
+    """POST ``body`` to a worker; ``(status, reply)``. Network failures raise ``OSError``."""
+    host, port = parse_address(address)
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        data = json.dumps(body).encode()
+        conn.request("POST", path, data, {"Authorization": "Bearer " + secret.decode(),
+                                          "Content-Type": "application/json"})
+        reply = conn.getresponse()
+        return reply.status, reply.read()
+    finally:
+        conn.close()
+
+
+def check_workers_reachable(addresses: list[str], secret: bytes) -> None:
+    """``ValueError`` (one line) for a worker that does not answer, refuses the secret or speaks another protocol,
+    before anything of a run is made."""
+    for address in addresses:
+        try:
+            status, reply = call(address, "/v1/hello", {}, secret, 10.0)
+        except OSError as e:
+            raise ValueError(f"rollout worker {address} cannot be reached ({type(e).__name__}: {e}); is `tokengym "
+                             "worker` running there, and is the port open?") from None
+        if status != 200:
+            raise ValueError(f"rollout worker {address} refused this learner: {_error_text(reply)}")
+        theirs = json.loads(reply).get("protocol")
+        if theirs != PROTOCOL:
+            raise ValueError(f"rollout worker {address} speaks protocol {theirs}, this learner {PROTOCOL}: install the "
+                             "same tokengym on both")
+
+
+def _error_text(reply: bytes) -> str:
+    try:
+        return str(json.loads(reply)["error"])
+    except (ValueError, KeyError, TypeError):
+        return reply[:200].decode(errors="replace")
+
+
+class RemoteWorkers(WorkerPool):
+    """The learner's handle on ``tokengym worker`` servers (see the module docstring).
+
+    Args:
+        addresses: the workers' ``host:port``, one slot each (slot ``i`` keeps stream ``i`` in checkpoints).
+        secret: the shared secret. ``env``/``policy``: the learner's (the worker builds its own from their record:
+            :func:`worker_env_spec`, :func:`model_name`); ``rows``: a rollout's rows (the global batch).
+        min_workers: how many may remain and the run go on (0: every worker is needed; a lost one stops the run).
+        sync_host, sync_port: where the learner's weight store listens (empty host: this machine's address on the
+            route to the first worker; port 0: a free one).
+        The rest as :class:`~tokengym.agents.engine.workers.RolloutWorkers`.
+    """
+
+    POLL = 2.0  # seconds a /v1/next waits on the worker
+    CALL_TIMEOUT = 60.0  # seconds any other call may take (a join builds the env and the model)
+    PROBE_EVERY = 5.0  # seconds between asking lost workers whether they are back
+
+    def __init__(self, addresses: list[str], secret: bytes, env: Any, policy: Any, *, rows: int, max_staleness: int,
+                 exact: bool, version: int, state: dict[str, Any] | None, seed: int, bf16: bool = False,
+                 timeout: float = 300.0, sampler: str = "tokengym", total: int | None = None,
+                 rollout_timeout: float = 1800.0, bucket: int = DEFAULT_BUCKET, min_workers: int = 0,
+                 sync_host: str = "", sync_port: int = 0, publish: bool = True):
+        for a in addresses:
+            parse_address(a)
+        super().__init__(max_staleness=max_staleness, exact=exact, state=state, workers=len(addresses), total=total,
+                         rollout_timeout=rollout_timeout, rows=rows, width=env.seq_len, device=env.device)
+        self.addresses, self.secret, self.timeout, self.bucket = list(addresses), secret, float(timeout), bucket
+        self.min_workers = min_workers or len(addresses)
+        self.seed, self.bf16, self.sampler = seed, bf16, sampler
+        self.named = lambda: full_named(policy.model)
+        self.manifest = weight_manifest(policy.model)
+        self.env_spec = {**worker_env_spec(env, rows), "device": "cpu" if env.device.type == "cpu" else str(env.device)}
+        self.model, self.temperature = model_name(policy), float(getattr(policy, "temperature", 1.0))
+        self.learner = uuid.uuid4().hex
+        self.generation = 0
+        self.live: dict[int, dict[str, Any]] = {}  # slot -> {"session", "sync", "thread"}
+        self.lost: dict[int, str] = {}  # slot -> why
+        self.gone: dict[str, str] = {}  # session -> why its fetcher found the worker gone (ends a sync's wait)
+        self.inbox: queue_mod.Queue = queue_mod.Queue()
+        self._last_probe = 0.0
+        self.version = version
+        host = sync_host or _route_to(parse_address(addresses[0])[0])
+        self.sync_host = host
+        self.store = WeightSync.serve(len(addresses), timeout, host, sync_port)
+        try:
+            self._plan(list(range(len(addresses))), first=True)
+            if publish:
+                self.publish(version)
+        except BaseException:
+            self.close()
+            raise
+
+    def live_count(self) -> float:
+        return float(len(self.live))
+
+    def take(self, step: int):
+        self._probe()
+        return super().take(step)
+
+    def _label(self, slot: int) -> str:
+        return f"rollout worker {self.addresses[slot]}"
+
+    def _name(self, worker: Any) -> str:
+        return self._label(worker) if isinstance(worker, int) and 0 <= worker < len(self.addresses) else "a rollout worker"
+
+    # ------------------------------------------------------------------ membership
+    def _plan(self, slots: list[int], first: bool = False) -> None:
+        """(Re)start the schedule on ``slots``: every worker joins a new session generation from rollout ``next``."""
+        self._end_sessions()
+        self.generation += 1
+        if not first:  # rollouts of the old plan: sampled again by the new one (newer weights where allowed)
+            self.received = {j: r for j, r in self.received.items() if j < self.next}
+        start = self.next + len(self.received) if first else self.next
+        exact = self.exact and first
+        for pos, slot in enumerate(slots):
+            session = f"{self.learner}-{self.generation}-{slot}"
+            prefix = f"g{self.generation}/s{slot}/"
+            body = {"protocol": PROTOCOL, "session": session, "env": self.env_spec, "model": self.model,
+                    "temperature": self.temperature, "workers": len(slots), "worker": pos, "slot": slot, "k": self.k,
+                    "exact": exact, "start": start, "stream": _stream_state(self.streams[slot]),
+                    "seed": self.seed + slot, "store": [self.sync_host, self.store.port], "prefix": prefix,
+                    "manifest": self.manifest, "timeout": self.timeout, "bf16": self.bf16, "sampler": self.sampler}
+            try:
+                status, reply = call(self.addresses[slot], "/v1/join", body, self.secret, self.CALL_TIMEOUT)
+            except OSError as e:
+                raise WorkerError(f"{self._label(slot)} cannot be reached ({type(e).__name__}: {e}); is "
+                                  "`tokengym worker` running there?") from None
+            if status != 200:
+                raise WorkerError(f"{self._label(slot)} refused to join: {_error_text(reply)}")
+            sync = WeightSync(dist.PrefixStore(prefix, self.store), 0, 1, self.timeout, str(self.device),
+                              hostname=self.sync_host)
+            sync.names = {1: self._label(slot)}
+            sync.gone = lambda slot=slot, session=session: self.gone.get(session)
+            self.live[slot] = {"session": session, "sync": sync}
+            self.lost.pop(slot, None)
+            t = threading.Thread(target=self._fetch, args=(slot, session, self.generation), daemon=True,
+                                 name=f"fetch-{slot}")
+            self.live[slot]["thread"] = t
+            t.start()
+
+    def _end_sessions(self) -> None:
+        for slot, s in list(self.live.items()):
+            with contextlib.suppress(Exception):
+                call(self.addresses[slot], "/v1/leave", {"session": s["session"]}, self.secret, 5.0)
+        self.live.clear()
+
+    def _fetch(self, slot: int, session: str, generation: int) -> None:
+        """A slot's rollouts into the inbox, until its session ends or the worker is lost."""
+        while self.live.get(slot, {}).get("session") == session:
+            try:
+                status, reply = call(self.addresses[slot], "/v1/next", {"session": session, "wait": self.POLL},
+                                     self.secret, self.POLL + self.CALL_TIMEOUT)
+            except OSError as e:
+                why = f"{type(e).__name__}: {e}"
+            else:
+                if status == 200:
+                    self.inbox.put(("rollout", slot, generation, reply))
+                    continue
+                if status == 204:
+                    continue
+                why = _error_text(reply)
+            self.gone[session] = why
+            self.inbox.put(("lost", slot, generation, why))
+            return
+
+    def _lose(self, slot: int, why: str) -> None:
+        """A worker is gone: stop the run (one line), or go on with the rest under ``min_workers``."""
+        if slot not in self.live:
+            return
+        left = [s for s in self.live if s != slot]
+        if len(left) < self.min_workers:
+            raise WorkerError(self._lost_text(slot, why))
+        warnings.warn(f"{self._label(slot)} was lost before rollout {self.next} ({why}); going on with {len(left)} "
+                      "worker(s) (--min-workers)", TokengymWarning, stacklevel=2)
+        self.lost[slot] = why
+        self._replan(left)
+
+    def _lost_text(self, slot: int, why: str) -> str:
+        return (f"{self._label(slot)} was lost before rollout {self.next} ({why}); the run stops (its checkpoints are "
+                "intact: resume it, or let it go on without the worker with --min-workers)")
+
+    def _replan(self, slots: list[int]) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.join()
+        self._raise_failed()
+        self._plan(slots)
+        self.sync_seconds = self._send(self.version)
+
+    def _probe(self) -> None:
+        """Ask lost workers whether they are back; one that answers joins the running learner."""
+        if not self.lost or time.monotonic() - self._last_probe < self.PROBE_EVERY:
+            return
+        self._last_probe = time.monotonic()
+        back = []
+        for slot in self.lost:
+            with contextlib.suppress(OSError):
+                status, _ = call(self.addresses[slot], "/v1/hello", {}, self.secret, 5.0)
+                if status == 200:
+                    back.append(slot)
+        if back:
+            warnings.warn(f"{', '.join(self._label(s) for s in back)} answered again and rejoins the run",
+                          TokengymWarning, stacklevel=2)
+            self._replan(sorted([*self.live, *back]))
+
+    # ------------------------------------------------------------------ WorkerPool
+    def _message(self, waiting_for: int | None = None, wait: bool = True) -> bytes | None:
+        t0 = time.monotonic()
+        while True:
+            try:
+                kind, slot, generation, payload = self.inbox.get(timeout=0.5) if wait else self.inbox.get_nowait()
+            except queue_mod.Empty:
+                if not wait:
+                    return None
+                if waiting_for is not None and time.monotonic() - t0 > self.rollout_timeout:
+                    raise WorkerError(f"no rollout {waiting_for} came from the rollout workers for "
+                                      f"{self.rollout_timeout:g} s (rollout_timeout): a task's sample() or reward(), "
+                                      "or a tool, may never return; the run stops (its checkpoints are intact)")
+                self._pending_failed()
+                self._probe()
+                continue
+            if generation != self.generation:
+                continue  # from a plan that was replaced
+            if kind == "lost":
+                self._lose(slot, payload)
+                continue
+            return payload
+
+    def _send(self, version: int) -> float:
+        syncs = [self.live[s]["sync"] for s in sorted(self.live)]
+        try:
+            return send(syncs, version, self.named(), self.manifest, self.bucket)
+        except WeightSyncError as e:
+            slot = next((s for s in self.live if e.sync is self.live[s]["sync"]), None)
+            if slot is None or version == STOP:
+                raise
+            if len(self.live) - 1 < self.min_workers:
+                if e.lost is None:  # late or refused: the message says which
+                    raise
+                raise WorkerError(self._lost_text(slot, e.lost)) from None
+            # the learner's thread handles it (re-plans without the worker and sends these weights again)
+            self.inbox.put(("lost", slot, self.generation, str(e)))
+            return 0.0
+
+    def _shutdown(self) -> None:
+        if self.live:
+            with contextlib.suppress(Exception):
+                send([s["sync"] for s in self.live.values()], STOP, (), [], self.bucket)
+        self._end_sessions()

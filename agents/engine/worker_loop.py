@@ -1,0 +1,136 @@
+"""What a rollout worker runs, local or remote: receive weights in a thread, sample rollouts by the version schedule.
+
+Rollout ``j`` (the ``j``-th the learner trains on) is worker ``i``'s when ``j = start + i (mod workers)``, and is
+sampled with policy version ``v >= j - k``: exactly ``max(0, j - k)`` in exact modes, else the newest it holds (see
+:mod:`~tokengym.agents.engine.workers`). Each received version is checked (every tensor finite) before it is
+acknowledged; a refused version is never loaded.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+
+from tokengym.agents.engine.generation import make_sampler
+from tokengym.agents.engine.messages import check_weights, manifest
+from tokengym.agents.engine.rollout import collect
+from tokengym.agents.runtime.weight_sync import STOP, WeightSync, views
+
+__all__ = ["WorkerLoop", "weight_manifest"]
+
+
+def weight_manifest(model: torch.nn.Module) -> list[list[Any]]:
+    """The manifest of ``model``'s parameters (full shapes, also under FSDP2), in ``named_parameters`` order."""
+    return manifest([(n, p) for n, p in model.named_parameters()])
+
+
+class WorkerLoop:
+    """One worker's schedule (see the module docstring).
+
+    ``spec``: ``workers``, ``worker`` (its slot ``i``), ``k``, ``exact``, ``start`` (the first rollout the learner
+    needs), ``stream`` (``{"env", "rng"}`` to continue, or None), ``seed``, ``bf16``, ``device``, ``sampler``.
+    ``put(j, version, rollout, stream, seconds)`` sends a finished rollout. :meth:`stop` ends :meth:`run` (from
+    another thread); so does a ``STOP`` version or a broken channel.
+    """
+
+    def __init__(self, spec: dict[str, Any], env: Any, policy: Any, sync: WeightSync, put: Callable[..., None]):
+        self.spec, self.env, self.policy, self.sync, self.put = spec, env, policy, sync, put
+        self.params = [p for _, p in policy.model.named_parameters()]
+        self.manifest = weight_manifest(policy.model)
+        self.cond = threading.Condition()
+        self.versions: dict[int, torch.Tensor] = {}  # received, not loaded yet: version -> its byte stream
+        self.free: list[torch.Tensor] = []  # streams to receive into, reused (a fresh one costs page faults)
+        self.stopped, self.error = False, None
+
+    def stop(self, error: BaseException | None = None) -> None:
+        with self.cond:
+            self.stopped = True
+            self.error = self.error or error
+            self.cond.notify_all()
+
+    def _buffer(self, n: int) -> torch.Tensor:
+        with self.cond:
+            while self.free:
+                buf = self.free.pop()
+                if buf.numel() == n:
+                    return buf
+        return torch.empty(n, dtype=torch.uint8, device=self.sync._comm_device)
+
+    def _receive(self) -> None:
+        try:
+            while not self.stopped:
+                v, buf = self.sync.receive(self._buffer)
+                if v == STOP:
+                    self.stop()
+                    return
+                try:
+                    check_weights(list(zip((e[0] for e in self.manifest), views(buf, self.manifest))))
+                except ValueError as e:
+                    self.sync.answer(v, str(e))
+                    with self.cond:
+                        self.free.append(buf)
+                    continue
+                self.sync.answer(v)
+                with self.cond:
+                    if not self.spec["exact"]:  # bounded: only the newest is ever used
+                        self.free.extend(self.versions.values())
+                        self.versions.clear()
+                    self.versions[v] = buf
+                    self.cond.notify_all()
+        except BaseException as e:  # the learner is gone or the channel broke
+            self.stop(e)
+
+    @torch.no_grad()
+    def _load(self, buf: torch.Tensor) -> None:
+        for p, t in zip(self.params, views(buf, self.manifest)):
+            p.copy_(t.to(p.device))
+
+    def run(self) -> None:
+        spec, env, policy = self.spec, self.env, self.policy
+        w, i, k, exact = spec["workers"], spec["worker"], spec["k"], spec["exact"]
+        policy.train(False)
+        sampler = make_sampler(spec["sampler"], policy, rows=env.num_envs, row_len=env.seq_len, bf16=spec["bf16"])
+        threading.Thread(target=self._receive, name="weight-sync", daemon=True).start()
+        j = spec["start"] + (i - spec["start"]) % w  # this worker's first rollout
+        seed = None
+        if spec["stream"] is not None:
+            env.load_state_dict(spec["stream"]["env"])
+            policy.generator.set_state(spec["stream"]["rng"])
+        else:
+            policy.seed(spec["seed"])
+            seed = spec["seed"]
+        loaded = -1  # the version in the policy's weights (none yet)
+        device = torch.device(spec["device"])
+        while True:
+            lo = max(0, j - k)  # the oldest version rollout j may use; exact modes use it and no other
+            with self.cond:
+                self.cond.wait_for(lambda: self.stopped or loaded >= lo or any(u >= lo for u in self.versions))
+                if self.stopped:
+                    break
+                v = lo if exact else max([loaded, *self.versions])
+                if v != loaded and v not in self.versions:  # exact: a version it needs was skipped; never wait forever
+                    raise RuntimeError(f"rollout {j} needs policy version {lo} exactly, and the worker holds versions "
+                                       f"{sorted(self.versions) or [loaded]}")
+                slot = self.versions.pop(v) if v != loaded else None
+                for old in [u for u in self.versions if u < v]:
+                    self.free.append(self.versions.pop(old))
+            if slot is not None:
+                self._load(slot)
+                if sampler is not policy:  # the worker's engine takes them by name
+                    sampler.load_weights(None, v)
+                loaded = v
+                with self.cond:
+                    self.free.append(slot)
+            t0 = time.perf_counter()
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=spec["bf16"]):
+                ro = collect(env, sampler, seed=seed)
+            ro.policy_version = v
+            seed = None
+            stream = {"env": env.state_dict(), "rng": policy.generator.get_state()}
+            self.put(j, v, ro, stream, time.perf_counter() - t0)
+            j += w
+        if self.error is not None and not isinstance(self.error, SystemExit):
+            raise RuntimeError(f"the weight sync broke (is the learner gone?): {self.error}")
