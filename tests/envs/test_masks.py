@@ -197,11 +197,12 @@ def test_a_rollouts_masks_survive_an_async_checkpoint_and_a_gather_stores_each_s
     rollouts gives: the same sets at every position, each distinct set once."""
     from tokengym.agents import Policy, collect
     from tokengym.agents.engine.rollout import concat_rollouts
-    from tokengym.agents.engine.workers import _rollout_checkpoint, _rollout_from_checkpoint
+    from tokengym.agents.engine.messages import decode_rollout, encode_rollout
 
     ro = collect(TokenVectorEnv(8, "tool_call", group_size=4), Policy.from_pretrained("tiny-arithmetic", seed=0), seed=0)
-    torch.save(_rollout_checkpoint(ro), tmp_path / "ro.pt")
-    back = _rollout_from_checkpoint(torch.load(tmp_path / "ro.pt", weights_only=True))
+    data = encode_rollout(ro, {}, {"env": None, "rng": torch.zeros(1, dtype=torch.uint8)})  # a worker's message
+    torch.save({"rollout": torch.frombuffer(bytearray(data), dtype=torch.uint8)}, tmp_path / "ro.pt")  # as kept
+    back, _, _ = decode_rollout(torch.load(tmp_path / "ro.pt", weights_only=True)["rollout"].numpy().tobytes())
     assert torch.equal(back.token_masks.dense(), ro.token_masks.dense())
     both = concat_rollouts([ro, ro.select([3, 1])])
     assert torch.equal(both.token_masks.dense(), torch.cat([ro.token_masks.dense(), ro.token_masks.dense()[[3, 1]]]))
