@@ -525,7 +525,7 @@ class OnPolicyAgent:
         if cfg.remote_workers:
             return RemoteWorkers(cfg.worker_addresses, read_secret(cfg.worker_secret_file or None), env, self.policy,
                                  rows=rows, min_workers=cfg.min_workers, sync_host=cfg.sync_host,
-                                 sync_port=cfg.sync_port, **common)
+                                 sync_port=cfg.sync_port, sync_dir=cfg.sync_dir, **common)
         if dp.distributed:  # the workers sample the global batch: an env of every row, rebuilt from the env's record
             from tokengym.agents.engine.remote import build_env, worker_env_spec
 

@@ -126,6 +126,9 @@ class OnPolicyConfig(Renamed, renames={"lr_schedule": "lr_scheduler_type"}):
     address on the route to the first worker)."""
     sync_port: int = 0
     """Async, remote workers: the weight store's TCP port (0: a free port)."""
+    sync_dir: str = ""
+    """Async, remote workers: a folder the learner and every worker can read (a shared filesystem); each version goes
+    there as a safetensors file instead of over a weight group, for networks where no group can be formed."""
     sync_bucket_mb: float = 64.0
     """Async: MiB per weight-sync bucket; the learner's extra memory during a sync is one bucket and one tensor."""
 

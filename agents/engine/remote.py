@@ -26,6 +26,7 @@ import contextlib
 import hmac
 import http.client
 import json
+import os
 import queue as queue_mod
 import socket
 import sys
@@ -64,8 +65,6 @@ def parse_address(text: str) -> tuple[str, int]:
 def read_secret(path: str | None) -> bytes:
     """The shared secret: the file's first line (``path``), else ``$TOKENGYM_SECRET``; ``ValueError`` when neither
     gives one."""
-    import os
-
     if path:
         try:
             with open(path, encoding="utf-8") as f:
@@ -122,8 +121,6 @@ def build_env(spec: dict[str, Any], tokenizer: Any) -> Any:
 
 def model_name(policy: Any) -> str | None:
     """How a worker finds the policy's architecture: a shipped checkpoint's name, else the folder it came from."""
-    import os
-
     path = getattr(getattr(policy.model, "config", None), "_name_or_path", None) or None
     shipped = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints")
     if path and os.path.dirname(os.path.abspath(path)) == shipped:
@@ -140,7 +137,7 @@ class _Session:
         self.outbox: queue_mod.Queue = queue_mod.Queue()
         self.error: str | None = None
         self.loop: WorkerLoop | None = None
-        self.done = threading.Event()
+        self.done, self.ready = threading.Event(), threading.Event()
         self.thread = threading.Thread(target=self._run, args=(server, env, policy), name=f"session-{self.id[:8]}",
                                        daemon=True)
         self.thread.start()
@@ -148,15 +145,18 @@ class _Session:
     def _run(self, server: "WorkerServer", env: Any, policy: Any) -> None:
         spec = self.spec
         try:
-            host, port = spec["store"]
-            store = dist.PrefixStore(spec["prefix"], WeightSync.connect(port, 1, host, timeout=spec["timeout"]))
-            sync = WeightSync(store, 1, 1, WeightSync.WORKER_TIMEOUT, spec["device"], hostname=_route_to(host))
+            sync = None  # (no store: versions come as files, /v1/weights)
+            if spec["store"] is not None:
+                host, port = spec["store"]
+                store = dist.PrefixStore(spec["prefix"], WeightSync.connect(port, 1, host, timeout=spec["timeout"]))
+                sync = WeightSync(store, 1, 1, WeightSync.WORKER_TIMEOUT, spec["device"], hostname=_route_to(host))
             slot = spec["slot"]
 
             def put(j: int, v: int, ro: Any, stream: dict, seconds: float) -> None:
                 self.outbox.put(encode_rollout(ro, {"index": j, "worker": slot, "seconds": seconds}, stream))
 
             self.loop = WorkerLoop({**spec, "stream": _stream_from_state(spec["stream"])}, env, policy, sync, put)
+            self.ready.set()
             self.loop.run()
         except BaseException as e:  # noqa: BLE001 (the learner reads it as one line)
             self.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
@@ -218,7 +218,7 @@ class WorkerServer:
     def join(self, body: dict[str, Any]) -> dict[str, Any]:
         need = {"protocol": int, "session": str, "env": dict, "model": (str, type(None)), "temperature": (int, float),
                 "workers": int, "worker": int, "slot": int, "k": int, "exact": bool, "start": int,
-                "stream": (dict, type(None)), "seed": int, "store": list, "prefix": str, "manifest": list,
+                "stream": (dict, type(None)), "seed": int, "store": (list, type(None)), "prefix": str, "manifest": list,
                 "timeout": (int, float), "bf16": bool, "sampler": str}
         for key, tp in need.items():
             if not isinstance(body.get(key), tp) or isinstance(body.get(key), bool) and tp is int:
@@ -267,6 +267,18 @@ class WorkerServer:
                 raise _Gone(session.error or "the session ended")
             return None
 
+    def weights(self, body: dict[str, Any]) -> dict[str, Any]:
+        """A version as a safetensors file on a path this worker reads (a sync through a shared folder)."""
+        session = self._session(body)
+        if not isinstance(body.get("version"), int) or not isinstance(body.get("path"), str):
+            raise MessageError("a weights message needs 'version' (int) and 'path' (str)")
+        if not session.ready.wait(60.0) or session.loop is None:
+            raise _Gone(session.error or "the session did not start")
+        refusal = session.loop.offer_file(body["version"], body["path"])
+        if refusal is not None:
+            raise MessageError(f"refused policy version {body['version']}: {refusal}")
+        return {"ok": True}
+
     def leave(self, body: dict[str, Any]) -> dict[str, Any]:
         session = self._session(body)
         session.stop(wait=10.0)
@@ -313,7 +325,7 @@ class _Handler(BaseHTTPRequestHandler):
         if not hmac.compare_digest(given.encode(), b"Bearer " + self.owner.secret):
             return self._refuse(401, "wrong or missing secret")
         routes = {"/v1/hello": self.owner.hello, "/v1/join": self.owner.join, "/v1/next": self.owner.next,
-                  "/v1/leave": self.owner.leave}
+                  "/v1/leave": self.owner.leave, "/v1/weights": self.owner.weights}
         if self.path not in routes:
             return self._refuse(404, f"unknown message {self.path!r}")
         n = int(self.headers.get("Content-Length") or 0)
@@ -390,6 +402,8 @@ class RemoteWorkers(WorkerPool):
         min_workers: how many may remain and the run go on (0: every worker is needed; a lost one stops the run).
         sync_host, sync_port: where the learner's weight store listens (empty host: this machine's address on the
             route to the first worker; port 0: a free one).
+        sync_dir: a folder the learner and every worker read (a shared filesystem): versions go there as safetensors
+            files instead of over a weight group (where none can be formed; the whole model is written each time).
         The rest as :class:`~tokengym.agents.engine.workers.RolloutWorkers`.
     """
 
@@ -401,7 +415,7 @@ class RemoteWorkers(WorkerPool):
                  exact: bool, version: int, state: dict[str, Any] | None, seed: int, bf16: bool = False,
                  timeout: float = 300.0, sampler: str = "tokengym", total: int | None = None,
                  rollout_timeout: float = 1800.0, bucket: int = DEFAULT_BUCKET, min_workers: int = 0,
-                 sync_host: str = "", sync_port: int = 0, publish: bool = True):
+                 sync_host: str = "", sync_port: int = 0, sync_dir: str = "", publish: bool = True):
         for a in addresses:
             parse_address(a)
         super().__init__(max_staleness=max_staleness, exact=exact, state=state, workers=len(addresses), total=total,
@@ -422,8 +436,8 @@ class RemoteWorkers(WorkerPool):
         self._last_probe = 0.0
         self.version = version
         host = sync_host or _route_to(parse_address(addresses[0])[0])
-        self.sync_host = host
-        self.store = WeightSync.serve(len(addresses), timeout, host, sync_port)
+        self.sync_host, self.sync_dir, self.files = host, sync_dir, []
+        self.store = None if sync_dir else WeightSync.serve(len(addresses), timeout, host, sync_port)
         try:
             self._plan(list(range(len(addresses))), first=True)
             if publish:
@@ -460,7 +474,8 @@ class RemoteWorkers(WorkerPool):
             body = {"protocol": PROTOCOL, "session": session, "env": self.env_spec, "model": self.model,
                     "temperature": self.temperature, "workers": len(slots), "worker": pos, "slot": slot, "k": self.k,
                     "exact": exact, "start": start, "stream": _stream_state(self.streams[slot]),
-                    "seed": self.seed + slot, "store": [self.sync_host, self.store.port], "prefix": prefix,
+                    "seed": self.seed + slot, "prefix": prefix,
+                    "store": None if self.store is None else [self.sync_host, self.store.port],
                     "manifest": self.manifest, "timeout": self.timeout, "bf16": self.bf16, "sampler": self.sampler}
             try:
                 status, reply = call(self.addresses[slot], "/v1/join", body, self.secret, self.CALL_TIMEOUT)
@@ -469,10 +484,12 @@ class RemoteWorkers(WorkerPool):
                                   "`tokengym worker` running there?") from None
             if status != 200:
                 raise WorkerError(f"{self._label(slot)} refused to join: {_error_text(reply)}")
-            sync = WeightSync(dist.PrefixStore(prefix, self.store), 0, 1, self.timeout, str(self.device),
-                              hostname=self.sync_host)
-            sync.names = {1: self._label(slot)}
-            sync.gone = lambda slot=slot, session=session: self.gone.get(session)
+            sync = None
+            if self.store is not None:
+                sync = WeightSync(dist.PrefixStore(prefix, self.store), 0, 1, self.timeout, str(self.device),
+                                  hostname=self.sync_host)
+                sync.names = {1: self._label(slot)}
+                sync.gone = lambda slot=slot, session=session: self.gone.get(session)
             self.live[slot] = {"session": session, "sync": sync}
             self.lost.pop(slot, None)
             t = threading.Thread(target=self._fetch, args=(slot, session, self.generation), daemon=True,
@@ -569,6 +586,8 @@ class RemoteWorkers(WorkerPool):
             return payload
 
     def _send(self, version: int) -> float:
+        if self.sync_dir:
+            return self._send_file(version)
         syncs = [self.live[s]["sync"] for s in sorted(self.live)]
         try:
             return send(syncs, version, self.named(), self.manifest, self.bucket)
@@ -584,8 +603,35 @@ class RemoteWorkers(WorkerPool):
             self.inbox.put(("lost", slot, self.generation, str(e)))
             return 0.0
 
+    def _send_file(self, version: int) -> float:
+        """A version as ``<sync_dir>/<learner>-v<version>.safetensors`` (written whole, then renamed), which each
+        worker reads and checks; the file of the version before stays until the next one is taken."""
+        from safetensors.torch import save_file
+
+        t0 = time.perf_counter()
+        path = os.path.join(self.sync_dir, f"{self.learner}-v{version}.safetensors")
+        tmp = path + ".tmp"
+        save_file({n: t.detach().to("cpu").contiguous() for n, t in self.named()}, tmp, metadata={"version": str(version)})
+        os.replace(tmp, path)
+        for slot, s in sorted(self.live.items()):
+            try:
+                status, reply = call(self.addresses[slot], "/v1/weights",
+                                     {"session": s["session"], "version": version, "path": path}, self.secret, self.timeout)
+            except OSError as e:
+                raise WorkerError(self._lost_text(slot, f"weights of version {version}: {type(e).__name__}: {e}")) from None
+            if status != 200:
+                raise WorkerError(f"{self._label(slot)} {_error_text(reply)}")
+        self.files.append(path)
+        while len(self.files) > 2:
+            with contextlib.suppress(OSError):
+                os.remove(self.files.pop(0))
+        return time.perf_counter() - t0
+
     def _shutdown(self) -> None:
-        if self.live:
+        if self.live and self.store is not None:
             with contextlib.suppress(Exception):
                 send([s["sync"] for s in self.live.values()], STOP, (), [], self.bucket)
         self._end_sessions()
+        for path in self.files:
+            with contextlib.suppress(OSError):
+                os.remove(path)

@@ -57,7 +57,7 @@ class WorkerLoop:
                 buf = self.free.pop()
                 if buf.numel() == n:
                     return buf
-        return torch.empty(n, dtype=torch.uint8, device=self.sync._comm_device)
+        return torch.empty(n, dtype=torch.uint8, device=self.sync._comm_device if self.sync is not None else "cpu")
 
     def _receive(self) -> None:
         try:
@@ -66,22 +66,48 @@ class WorkerLoop:
                 if v == STOP:
                     self.stop()
                     return
-                try:
-                    check_weights(list(zip((e[0] for e in self.manifest), views(buf, self.manifest))))
-                except ValueError as e:
-                    self.sync.answer(v, str(e))
-                    with self.cond:
-                        self.free.append(buf)
-                    continue
-                self.sync.answer(v)
-                with self.cond:
-                    if not self.spec["exact"]:  # bounded: only the newest is ever used
-                        self.free.extend(self.versions.values())
-                        self.versions.clear()
-                    self.versions[v] = buf
-                    self.cond.notify_all()
+                self.sync.answer(v, self._accept(v, buf))
         except BaseException as e:  # the learner is gone or the channel broke
             self.stop(e)
+
+    def _accept(self, v: int, buf: torch.Tensor) -> str | None:
+        """Keep a received version for the schedule, or say why it is refused (then it is never loaded)."""
+        try:
+            check_weights(list(zip((e[0] for e in self.manifest), views(buf, self.manifest))))
+        except ValueError as e:
+            with self.cond:
+                self.free.append(buf)
+            return str(e)
+        with self.cond:
+            if not self.spec["exact"]:  # bounded: only the newest is ever used
+                self.free.extend(self.versions.values())
+                self.versions.clear()
+            self.versions[v] = buf
+            self.cond.notify_all()
+        return None
+
+    def offer_file(self, v: int, path: str) -> str | None:
+        """Take version ``v`` from a safetensors file (a sync through a shared folder, where no weight group can be
+        formed): checked against the manifest (names, shapes, dtypes) and for non-finite values. Returns why it was
+        refused, or None."""
+        from safetensors import safe_open
+
+        from tokengym.agents.engine.messages import check_manifest
+        from tokengym.agents.runtime.weight_sync import layout
+
+        try:
+            with safe_open(path, framework="pt") as f:
+                theirs = {n: [n, list(f.get_slice(n).get_shape()), _dtype_name(f.get_slice(n).get_dtype())]
+                          for n in f.keys()}
+                mine = [e[0] for e in self.manifest]  # (a file keeps its own order: compared by name)
+                check_manifest([theirs[n] for n in mine if n in theirs] +
+                               [e for n, e in theirs.items() if n not in set(mine)], self.manifest)
+                buf = self._buffer(layout(self.manifest)[1])
+                for (name, _, _), view in zip(self.manifest, views(buf, self.manifest)):
+                    view.copy_(f.get_tensor(name))
+        except (OSError, ValueError) as e:
+            return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+        return self._accept(v, buf)
 
     @torch.no_grad()
     def _load(self, buf: torch.Tensor) -> None:
@@ -93,7 +119,8 @@ class WorkerLoop:
         w, i, k, exact = spec["workers"], spec["worker"], spec["k"], spec["exact"]
         policy.train(False)
         sampler = make_sampler(spec["sampler"], policy, rows=env.num_envs, row_len=env.seq_len, bf16=spec["bf16"])
-        threading.Thread(target=self._receive, name="weight-sync", daemon=True).start()
+        if self.sync is not None:  # (else versions come as files: offer_file)
+            threading.Thread(target=self._receive, name="weight-sync", daemon=True).start()
         j = spec["start"] + (i - spec["start"]) % w  # this worker's first rollout
         seed = None
         if spec["stream"] is not None:
@@ -134,3 +161,10 @@ class WorkerLoop:
             j += w
         if self.error is not None and not isinstance(self.error, SystemExit):
             raise RuntimeError(f"the weight sync broke (is the learner gone?): {self.error}")
+
+
+def _dtype_name(safetensors_dtype: str) -> str:
+    """A safetensors dtype code (``F32``) as the manifest spells it (``float32``)."""
+    names = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
+             "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+    return names.get(safetensors_dtype, safetensors_dtype)

@@ -309,7 +309,7 @@ def python_run(env: Any, policy: Any, eval_samples: Any, settings: RunSettings, 
 # Settings that may differ when resuming; everything else must match the saved config.
 RESUMABLE = {"save_every", "keep_checkpoints", "threads", "progress", "device", "sharding", "worker_threads",
              "sync_timeout", "rollout_timeout", "dist_timeout", "remote_workers", "min_workers", "worker_secret_file",
-             "sync_host", "sync_port", "sync_bucket_mb"}
+             "sync_host", "sync_port", "sync_bucket_mb", "sync_dir"}
 """(A checkpoint holds full weights whatever the sharding, so a run resumes sharded or not, with any process count.)"""
 
 

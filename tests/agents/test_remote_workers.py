@@ -162,7 +162,7 @@ def test_a_worker_refuses_a_wrong_secret_unknown_messages_and_bad_joins(pair):
     assert status == 200 and json.loads(reply)["busy"] is False
 
 
-def test_a_worker_refuses_weights_of_the_wrong_shape_at_join_and_nan_weights_at_sync(pair, secret):
+def test_a_worker_refuses_weights_of_the_wrong_shape_at_join_and_nan_weights_at_sync(pair, secret, tmp_path):
     env = make_env()
     agent = learner(async_mode="one-step", remote_workers=pair[0])
     with torch.no_grad():  # a layer of the wrong width: the learner's manifest names it
@@ -176,15 +176,22 @@ def test_a_worker_refuses_weights_of_the_wrong_shape_at_join_and_nan_weights_at_
     with pytest.raises(WorkerError, match=r"^rollout worker 127.0.0.1:\d+ refused policy version 0: weights '[\w.]+' "
                                           r"hold non-finite values \(NaN or inf\)$"):
         agent.learn(env)
+    agent.config.sync_dir = str(tmp_path)  # the same weights as a file in a shared folder
+    with pytest.raises(WorkerError, match=r"^rollout worker 127.0.0.1:\d+ refused policy version 0: weights '[\w.]+' "
+                                          r"hold non-finite values \(NaN or inf\)$"):
+        agent.learn(env)
 
 
 # ---------------------------------------------------------------------------------------------- learners
-def test_remote_workers_equal_local_workers_bit_for_bit(pair, secret):
-    """One-step-off with 2 remote workers and with 2 local worker processes: the same rollouts, metrics and weights."""
+def test_remote_workers_equal_local_workers_bit_for_bit(pair, secret, tmp_path):
+    """One-step-off with 2 remote workers (weights over a group, or as files in a shared folder) and with 2 local
+    worker processes: the same rollouts, metrics and weights."""
     remote, local = learner(async_mode="one-step", remote_workers=",".join(pair)), learner(async_mode="one-step",
                                                                                           rollout_workers=2)
-    h_remote, h_local = remote.learn(make_env()), local.learn(make_env())
-    assert changing(h_remote) == changing(h_local)
+    files = learner(async_mode="one-step", remote_workers=",".join(pair), sync_dir=str(tmp_path))
+    h_remote, h_local, h_files = remote.learn(make_env()), local.learn(make_env()), files.learn(make_env())
+    assert changing(h_remote) == changing(h_local) == changing(h_files)
+    assert not list(tmp_path.iterdir())  # the run's weight files are gone with it
     assert [r["async/workers"] for r in h_remote] == [2.0] * FAST["steps"]
     start = Policy.from_pretrained("tiny-arithmetic").model.state_dict()
     a, b = remote.policy.model.state_dict(), local.policy.model.state_dict()
