@@ -103,7 +103,8 @@ class OnPolicyConfig(Renamed, renames={"lr_schedule": "lr_scheduler_type"}):
     """Async: the most policy updates a rollout may lag the update it trains (one-step: 1; bounded: 0 = synchronous
     training through the workers, bit for bit)."""
     rollout_workers: int = 1
-    """Async: rollout worker processes (worker i samples rollouts i, i + n, ...; its prompts and samples use seed + i)."""
+    """Async: rollout worker processes (worker i samples rollouts i, i + n, ...; its prompts and samples use seed + i);
+    the command line's --rollout-workers also takes host:port,... of `tokengym worker` servers (remote_workers)."""
     worker_threads: int = 1
     """Async: torch CPU threads of each rollout worker."""
     sync_timeout: float = 300.0
