@@ -409,7 +409,7 @@ class RemoteWorkers(WorkerPool):
 
     POLL = 2.0  # seconds a /v1/next waits on the worker
     CALL_TIMEOUT = 60.0  # seconds any other call may take (a join builds the env and the model)
-    PROBE_EVERY = 5.0  # seconds between asking lost workers whether they are back
+    PROBE_EVERY = 5.0  # seconds between asking a lost worker whether it is back
 
     def __init__(self, addresses: list[str], secret: bytes, env: Any, policy: Any, *, rows: int, max_staleness: int,
                  exact: bool, version: int, state: dict[str, Any] | None, seed: int, bf16: bool = False,
@@ -433,7 +433,7 @@ class RemoteWorkers(WorkerPool):
         self.lost: dict[int, str] = {}  # slot -> why
         self.gone: dict[str, str] = {}  # session -> why its fetcher found the worker gone (ends a sync's wait)
         self.inbox: queue_mod.Queue = queue_mod.Queue()
-        self._last_probe = 0.0
+        self.back: set[int] = set()  # lost slots that answer again (filled by _watch threads)
         self.version = version
         host = sync_host or _route_to(parse_address(addresses[0])[0])
         self.sync_host, self.sync_dir, self.files = host, sync_dir, []
@@ -532,6 +532,7 @@ class RemoteWorkers(WorkerPool):
         warnings.warn(f"{self._label(slot)} was lost before rollout {self.next} ({why}); going on with {len(left)} "
                       "worker(s) (--min-workers)", TokengymWarning, stacklevel=2)
         self.lost[slot] = why
+        threading.Thread(target=self._watch, args=(slot,), name=f"watch-{slot}", daemon=True).start()
         self._replan(left)
 
     def _lost_text(self, slot: int, why: str) -> str:
@@ -546,17 +547,20 @@ class RemoteWorkers(WorkerPool):
         self._plan(slots)
         self.sync_seconds = self._send(self.version)
 
+    def _watch(self, slot: int) -> None:
+        """Ask a lost worker, in a thread, whether it is back (restarted at its address); :meth:`_probe` lets it in."""
+        while slot in self.lost and not getattr(self, "_closed", False):
+            time.sleep(self.PROBE_EVERY)
+            with contextlib.suppress(OSError, ValueError):
+                status, reply = call(self.addresses[slot], "/v1/hello", {}, self.secret, 5.0)
+                if status == 200 and json.loads(reply).get("protocol") == PROTOCOL:
+                    self.back.add(slot)
+                    return
+
     def _probe(self) -> None:
-        """Ask lost workers whether they are back; one that answers joins the running learner."""
-        if not self.lost or time.monotonic() - self._last_probe < self.PROBE_EVERY:
-            return
-        self._last_probe = time.monotonic()
-        back = []
-        for slot in self.lost:
-            with contextlib.suppress(OSError):
-                status, _ = call(self.addresses[slot], "/v1/hello", {}, self.secret, 5.0)
-                if status == 200:
-                    back.append(slot)
+        """Let lost workers that answered again join the running learner (a re-plan with them)."""
+        back = sorted(s for s in self.back if s in self.lost)
+        self.back.clear()
         if back:
             warnings.warn(f"{', '.join(self._label(s) for s in back)} answered again and rejoins the run",
                           TokengymWarning, stacklevel=2)

@@ -211,7 +211,7 @@ def test_a_lost_worker_ends_the_run_in_one_line_or_the_run_goes_on_and_it_rejoin
             agent.learn(make_env(), callback=lambda r: r["step"] != 2 or stop(procs[1][0]))
         procs[1] = start_worker(port)
 
-        monkeypatch.setattr(RemoteWorkers, "PROBE_EVERY", 0.0)
+        monkeypatch.setattr(RemoteWorkers, "PROBE_EVERY", 0.2)
         agent = learner(steps=12, async_mode="bounded", max_staleness=1, min_workers=1,
                         remote_workers=",".join(a for _, a in procs))
 
