@@ -30,8 +30,7 @@ from tokengym.agents.engine.policy import make_reference
 from tokengym.agents.engine.resources import check_fits
 from tokengym.envs.masks import mask_metrics
 from tokengym.agents.engine.rollout import Rollout, collect, evaluate, trimmed_logprobs, used_slice
-from tokengym.agents.engine.sources import InProcess, RolloutSource
-from tokengym.agents.engine.workers import check_crosses, check_workers
+from tokengym.agents.engine.sources import RolloutSource, check_source, make_source
 from tokengym.envs.rollout_env import check_rollout_env
 
 __all__ = ["NonFiniteLoss", "OnPolicyAgent", "OnPolicyConfig", "Minibatch", "both"]
@@ -212,15 +211,7 @@ class OnPolicyAgent:
         if self.config.minibatches > env.num_envs:
             raise ValueError(f"minibatches={self.config.minibatches} is more than the {env.num_envs} episodes of a rollout "
                              "batch: every minibatch needs at least one; use fewer minibatches or more prompts")
-        if self.config.async_mode != "off" and self.config.remote_workers and self.dp.is_main:
-            from tokengym.agents.engine.remote import check_workers_reachable, read_secret, worker_env_spec
-
-            worker_env_spec(env, env.num_envs * self.dp.world_size)
-            check_workers_reachable(self.config.worker_addresses, read_secret(self.config.worker_secret_file or None))
-        if self.config.async_mode != "off" and not self.config.remote_workers and self.dp.is_main:
-            if not self.dp.distributed:  # (a data-parallel learner's workers get an env rebuilt from its record)
-                check_crosses(env)
-            check_workers(self.policy, env, self.config.rollout_workers, self.config.worker_threads)
+        check_source(self.config, env, self.policy, self.dp)
         if self.config.sampler != "tokengym":
             if self.dp.distributed:
                 raise ValueError(f"sampler={self.config.sampler!r} runs one engine in one learner process; data-parallel "
@@ -478,60 +469,10 @@ class OnPolicyAgent:
             source.close()
 
     def make_source(self, env) -> RolloutSource:
-        """Where this run's rollouts come from (:mod:`~tokengym.agents.engine.sources`): the agent's own sampler, or
-        in async modes local worker processes or remote ``tokengym worker`` servers, continuing the checkpointed
-        state after a resume; under torchrun rank 0 holds the workers and every rank gets its share of each rollout."""
-        from tokengym.agents.engine.sources import DataParallelSource, WorkerError, full_named
-
-        cfg, dp = self.config, self.dp
-        if cfg.async_mode == "off":
-            return InProcess(env, self.rollout_sampler, cfg.seed if self.global_step == 0 else None)
-        pool, failure = None, None
-        if dp.is_main:
-            try:
-                pool = self._worker_pool(env, publish=not dp.distributed)
-            except (WorkerError, ValueError) as e:
-                failure = e
-        if not dp.distributed:
-            if failure is not None:
-                raise failure
-            return pool
-        word = dp.broadcast_object(str(failure) if failure is not None else None)
-        if word is not None:
-            if failure is not None:
-                raise failure
-            raise WorkerError(word)
-        source = DataParallelSource(pool, dp, env.num_envs, env.device, lambda: full_named(self.policy.model))
-        try:
-            source.publish(self.global_step)
-        except BaseException:
-            source.close()
-            raise
-        return source
-
-    def _worker_pool(self, env, publish: bool):
-        """Rank 0's rollout workers: local processes or remote servers, sampling the global batch."""
-        from tokengym.agents.engine.remote import RemoteWorkers, read_secret
-        from tokengym.agents.engine.workers import RolloutWorkers
-
-        cfg, dp = self.config, self.dp
-        rows = env.num_envs * dp.world_size
-        # a bound beyond the run's rollouts changes nothing but how far ahead the workers sample: capped there
-        common = dict(max_staleness=min(cfg.max_staleness, self.total_steps),
-                      exact=cfg.async_mode == "one-step" or cfg.max_staleness == 0, version=self.global_step,
-                      state=self._async_state, seed=cfg.seed, bf16=cfg.bf16, timeout=cfg.sync_timeout,
-                      sampler=cfg.sampler, total=self.total_steps, rollout_timeout=cfg.rollout_timeout,
-                      bucket=int(cfg.sync_bucket_mb * 2**20), publish=publish)
-        if cfg.remote_workers:
-            return RemoteWorkers(cfg.worker_addresses, read_secret(cfg.worker_secret_file or None), env, self.policy,
-                                 rows=rows, min_workers=cfg.min_workers, sync_host=cfg.sync_host,
-                                 sync_port=cfg.sync_port, sync_dir=cfg.sync_dir, **common)
-        if dp.distributed:  # the workers sample the global batch: an env of every row, rebuilt from the env's record
-            from tokengym.agents.engine.remote import build_env, worker_env_spec
-
-            env = build_env(worker_env_spec(env, rows), self.policy.tokenizer)
-        return RolloutWorkers(env, self.policy, workers=cfg.rollout_workers, threads=cfg.worker_threads,
-                              rebuild=dp.distributed, **common)
+        """Where this run's rollouts come from (:func:`~tokengym.agents.engine.sources.make_source`), continuing the
+        checkpointed async state after a resume."""
+        return make_source(self.config, env, self.policy, dp=self.dp, version=self.global_step, total=self.total_steps,
+                           state=self._async_state, sampler=self.rollout_sampler)
 
     def close(self) -> None:
         """Shut down the agent's inference engine (``sampler='vllm'``; a later rollout starts a new one). One engine

@@ -23,7 +23,8 @@ from tokengym.agents.engine.messages import decode_rollout, encode_rollout, chec
 from tokengym.agents.engine.rollout import Rollout, collect
 from tokengym.agents.runtime.weight_sync import WeightSyncError
 
-__all__ = ["RolloutSource", "InProcess", "WorkerPool", "WorkerError", "DataParallelSource", "full_named"]
+__all__ = ["RolloutSource", "InProcess", "WorkerPool", "WorkerError", "DataParallelSource", "full_named",
+           "make_source", "check_source"]
 
 
 class WorkerError(RuntimeError):
@@ -332,3 +333,74 @@ def full_named(model: torch.nn.Module):
     for name, p in model.named_parameters():
         full = getattr(p, "full_tensor", None)
         yield name, (full() if full is not None else p)
+
+
+# ---------------------------------------------------------------------------------------------- choosing one
+def check_source(cfg: Any, env: Any, policy: Any, dp: Any) -> None:
+    """``ValueError`` (one line) when the source ``cfg`` asks for cannot serve ``env``, before anything starts:
+    remote workers that do not answer or refuse the secret, an env they cannot rebuild; local workers that the env
+    cannot reach (pickling) or the machine cannot hold."""
+    if cfg.async_mode == "off" or not dp.is_main:
+        return
+    if cfg.remote_workers:
+        from tokengym.agents.engine.remote import check_workers_reachable, read_secret, worker_env_spec
+
+        worker_env_spec(env, env.num_envs * dp.world_size)
+        check_workers_reachable(cfg.worker_addresses, read_secret(cfg.worker_secret_file or None))
+        return
+    from tokengym.agents.engine.workers import check_crosses, check_workers
+
+    if not dp.distributed:  # (a data-parallel learner's workers get an env rebuilt from its record)
+        check_crosses(env)
+    check_workers(policy, env, cfg.rollout_workers, cfg.worker_threads)
+
+
+def make_source(cfg: Any, env: Any, policy: Any, *, dp: Any, version: int, total: int, state: dict[str, Any] | None,
+                sampler: Callable[[Any], Any]) -> RolloutSource:
+    """The rollout source of an :class:`~tokengym.agents.algorithms.onpolicy_config.OnPolicyConfig`: ``sampler(env)``
+    in process (``async_mode="off"``), else local worker processes or remote ``tokengym worker`` servers sampling the
+    global batch, from the checkpointed ``state``, published ``version`` at once; under torchrun rank 0 holds them
+    (:class:`DataParallelSource`). ``total``: the run's rollouts (a staleness bound beyond it is capped there)."""
+    if cfg.async_mode == "off":
+        return InProcess(env, sampler, cfg.seed if version == 0 else None)
+    pool, failure = None, None
+    if dp.is_main:
+        try:
+            pool = _worker_pool(cfg, env, policy, dp, version, total, state, publish=not dp.distributed)
+        except (WorkerError, ValueError) as e:
+            failure = e
+    if not dp.distributed:
+        if failure is not None:
+            raise failure
+        return pool
+    word = dp.broadcast_object(str(failure) if failure is not None else None)  # every rank stops alike
+    if word is not None:
+        if failure is not None:
+            raise failure
+        raise WorkerError(word)
+    source = DataParallelSource(pool, dp, env.num_envs, env.device, lambda: full_named(policy.model))
+    try:
+        source.publish(version)
+    except BaseException:
+        source.close()
+        raise
+    return source
+
+
+def _worker_pool(cfg: Any, env: Any, policy: Any, dp: Any, version: int, total: int, state: Any, publish: bool):
+    from tokengym.agents.engine.remote import RemoteWorkers, build_env, read_secret, worker_env_spec
+    from tokengym.agents.engine.workers import RolloutWorkers
+
+    rows = env.num_envs * dp.world_size
+    common = dict(max_staleness=min(cfg.max_staleness, total), exact=cfg.async_mode == "one-step" or cfg.max_staleness == 0,
+                  version=version, state=state, seed=cfg.seed, bf16=cfg.bf16, timeout=cfg.sync_timeout,
+                  sampler=cfg.sampler, total=total, rollout_timeout=cfg.rollout_timeout,
+                  bucket=int(cfg.sync_bucket_mb * 2**20), publish=publish)
+    if cfg.remote_workers:
+        return RemoteWorkers(cfg.worker_addresses, read_secret(cfg.worker_secret_file or None), env, policy, rows=rows,
+                             min_workers=cfg.min_workers, sync_host=cfg.sync_host, sync_port=cfg.sync_port,
+                             sync_dir=cfg.sync_dir, **common)
+    if dp.distributed:  # the workers sample the global batch: an env of every row, rebuilt from the env's record
+        env = build_env(worker_env_spec(env, rows), policy.tokenizer)
+    return RolloutWorkers(env, policy, workers=cfg.rollout_workers, threads=cfg.worker_threads, rebuild=dp.distributed,
+                          **common)

@@ -376,7 +376,7 @@ def test_an_env_that_cannot_cross_to_a_worker_is_refused_before_any_worker_start
     env.lock = threading.Lock()
     agent = GRPOAgent(Policy.from_pretrained("tiny-arithmetic"), GRPOConfig(**FAST, async_mode="one-step"))
     started = []
-    agent._worker_pool = lambda env, publish: started.append(env)
+    agent.make_source = lambda env: started.append(env)
     with pytest.raises(ValueError, match=r"^async training sends the env .* TokenVectorEnv cannot be pickled \(TypeError: "
                                          r"cannot pickle '_thread.lock' object\)"):
         agent.learn(env)
@@ -390,7 +390,7 @@ def test_more_workers_than_the_machine_holds_are_refused_before_any_starts(monke
     env = TokenVectorEnv(8, "arithmetic", group_size=4, max_new_tokens=12)
     agent = GRPOAgent(Policy.from_pretrained("tiny-arithmetic"), GRPOConfig(**FAST, async_mode="one-step"))
     started = []
-    agent._worker_pool = lambda env, publish: started.append(env)
+    agent.make_source = lambda env: started.append(env)
     cores = len(os.sched_getaffinity(0))
     agent.config.rollout_workers = 1000
     with pytest.raises(ValueError, match=rf"^rollout_workers=1000 is more worker processes than the {cores} CPU cores"):
