@@ -266,10 +266,14 @@ def test_a_sync_that_cannot_complete_fails_within_its_timeout_and_a_killed_learn
         stop(proc)
 
 
-def test_a_torchrun_fsdp2_learner_with_two_tokengym_workers_equals_local_workers(pair, tmp_path):
+def test_a_torchrun_fsdp2_learner_with_two_tokengym_workers_equals_local_workers(pair, tmp_path, secret):
     """``torchrun --nproc_per_node=2 ... --sharding fsdp2``: one-step-off with the 2 remote workers equals the same run
     with 2 local workers bit for bit; the same learner with max_staleness 0 (synchronous through the workers) samples
-    exactly what it trains (the gathered, bucketed weights arrive whole at every version)."""
+    exactly what it trains (the gathered, bucketed weights arrive whole at every version). Its ranks together train
+    on the global batch a 1-process learner gets from the same workers (the first two rollouts, of version 0, are the
+    same: every rollout statistic equal)."""
+    from tokengym.agents.cli import main
+
     worker = os.path.join(os.path.dirname(__file__), "dist_worker.py")
     common = ["train", "grpo", "--steps", "3", "--prompts", "2", "--group-size", "4", "--eval-prompts", "0",
               "--threads", "1", "--progress", "false", "--save-every", "0", "--lr", "1e-3", "--sharding", "fsdp2",
@@ -290,6 +294,11 @@ def test_a_torchrun_fsdp2_learner_with_two_tokengym_workers_equals_local_workers
     start = Policy.from_pretrained("tiny-arithmetic").model.state_dict()
     assert max(float((a[k] - start[k]).abs().max()) for k in a) > 1e-5
     assert all(torch.equal(a[k], b[k]) for k in a)
+    single = [x for x in common if x not in ("--sharding", "fsdp2")]  # the same run, in this one process
+    assert main([*single, "--name", "single", "--async-mode", "one-step", "--rollout-workers", ",".join(pair)]) == 0
+    two, one = ([json.loads(line) for line in open(tmp_path / n / "metrics.jsonl")] for n in ("remote", "single"))
+    keys = [k for k in one[0] if k.startswith(("reward/", "completion/"))]
+    assert keys and [[r[k] for k in keys] for r in two[:2]] == [[r[k] for k in keys] for r in one[:2]]
     metrics = [json.loads(line) for line in open(tmp_path / "sync" / "metrics.jsonl")]
     gaps = [r["mismatch/abs_gap_max"] for r in metrics if "mismatch/abs_gap_max" in r]
     assert len(gaps) == 3 and max(gaps) < 1e-4
