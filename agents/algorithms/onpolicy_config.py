@@ -130,8 +130,9 @@ class OnPolicyConfig(Renamed, renames={"lr_schedule": "lr_scheduler_type"}):
     sync_dir: str = ""
     """Async, remote workers: a folder the learner and every worker can read (a shared filesystem); each version goes
     there as a safetensors file instead of over a weight group, for networks where no group can be formed."""
-    sync_bucket_mb: float = 64.0
-    """Async: MiB per weight-sync bucket; the learner's extra memory during a sync is one bucket and one tensor."""
+    sync_bucket_mb: float = 16.0
+    """Async: MiB per weight-sync bucket; the learner's extra memory for syncs is one bucket (kept between them) and,
+    during one, one gathered tensor."""
 
     @property
     def worker_addresses(self) -> list[str]:

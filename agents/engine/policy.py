@@ -192,7 +192,9 @@ class Policy(nn.Module):
     def from_pretrained(cls, name_or_path: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None, **kwargs: Any) -> "Policy":
         """A policy from a preset name (``"tiny"``, ``"small"``) or a local ``save_pretrained`` folder."""
         model, tok = load_model(name_or_path, device=device, dtype=dtype)
-        return cls(model, tok, **kwargs)
+        policy = cls(model, tok, **kwargs)
+        policy.source = str(name_or_path)  # what a remote rollout worker builds the same architecture from
+        return policy
 
     def save_pretrained(self, path: str, state_dict: dict[str, torch.Tensor] | None = None) -> None:
         """Write the model (safetensors) and tokenizer to ``path`` (``state_dict``: these weights instead of the

@@ -121,7 +121,7 @@ def build_env(spec: dict[str, Any], tokenizer: Any) -> Any:
 
 def model_name(policy: Any) -> str | None:
     """How a worker finds the policy's architecture: a shipped checkpoint's name, else the folder it came from."""
-    path = getattr(getattr(policy.model, "config", None), "_name_or_path", None) or None
+    path = getattr(getattr(policy.model, "config", None), "_name_or_path", None) or getattr(policy, "source", None)
     shipped = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints")
     if path and os.path.dirname(os.path.abspath(path)) == shipped:
         return os.path.basename(path)

@@ -19,7 +19,7 @@ from tokengym.agents.engine.messages import check_weights, manifest
 from tokengym.agents.engine.rollout import collect
 from tokengym.agents.runtime.weight_sync import STOP, WeightSync, views
 
-__all__ = ["WorkerLoop", "weight_manifest"]
+__all__ = ["WorkerLoop", "weight_manifest", "receive_checked"]
 
 
 def weight_manifest(model: torch.nn.Module) -> list[list[Any]]:
@@ -62,22 +62,20 @@ class WorkerLoop:
     def _receive(self) -> None:
         try:
             while not self.stopped:
-                v, buf = self.sync.receive(self._buffer)
+                v, buf, refusal = receive_checked(self.sync, self.manifest, self._buffer)
                 if v == STOP:
                     self.stop()
                     return
-                self.sync.answer(v, self._accept(v, buf))
+                self.sync.answer(v, self._accept(v, buf, refusal))
         except BaseException as e:  # the learner is gone or the channel broke
             self.stop(e)
 
-    def _accept(self, v: int, buf: torch.Tensor) -> str | None:
-        """Keep a received version for the schedule, or say why it is refused (then it is never loaded)."""
-        try:
-            check_weights(list(zip((e[0] for e in self.manifest), views(buf, self.manifest))))
-        except ValueError as e:
+    def _accept(self, v: int, buf: torch.Tensor, refusal: str | None = None) -> str | None:
+        """Keep a received version (checked) for the schedule, or say why it is refused (then it is never loaded)."""
+        if refusal is not None:
             with self.cond:
                 self.free.append(buf)
-            return str(e)
+            return refusal
         with self.cond:
             if not self.spec["exact"]:  # bounded: only the newest is ever used
                 self.free.extend(self.versions.values())
@@ -103,10 +101,13 @@ class WorkerLoop:
                 check_manifest([theirs[n] for n in mine if n in theirs] +
                                [e for n, e in theirs.items() if n not in set(mine)], self.manifest)
                 buf = self._buffer(layout(self.manifest)[1])
-                for (name, _, _), view in zip(self.manifest, views(buf, self.manifest)):
+                named = [(name, view) for (name, _, _), view in zip(self.manifest, views(buf, self.manifest))]
+                for name, view in named:
                     view.copy_(f.get_tensor(name))
+            check_weights(named)
         except (OSError, ValueError) as e:
-            return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+            return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300] \
+                if not isinstance(e, ValueError) else str(e)
         return self._accept(v, buf)
 
     @torch.no_grad()
@@ -168,3 +169,28 @@ def _dtype_name(safetensors_dtype: str) -> str:
     names = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
              "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
     return names.get(safetensors_dtype, safetensors_dtype)
+
+
+def receive_checked(sync: WeightSync, manifest: list, buffer: Callable[[int], torch.Tensor]) -> tuple:
+    """A worker's receive of the next version: ``(version, stream, refusal)``. Each tensor is checked (finite) as soon
+    as its bytes have arrived, while the next bucket is in flight, so the check costs little beyond the transfer;
+    ``refusal`` says why the version must not be loaded (``None``: it may)."""
+    from tokengym.agents.runtime.weight_sync import layout, nbytes
+
+    offsets, _ = layout(manifest)
+    ends = [o + n for o, n in zip(offsets, nbytes(manifest))]
+    checked, refusal = [0], []
+
+    def arrived(buf: torch.Tensor, n: int) -> None:
+        i = checked[0]
+        while i < len(ends) and ends[i] <= n:
+            if not refusal:
+                try:
+                    check_weights([(manifest[i][0], views(buf, manifest[i:i + 1], offsets[i])[0])])
+                except ValueError as e:
+                    refusal.append(str(e))
+            i += 1
+        checked[0] = i
+
+    version, buf = sync.receive(buffer, manifest, arrived)
+    return version, buf, (refusal[0] if refusal else None)

@@ -4,8 +4,9 @@ The learner is rank 0 of a group of its own (gloo on CPU, nccl on CUDA), apart f
 worker is a further rank (local workers: one group of ``1 + workers`` ranks; remote workers: one 2-rank group each,
 so one lost worker breaks only its own). Both sides know the weights' manifest (name, shape, dtype, in order) and lay
 them out alike in one byte stream (:func:`layout`). A sync broadcasts a header ``[version, bytes, bucket]`` and then
-the stream in buckets of ``bucket`` bytes: the learner holds one bucket and one gathered tensor at a time (under FSDP2
-every rank gathers a tensor's shards as its bucket is filled), never the whole model. A worker receives the stream
+the stream region by region (:func:`schedule`): runs of small tensors packed into one bucket, and each large tensor
+sent from its own memory in pieces of at most ``bucket`` bytes. The learner holds one bucket and one gathered tensor
+at a time (under FSDP2 every rank gathers a tensor's shards when its turn comes), never the whole model. A worker receives the stream
 into a buffer of its own, checks every tensor for non-finite values, and answers in the group's store (``ok`` or why
 it refused), so a sync that fails or times out names the workers that did not take it instead of hanging:
 :class:`WeightSyncError`.
@@ -20,12 +21,12 @@ from typing import Callable, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["WeightSync", "WeightSyncError", "STOP", "layout", "send", "DEFAULT_BUCKET"]
+__all__ = ["WeightSync", "WeightSyncError", "STOP", "layout", "nbytes", "views", "send", "DEFAULT_BUCKET"]
 
 STOP = -1
 """The header version that tells the workers to stop."""
 
-DEFAULT_BUCKET = 64 << 20
+DEFAULT_BUCKET = 16 << 20
 """Bytes per bucket (``sync_bucket_mb``): the learner's extra memory during a sync is one bucket and one tensor."""
 
 _ALIGN = 64
@@ -42,11 +43,15 @@ class WeightSyncError(RuntimeError):
 def layout(manifest: Sequence[Sequence]) -> tuple[list[int], int]:
     """Each tensor's byte offset in a sync's stream, and the stream's length (offsets aligned to 64 bytes)."""
     offsets, pos = [], 0
-    for _, shape, dtype in manifest:
+    for n in nbytes(manifest):
         offsets.append(pos)
-        n = _numel(shape) * torch.empty((), dtype=getattr(torch, dtype)).element_size()
         pos += -(-n // _ALIGN) * _ALIGN
     return offsets, pos
+
+
+def nbytes(manifest: Sequence[Sequence]) -> list[int]:
+    """Each tensor's size in bytes."""
+    return [_numel(shape) * torch.empty((), dtype=getattr(torch, dtype)).element_size() for _, shape, dtype in manifest]
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -56,15 +61,39 @@ def _numel(shape: Sequence[int]) -> int:
     return n
 
 
-def views(flat: torch.Tensor, manifest: Sequence[Sequence]) -> list[torch.Tensor]:
-    """The tensors of a received stream ``flat`` (uint8), as views shaped by ``manifest``."""
-    offsets, _ = layout(manifest)
-    out = []
-    for (_, shape, dtype), o in zip(manifest, offsets):
-        dt = getattr(torch, dtype)
-        n = _numel(shape) * torch.empty((), dtype=dt).element_size()
-        out.append(flat[o:o + n].view(dt).view(*shape))
+def schedule(manifest: Sequence[Sequence], bucket: int) -> list[tuple[int, int]]:
+    """The stream's regions ``(start, end)``, one broadcast each, in order: a tensor of at least ``bucket / 4`` bytes
+    goes on its own, sent from its own memory in pieces of at most ``bucket``; runs of smaller ones go packed
+    together, at most ``bucket`` bytes a run. Both sides compute it from the manifest."""
+    offsets, total = layout(manifest)
+    sizes = nbytes(manifest)
+    out: list[tuple[int, int]] = []
+    run = None  # the start of the run of small tensors being packed
+    for i, (o, n) in enumerate(zip(offsets, sizes)):
+        end = offsets[i + 1] if i + 1 < len(offsets) else total
+        if n >= bucket // 4:
+            if run is not None:
+                out.append((run, o))
+                run = None
+            out.extend((a, min(a + bucket, o + n)) for a in range(o, o + n, bucket))
+            continue
+        if run is not None and end - run > bucket:
+            out.append((run, o))
+            run = None
+        run = o if run is None else run
+    if run is not None:
+        out.append((run, total))
     return out
+
+
+def views(flat: torch.Tensor, manifest: Sequence[Sequence], start: int | None = None) -> list[torch.Tensor]:
+    """The tensors of a received stream ``flat`` (uint8), as views shaped by ``manifest`` (a slice of a whole
+    manifest: ``start`` is its first tensor's offset)."""
+    offsets, _ = layout(manifest)
+    if start is not None:
+        offsets = [o + start for o in offsets]
+    return [flat[o:o + n].view(getattr(torch, dtype)).view(*shape)
+            for (_, shape, dtype), o, n in zip(manifest, offsets, nbytes(manifest))]
 
 
 class WeightSync:
@@ -151,17 +180,28 @@ class WeightSync:
                 raise WeightSyncError(f"{who} refused policy version {version}: {answer}")
 
     # ------------------------------------------------------------------ worker
-    def receive(self, flat: Callable[[int], torch.Tensor]) -> tuple[int, torch.Tensor | None]:
-        """Wait for the next version; receive its stream into ``flat(nbytes)`` (a uint8 buffer of that size); return
-        ``(version, buffer)``, or ``(STOP, None)``. Then :meth:`answer` it."""
+    def receive(self, flat: Callable[[int], torch.Tensor], manifest: Sequence[Sequence],
+                arrived: Callable[[torch.Tensor, int], None] | None = None) -> tuple[int, torch.Tensor | None]:
+        """Wait for the next version; receive its stream (laid out by ``manifest``) into ``flat(nbytes)`` (a uint8
+        buffer of that size); return ``(version, buffer)``, or ``(STOP, None)``. Then :meth:`answer` it.
+        ``arrived(buffer, n)`` is called while each region is in flight with the bytes before it (and at the end with
+        all of them), so the worker can check the tensors that have arrived while the rest comes."""
         header = torch.zeros(3, dtype=torch.int64, device=self._comm_device)
         self._broadcast(header).wait()
         version, total, bucket = (int(x) for x in header.tolist())
         if version == STOP:
             return STOP, None
+        if total != layout(manifest)[1]:
+            raise WeightSyncError(f"the learner sends {total} bytes of weights, and this worker's manifest lays out "
+                                  f"{layout(manifest)[1]}")
         buf = flat(total)
-        for start in range(0, total, bucket):
-            self._broadcast(buf[start:start + bucket]).wait()
+        for a, b in schedule(manifest, bucket):
+            work = self._broadcast(buf[a:b])
+            if arrived is not None:
+                arrived(buf, a)
+            work.wait()
+        if arrived is not None:
+            arrived(buf, total)
         return version, buf
 
     def answer(self, version: int, refusal: str | None = None) -> None:
@@ -192,32 +232,21 @@ def send(syncs: Sequence[WeightSync], version: int, named: Iterable[tuple[str, t
     try:
         broadcast(torch.tensor([version, total, bucket], dtype=torch.int64, device=dev))
         if version != STOP:
-            buf = torch.empty(min(bucket, total), dtype=torch.uint8, device=dev)
-            sent = 0  # stream bytes before `sent` are sent; buf holds the bucket [sent, sent + bucket)
-
-            def flush() -> int:
-                n = min(bucket, total - sent)
-                broadcast(buf[:n])
-                return sent + n
-
-            for (_, t), pos in zip(named, offsets):
+            regions = iter(schedule(manifest, bucket))
+            buf = _bucket(syncs, min(bucket, total), dev)
+            start, end = next(regions, (0, 0))
+            for (_, t), o, n in zip(named, offsets, nbytes(manifest)):
                 data = t.detach().contiguous().reshape(-1).view(torch.uint8).to(dev)
-                done = 0
-                while done < data.numel():
-                    if pos >= sent + bucket:  # this tensor starts in a later bucket
-                        sent = flush()
-                    elif pos == sent and data.numel() - done >= bucket:  # a whole bucket of one tensor: no copy
-                        broadcast(data[done:done + bucket])
-                        pos, done, sent = pos + bucket, done + bucket, sent + bucket
-                    else:
-                        n = min(data.numel() - done, sent + bucket - pos)
-                        buf[pos - sent:pos - sent + n] = data[done:done + n]
-                        pos, done = pos + n, done + n
-                        if pos == sent + bucket:
-                            sent = flush()
+                if n >= bucket // 4:  # on its own, from its own memory: no copy
+                    for a in range(0, n, bucket):
+                        broadcast(data[a:a + bucket])
+                        start, end = next(regions, (0, 0))
+                    continue
+                buf[o - start:o - start + n] = data  # packed with its neighbours
+                if o + -(-n // _ALIGN) * _ALIGN >= end:  # the run's last tensor
+                    broadcast(buf[:end - start])
+                    start, end = next(regions, (0, 0))
                 del data
-            while sent < total:
-                sent = flush()
             for s in syncs:
                 current["sync"] = s
                 s._answers(version)
@@ -236,3 +265,13 @@ def send(syncs: Sequence[WeightSync], version: int, named: Iterable[tuple[str, t
         err.sync = s  # which group failed: a pool of remote workers may go on without it
         raise err from None
     return time.perf_counter() - t0
+
+
+def _bucket(syncs: Sequence[WeightSync], n: int, dev: torch.device) -> torch.Tensor:
+    """The send buffer, kept on the first group between syncs (a fresh one costs its page faults every sync)."""
+    held = getattr(syncs[0], "_bucket", None) if syncs else None
+    if held is None or held.numel() != n or held.device != dev:
+        held = torch.empty(n, dtype=torch.uint8, device=dev)
+        if syncs:
+            syncs[0]._bucket = held
+    return held

@@ -135,7 +135,7 @@ def test_the_bucketed_stream_reassembles_every_tensor_exactly(bucket):
 
     def worker():
         sync = WeightSync(WeightSync.connect(store.port, 1), 1, 1, 30, "cpu")
-        version, buf = sync.receive(lambda n: torch.empty(n, dtype=torch.uint8))
+        version, buf = sync.receive(lambda n: torch.empty(n, dtype=torch.uint8), manifest)
         got.update(version=version, tensors=views(buf, manifest))
         sync.answer(version)
 
