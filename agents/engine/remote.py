@@ -328,7 +328,12 @@ class _Handler(BaseHTTPRequestHandler):
                   "/v1/leave": self.owner.leave, "/v1/weights": self.owner.weights}
         if self.path not in routes:
             return self._refuse(404, f"unknown message {self.path!r}")
-        n = int(self.headers.get("Content-Length") or 0)
+        try:
+            n = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            n = -1
+        if n < 0:
+            return self._refuse(400, "a message needs a Content-Length")
         if n > MAX_BODY:
             return self._refuse(413, f"a message of {n} bytes is over the limit of {MAX_BODY}")
         try:

@@ -160,6 +160,16 @@ def test_a_worker_refuses_a_wrong_secret_unknown_messages_and_bad_joins(pair):
     assert status == 400 and json.loads(reply)["error"] == "a join message needs 'session' (str)"
     status, reply = call(address, "/v1/hello", {}, SECRET.encode(), 10)
     assert status == 200 and json.loads(reply)["busy"] is False
+    import http.client
+
+    host, port = address.rsplit(":", 1)
+    for method, body, code, text in (("GET", None, 405, "every message is a POST"),
+                                     ("POST", b"not json", 400, "the message is not JSON")):
+        conn = http.client.HTTPConnection(host, int(port), timeout=10)
+        conn.request(method, "/v1/hello", body, {"Authorization": f"Bearer {SECRET}"})
+        reply = conn.getresponse()
+        assert reply.status == code and json.loads(reply.read())["error"].startswith(text)
+        conn.close()
 
 
 def test_a_worker_refuses_weights_of_the_wrong_shape_at_join_and_nan_weights_at_sync(pair, secret, tmp_path):
