@@ -185,13 +185,13 @@ class WorkerPool:
         return time.perf_counter() - t0
 
     def _store(self, data: bytes) -> None:
+        meta: dict[str, Any] = {}
         try:
             ro, meta, stream = decode_rollout(data, self.device)
             j = int(meta["index"])
             check_rollout(ro, self.rows, self.width, range(max(0, j - self.k), j + 1))
         except (MessageError, KeyError, TypeError, ValueError) as e:
-            raise WorkerError(f"{self._name(meta.get('worker') if 'meta' in locals() else None)} sent a rollout this "
-                              f"learner refuses: {e}") from None
+            raise WorkerError(f"{self._name(meta.get('worker'))} sent a rollout this learner refuses: {e}") from None
         self.received[j] = (ro, ro.policy_version, int(meta["worker"]), stream, float(meta["seconds"]), data)
 
     def _name(self, worker: Any) -> str:
