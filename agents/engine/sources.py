@@ -19,7 +19,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from tokengym.agents.engine.messages import decode_rollout, encode_rollout, check_rollout, MessageError
+from tokengym.agents.engine.messages import MessageError, check_rollout, decode_rollout
 from tokengym.agents.engine.rollout import Rollout, collect
 from tokengym.agents.runtime.weight_sync import WeightSyncError
 
@@ -91,6 +91,7 @@ class WorkerPool:
         self._failed: BaseException | None = None
         self.sync_seconds = 0.0
         self.version = -1  # the newest version published
+        self.taken = b""  # the message of the rollout take() returned last (a torchrun learner passes it on)
         state = state or {"next": 0, "queue": [], "streams": [None] * workers}
         if len(state["streams"]) != workers:
             raise ValueError(f"the checkpoint's async state has {len(state['streams'])} rollout workers' streams, and this "
@@ -202,7 +203,7 @@ class WorkerPool:
         if step != self.next:
             raise RuntimeError(f"the learner asked for rollout {step}, and the next one is {self.next}")
         waited = self._receive(self.next)
-        ro, version, i, stream, seconds, _ = self.received.pop(self.next)
+        ro, version, i, stream, seconds, self.taken = self.received.pop(self.next)
         self.streams[i] = stream
         self.next += 1
         lag = step - version
@@ -270,30 +271,30 @@ class DataParallelSource:
     def take(self, step: int) -> tuple[Rollout, dict[str, float]]:
         import torch.distributed as dist
 
-        failure, data, metrics = None, b"", {}
+        from tokengym.agents.runtime.distributed import _comm_device
+
+        failure, ro, data, metrics = None, None, b"", {}
         if self.pool is not None:
             try:
                 ro, metrics = self.pool.take(step)
-                data = encode_rollout(ro, {"index": step, "worker": 0, "seconds": 0.0, "metrics": metrics},
-                                      {"env": None, "rng": torch.zeros(0, dtype=torch.uint8)})
+                data = self.pool.taken  # the worker's message as it came: no second encoding
             except Exception as e:
                 failure = e
-        word = self.dp.broadcast_object(str(failure) if failure is not None else None)
+        word, metrics = self.dp.broadcast_object((str(failure) if failure is not None else None, metrics))
         if word is not None:
             if failure is not None:
                 raise failure
             raise WorkerError(word)
-        from tokengym.agents.runtime.distributed import _comm_device
-
         dev = _comm_device()
         size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
         dist.broadcast(size, 0)
         buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev) if data else \
             torch.empty(int(size), dtype=torch.uint8, device=dev)
         dist.broadcast(buf, 0)
-        ro, header, _ = decode_rollout(buf.cpu().numpy().tobytes(), self.device)
+        if ro is None:  # (rank 0 has it decoded already)
+            ro, _, _ = decode_rollout(buf.cpu().numpy().tobytes(), self.device)
         r = self.dp.rank
-        return ro.select(range(r * self.rows, (r + 1) * self.rows)), header["metrics"]
+        return ro.select(range(r * self.rows, (r + 1) * self.rows)), metrics
 
     def publish(self, version: int, wait: bool = True) -> None:
         """Every rank runs it: the gathers are collectives. A failure on rank 0 is raised on every rank."""
