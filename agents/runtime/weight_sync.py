@@ -51,7 +51,7 @@ def layout(manifest: Sequence[Sequence]) -> tuple[list[int], int]:
 
 def nbytes(manifest: Sequence[Sequence]) -> list[int]:
     """Each tensor's size in bytes."""
-    return [_numel(shape) * torch.empty((), dtype=getattr(torch, dtype)).element_size() for _, shape, dtype in manifest]
+    return [_numel(shape) * getattr(torch, dtype).itemsize for _, shape, dtype in manifest]
 
 
 def _numel(shape: Sequence[int]) -> int:
