@@ -145,6 +145,7 @@ def test_the_bucketed_stream_reassembles_every_tensor_exactly(bucket):
     send([sync], 5, iter(named), manifest, bucket)
     t.join(30)
     assert got["version"] == 5 and total >= sum(t.numel() * t.element_size() for _, t in named)
+    assert sync._bucket.numel() == min(bucket, total)  # the one buffer the sender held
     for (_, want), have in zip(named, got["tensors"]):
         assert have.dtype == want.dtype and torch.equal(have, want)
 
