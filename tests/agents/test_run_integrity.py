@@ -469,9 +469,16 @@ def test_sigkill_during_write_leaves_previous_state_and_a_cleanable_tmp(tmp_path
     assert len(R.clean_stale_tmp(run)) == 1 and tmp_entries(tmp_path) == []
 
 
-def test_kill_hook_does_nothing_for_other_writes(monkeypatch):
-    monkeypatch.setenv(R.KILL_ENV, "model")
-    R.kill_during_write("checkpoint")  # still alive
+@pytest.mark.parametrize("setting, kills", [("model", False), ("checkpoints", False), ("model,checkpoint-x", False),
+                                             ("checkpoint", True), (" model , checkpoint ", True), ("", False)])
+def test_kill_hook_fires_only_for_the_write_it_names(monkeypatch, setting, kills):
+    """The hook SIGKILLs itself exactly when the comma-separated list names this write (a whole name, not a
+    substring); ``os.kill`` is recorded instead of run."""
+    sent = []
+    monkeypatch.setattr(R.os, "kill", lambda pid, sig: sent.append((pid, sig)))
+    monkeypatch.setenv(R.KILL_ENV, setting)
+    R.kill_during_write("checkpoint")
+    assert sent == ([(os.getpid(), signal.SIGKILL)] if kills else [])
 
 
 # ---------------------------------------------------------------------------------------------- run lock
