@@ -6,8 +6,8 @@ Importing this package registers every ``tokengym/<Task>-v0`` id for ``gymnasium
 the agent mid-episode (:meth:`Task.respond`, :class:`Reply`; see :mod:`tokengym.envs.multiturn`).
 """
 
-from tokengym.envs.check import check_task
-from tokengym.envs.checker import check_vector_env
+from tokengym.envs.task_check import check_task
+from tokengym.envs.vector_check import check_vector_env
 from tokengym.envs.masks import TokenMasks, grammar_text
 from tokengym.envs.multiturn import Reply
 from tokengym.envs.registration import ENV_GUIDE, ENV_IDS, register_envs

@@ -201,7 +201,8 @@ def chat_reply_wrapper(tokenizer: Any, role: str) -> tuple[str, str]:
 
 class MultiTurnMixin:
     """The reply side of :class:`~tokengym.envs.TokenVectorEnv` (its buffers, tokenizer and task), kept apart from the
-    single-turn step: ``step`` calls :meth:`_answer_turns` when agent turns end or replies are still out."""
+    single-turn step: ``step`` calls :meth:`_answer_turns` when agent turns end or replies are still out (a turn's
+    process reward is :class:`~tokengym.envs.scoring.ScoringMixin`'s)."""
 
     def _answer_turns(self, ended: torch.Tensor | None, term_now: torch.Tensor, trunc_now: torch.Tensor,
                       active: torch.Tensor, reward: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
@@ -273,23 +274,6 @@ class MultiTurnMixin:
                 self.replied.append(s)
                 self.history[s].append(rep.text if rep.text is not None else self.tokenizer.decode(ids, skip_special_tokens=True))
         return term, trunc, any_end
-
-    def _score_turn_steps(self, rows: list[int], reward: torch.Tensor) -> None:
-        """A process reward on a multi-turn task without a step delimiter: each agent turn is a step, scored (one batched
-        call) when it ends and placed on the token that ended it, as a PRM step score is."""
-        from tokengym.rewards.protocols import score_process
-
-        prompts, fields = self._fields(rows)
-        scores = score_process(self.process_reward_fn, prompts, [self.history[s][::2] for s in rows], fields)
-        idx = torch.tensor(rows, device=self.device)
-        last = self.last_action[idx]
-        v = torch.tensor([float(row[-1]) if len(row) else 0.0 for row in scores], dtype=torch.float32, device=self.device)
-        for s, row in zip(rows, scores):
-            self.step_scores[s] = list(row)
-        self.process_rewards[idx, last] += v
-        self.rewards[idx, last] += v
-        self.step_end[idx, last] = True
-        reward[idx] += v
 
     def _collect_pending(self, wait: float | None) -> list[tuple[int, Reply, str | None]]:
         """Replies still out that are in (after up to ``wait`` seconds; ``None``: until one is in or past its time limit,

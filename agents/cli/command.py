@@ -56,7 +56,7 @@ def _cmd_envs(args: argparse.Namespace) -> int:
 def _cmd_sample(args: argparse.Namespace) -> int:
     from tokengym.agents.runtime import runs as R
     from tokengym.agents.cli.runner import RunConfig, load_policy, make_env, resolve_env_id
-    from tokengym.envs.check import scripted_rollout
+    from tokengym.envs.task_check import scripted_rollout
 
     run = RunConfig()
     if args.run is not None:  # the run's env, task arguments and imports; its final model unless --model says otherwise

@@ -6,7 +6,7 @@ import importlib.util
 import pytest
 
 from tokengym.envs import Reply, Task, TokenVectorEnv, check_task
-from tokengym.envs.check import RULES
+from tokengym.envs.task_check import RULES
 from tokengym.envs.tasks import TASK_SPECS, CalculatorTask
 
 ARGS = {"dataset": {"data": [{"prompt": "1+1\n", "answer": "2"}, {"prompt": "2+2\n", "answer": "4"}]},

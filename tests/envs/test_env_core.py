@@ -143,9 +143,9 @@ def test_local_tokenizer_folder_works(tmp_path):
 def test_a_cuda_env_names_its_device_index(monkeypatch):
     """Tensors made on "cuda" report "cuda:0"; an env that kept the bare "cuda" refused its own policy's actions
     ("actions are on cuda:0 but the env is on cuda"), seen on an H200 with bench/cuda_check.py."""
-    from tokengym.envs.vector_env import _with_index
+    from tokengym.envs.vector_setup import with_index
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    assert _with_index("cuda") == torch.device("cuda", 0) == torch.device("cuda:0")
-    assert _with_index("cuda:1") == torch.device("cuda:1") and _with_index("cpu") == torch.device("cpu")
+    assert with_index("cuda") == torch.device("cuda", 0) == torch.device("cuda:0")
+    assert with_index("cuda:1") == torch.device("cuda:1") and with_index("cpu") == torch.device("cpu")

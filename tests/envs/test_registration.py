@@ -8,7 +8,7 @@ from gymnasium.utils.env_checker import check_env
 
 import tokengym.envs
 from tokengym.envs import ENV_IDS, check_vector_env
-from tokengym.envs.checker import within_masks
+from tokengym.envs.vector_check import within_masks
 
 
 def test_all_ids_registered():

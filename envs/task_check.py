@@ -1,7 +1,8 @@
 """``check_task``: the conformance check of a task (bundled, your own, or an adapter's) on the token-level env.
 
-Beyond the Gymnasium vector API (:func:`~tokengym.envs.checker.check_vector_env`), a task must keep the rules the
-agents rely on, each checked on scripted episodes (the reference solution where the task has one, random tokens):
+Beyond the Gymnasium vector API (:func:`~tokengym.envs.vector_check.check_vector_env`, in
+:mod:`tokengym.envs.vector_check`), a task must keep the rules the agents rely on, each checked on scripted episodes
+(the reference solution where the task has one, random tokens):
 
 * ``replies-are-context``: the agent's tokens, and only they, have ``action_mask`` 1; env replies are context;
 * ``rewards-on-actions``: every per-token reward sits on a column the agent wrote;
@@ -19,7 +20,7 @@ from typing import Any
 
 import torch
 
-from tokengym.envs.checker import within_masks
+from tokengym.envs.vector_check import within_masks
 
 __all__ = ["check_task", "scripted_rollout", "RULES"]
 
@@ -117,7 +118,7 @@ def check_task(task_or_env: Any, *, tokenizer: Any = None, num_envs: int = 4, se
         >>> from tokengym.envs.tasks import CalculatorTask
         >>> check_task(CalculatorTask())
     """
-    from tokengym.envs.checker import check_vector_env
+    from tokengym.envs.vector_check import check_vector_env
 
     env = _make(task_or_env, num_envs, tokenizer)
     for policy in ("reference", "random"):

@@ -1,4 +1,8 @@
-"""``check_vector_env``: conformance checks for vector environments (Gymnasium only checks single envs)."""
+"""``check_vector_env``: conformance checks for vector environments (Gymnasium only checks single envs).
+
+These check the Gymnasium vector API of any vector env; the rules a task must keep on the token env (replies are
+context, rewards on actions, ...) are checked by :func:`~tokengym.envs.task_check.check_task`.
+"""
 
 from __future__ import annotations
 
