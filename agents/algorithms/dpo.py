@@ -445,10 +445,11 @@ class DPOLearner:
                 (on the same pairs and config; a missing or empty folder starts the run).
         """
         if run_dir is not None:
-            from tokengym.agents.runtime.session import RunSettings, jsonable, python_run, run_in_folder
+            from tokengym.agents.runtime.run_config import RunConfig
+            from tokengym.agents.runtime.session import jsonable, python_run, run_in_folder
 
             data = self.prepare(pairs)
-            settings = RunSettings(save_every=save_every)
+            settings = RunConfig(save_every=save_every, progress=False)  # no progress bar from Python
             config = {"algorithm": "dpo", "preset": None, "config": jsonable(asdict(self.config)),
                       "run": python_run(eval_env, self.policy, eval_samples, settings, rollout=False)}
             return run_in_folder(run_dir, resume, config, self, None, self.fit_steps(data), settings=settings,

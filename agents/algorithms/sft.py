@@ -321,9 +321,10 @@ class SFTLearner:
         """
         run_dir = run_dir if run_dir is not None else self.config.run_dir
         if run_dir is not None:
-            from tokengym.agents.runtime.session import RunSettings, jsonable, python_run, run_in_folder
+            from tokengym.agents.runtime.run_config import RunConfig
+            from tokengym.agents.runtime.session import jsonable, python_run, run_in_folder
 
-            settings = RunSettings(save_every=save_every)
+            settings = RunConfig(save_every=save_every, progress=False)  # no progress bar from Python
             config = {"algorithm": "sft", "preset": None,  # the folder is the run's: config.json names none
                       "config": jsonable(dataclasses.asdict(dataclasses.replace(self.config, run_dir=None))),
                       "run": python_run(self.eval_env, self.policy, self.heldout, settings, rollout=False)}
