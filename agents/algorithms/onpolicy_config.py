@@ -2,8 +2,11 @@
 
 An algorithm's config extends :class:`OnPolicyConfig`: it redeclares a field only to change its default (the
 docstring, which ``--help`` prints, stays the base's), adds its own fields after these, and adds their checks
-through :meth:`~OnPolicyConfig.checks` and :meth:`~OnPolicyConfig.choices` (:class:`~tokengym.rewards.common.FieldChecks`). The skeleton
-(:class:`~tokengym.agents.algorithms.onpolicy.OnPolicyAgent`) reads these fields directly.
+through :meth:`~OnPolicyConfig.checks` and :meth:`~OnPolicyConfig.choices`
+(:class:`~tokengym.rewards.common.FieldChecks`). The shared fields are declared in the bases: the optimiser's and
+the training loop's in :mod:`tokengym.rewards.training`, the rollout engine's in
+:mod:`tokengym.agents.engine.config`. The skeleton (:class:`~tokengym.agents.algorithms.onpolicy.OnPolicyAgent`)
+reads these fields directly.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ __all__ = ["OnPolicyConfig"]
 
 
 @dataclass
-class OnPolicyConfig(EngineConfig, TrainLoopConfig, ScheduledOptimConfig, Renamed, renames={"lr_schedule": "lr_scheduler_type"}):
+class OnPolicyConfig(EngineConfig, TrainLoopConfig, ScheduledOptimConfig, Renamed,
+                     renames={"lr_schedule": "lr_scheduler_type"}):
     """Settings of the on-policy skeleton: the optimiser's and the training loop's (shared with every trainer,
     :mod:`tokengym.rewards.training`), the rollout engine's (:class:`~tokengym.agents.engine.config.EngineConfig`),
     and below them the schedule, the update, the clipped loss, the KL to a reference."""
