@@ -12,7 +12,7 @@ import warnings
 from typing import Any, Callable, ClassVar, Iterable, Iterator, Mapping, NamedTuple
 
 __all__ = ["PACKING", "F32_MAX", "TokengymWarning", "finite32", "TokengymDeprecationWarning", "check_config", "check_field_types", "quiet_transformers",
-           "Rename", "Renamed", "renamed_keys"]
+           "FieldChecks", "Rename", "Renamed", "renamed_keys"]
 
 PACKING = ("off", "bins", "auto")
 """The values of every trainer's ``packing`` setting (``tokengym.agents.engine.packing``): padded forwards, forwards
@@ -137,6 +137,33 @@ def check_config(cfg: Any, checks: Mapping[str, bool] = {}, choices: Mapping[str
         valid = sorted(valid)
         if getattr(cfg, field) not in valid:
             raise ValueError(f"{name}.{field}={getattr(cfg, field)!r}; choose one of {valid}")
+
+
+class FieldChecks:
+    """Base of a config dataclass whose field checks add up along its bases: each class's :meth:`checks` and
+    :meth:`choices` name the bounds and valid values of the fields it declares, and :meth:`check_fields` runs those
+    of every class of the config (bases first), so a shared base (the optimiser's settings, the engine's) checks its
+    fields once for every config that extends it. (A class's methods may also merge ``super()``'s: same result.)"""
+
+    def checks(self) -> dict[str, bool]:
+        """``{field: valid}`` bounds of the fields this class declares."""
+        return {}
+
+    def choices(self) -> dict[str, Iterable[Any]]:
+        """``{field: valid values}`` of the choice-valued fields this class declares."""
+        return {}
+
+    def check_fields(self) -> None:
+        """Raise ``ValueError("<Config>.<field> ...")`` for the first wrong type, then failed bound or unknown choice."""
+        check_field_types(self)  # types first: the bounds compare values
+        checks: dict[str, bool] = {}
+        choices: dict[str, Iterable[Any]] = {}
+        for klass in reversed(type(self).__mro__):
+            if "checks" in vars(klass):
+                checks.update(klass.checks(self))
+            if "choices" in vars(klass):
+                choices.update(klass.choices(self))
+        check_config(self, checks, choices)
 
 
 def _type_ok(tp: Any, v: Any) -> tuple[bool, str]:

@@ -23,9 +23,9 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from .common import PACKING, check_config, check_field_types
 from .packing import classifier_at
 from .reward_model import _device, _load, _pad_id, _save, fit, load_rows, pad_right, split_rows
+from .training import OptimConfig, TrainLoopConfig
 
 __all__ = ["LearnedPRM", "PRMConfig", "train_prm", "PRM_COLUMNS"]
 
@@ -166,36 +166,26 @@ class LearnedPRM:
 
 
 @dataclass
-class PRMConfig:
-    """Hyper-parameters of :func:`train_prm`."""
+class PRMConfig(TrainLoopConfig, OptimConfig):
+    """Hyper-parameters of :func:`train_prm`: the optimiser's and the training loop's
+    (:mod:`tokengym.rewards.training`), and the ones below."""
 
-    lr: float = 1e-4
-    """AdamW learning rate."""
     epochs: int = 1
     """Passes over the training examples."""
     batch_size: int = 32
     """Solutions per optimiser step."""
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
-    max_grad_norm: float = 1.0
-    """Gradient clipping norm (0 = off)."""
     delimiter: str = "\n"
     """The text that ends a step (must match the LearnedPRM that will score)."""
     val_fraction: float = 0.1
     """Fraction of prompts held out for step accuracy when no eval examples are given (0 = none)."""
-    eval_every: int = 0
-    """Held-out evaluation every this many steps (0 = only at the end)."""
-    seed: int = 0
-    """Seeds the held-out split and the shuffling."""
-    packing: str = "auto"
-    """Forwards over the real tokens packed into bins: off, bins or auto (as the agents' packing)."""
 
     def __post_init__(self) -> None:
-        check_field_types(self)  # types first: the bounds below compare values
-        check_config(self, {"lr": self.lr > 0, "epochs": self.epochs >= 1, "batch_size": self.batch_size >= 1,
-                      "weight_decay": self.weight_decay >= 0, "max_grad_norm": self.max_grad_norm >= 0,
-                      "delimiter": isinstance(self.delimiter, str) and bool(self.delimiter),
-                      "val_fraction": 0 <= self.val_fraction < 1, "eval_every": self.eval_every >= 0}, {"packing": PACKING})
+        self.check_fields()
+
+    def checks(self) -> dict[str, bool]:
+        return {"epochs": self.epochs >= 1, "batch_size": self.batch_size >= 1,
+                "delimiter": isinstance(self.delimiter, str) and bool(self.delimiter),
+                "val_fraction": 0 <= self.val_fraction < 1}
 
 
 def _check_examples(rows: list[dict], what: str) -> None:

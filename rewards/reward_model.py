@@ -33,9 +33,9 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from .common import PACKING, check_config, check_field_types, quiet_transformers
+from .common import quiet_transformers
 from .packing import classifier_at, head_logits, place, plan
-from .training import OptimizerStep
+from .training import OptimConfig, OptimizerStep, TrainLoopConfig
 
 __all__ = ["RewardModel", "LikelihoodRewardModel", "RewardModelConfig", "train_reward_model", "load_rows", "split_rows"]
 
@@ -407,38 +407,27 @@ def _packed_score(model: torch.nn.Module, packing: str, tokens: torch.Tensor, ma
 
 # ============================================================================== training
 @dataclass
-class RewardModelConfig:
-    """Hyper-parameters of :func:`train_reward_model` (Bradley-Terry training)."""
+class RewardModelConfig(TrainLoopConfig, OptimConfig):
+    """Hyper-parameters of :func:`train_reward_model` (Bradley-Terry training): the optimiser's and the training
+    loop's (:mod:`tokengym.rewards.training`), and the ones below."""
 
-    lr: float = 1e-4
-    """AdamW learning rate."""
     epochs: int = 1
     """Passes over the training pairs."""
     batch_size: int = 32
     """Pairs per optimiser step (each step scores 2 x batch_size rows)."""
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
-    max_grad_norm: float = 1.0
-    """Gradient clipping norm (0 = off)."""
     center_coef: float = 0.0
     """Weight of mean((r_c + r_r)^2), which keeps rewards centred on 0 (0 = off)."""
     max_length: int | None = None
     """Keep only the last max_length tokens of a row (None = all)."""
     val_fraction: float = 0.1
     """Fraction of prompts held out for pairwise accuracy when no eval pairs are given (0 = none)."""
-    eval_every: int = 0
-    """Held-out evaluation every this many steps (0 = only at the end)."""
-    seed: int = 0
-    """Seeds the held-out split and the shuffling."""
-    packing: str = "auto"
-    """Forwards over the real tokens packed into bins: off, bins or auto (as the agents' packing)."""
 
     def __post_init__(self) -> None:
-        check_field_types(self)  # types first: the bounds below compare values
-        check_config(self, {"lr": self.lr > 0, "epochs": self.epochs >= 1, "batch_size": self.batch_size >= 1,
-                      "weight_decay": self.weight_decay >= 0, "max_grad_norm": self.max_grad_norm >= 0,
-                      "center_coef": self.center_coef >= 0, "max_length": self.max_length is None or self.max_length >= 2,
-                      "val_fraction": 0 <= self.val_fraction < 1, "eval_every": self.eval_every >= 0}, {"packing": PACKING})
+        self.check_fields()
+
+    def checks(self) -> dict[str, bool]:
+        return {"epochs": self.epochs >= 1, "batch_size": self.batch_size >= 1, "center_coef": self.center_coef >= 0,
+                "max_length": self.max_length is None or self.max_length >= 2, "val_fraction": 0 <= self.val_fraction < 1}
 
 
 PAIR_COLUMNS = ("prompt", "chosen", "rejected")

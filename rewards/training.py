@@ -5,16 +5,25 @@ It lives in ``rewards``, the lowest package, because ``rewards`` trains models o
 PRMs, public API) and may import nothing above it, while every agent may import ``rewards``: one step here
 serves both. ``tokengym.agents.runtime.optim`` re-exports it for the agents. Data-parallel gradient sync is
 injected (``sync``), since ``rewards`` knows nothing of how a run sets up ``torch.distributed``.
+
+The settings every trainer shares are declared here once, for the same reason: :class:`OptimConfig` (and
+:class:`ScheduledOptimConfig`, with a learning-rate schedule) and :class:`TrainLoopConfig` (seed, evaluation,
+packing). A trainer's config extends them and redeclares a field only to change its default; the docstring,
+which ``--help`` prints, stays the base's.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-__all__ = ["adamw", "LR_SCHEDULES", "lr_factor", "OptimizerStep"]
+from tokengym.rewards.common import PACKING, FieldChecks
+
+__all__ = ["adamw", "LR_SCHEDULES", "lr_factor", "OptimizerStep", "OptimConfig", "ScheduledOptimConfig", "SeedConfig",
+           "TrainLoopConfig"]
 
 
 def adamw(params: Iterable[Any], lr: float, weight_decay: float = 0.0, **kwargs: Any) -> torch.optim.Optimizer:
@@ -46,6 +55,70 @@ def lr_factor(step: int, total: int, schedule: str, warmup: int = 0, min_ratio: 
         return (step + 1) / warmup
     f = LR_SCHEDULES[schedule](min((step - warmup) / max(total - warmup, 1), 1.0))
     return f if schedule == "constant" or not min_ratio else min_ratio + (1 - min_ratio) * f
+
+
+# ---------------------------------------------------------------------------------------------- shared settings
+@dataclass
+class OptimConfig(FieldChecks):
+    """The optimiser's settings: AdamW's learning rate and weight decay, and gradient clipping."""
+
+    lr: float = 1e-4
+    """AdamW learning rate of the trained model (the peak of the learning-rate schedule, reached after warmup, where
+    the trainer has one)."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay (SFT: of matrices only, not of norms or biases)."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping norm of each optimised model (PPO: the policy and the critic, each on its own) (0 = off)."""
+
+    def checks(self) -> dict[str, bool]:
+        return {"lr": self.lr > 0, "weight_decay": self.weight_decay >= 0,
+                "max_grad_norm": self.max_grad_norm >= 0}
+
+
+@dataclass
+class ScheduledOptimConfig(OptimConfig):
+    """The optimiser's settings with a learning-rate schedule (:func:`lr_factor`): a linear warmup, then a decay."""
+
+    lr_scheduler_type: str = "constant"
+    """Learning-rate decay after warmup: constant, linear or cosine (both to 0, or to min_lr_ratio * lr where the
+    trainer has min_lr_ratio); the on-policy agents' schedule spans all iterations * steps sampling steps."""
+    warmup_steps: int = 0
+    """Steps (the on-policy agents': sampling steps) of linear learning-rate warmup before the decay (0 = none)."""
+
+    def checks(self) -> dict[str, bool]:
+        return {"warmup_steps": self.warmup_steps >= 0}
+
+    def choices(self) -> dict[str, Iterable[Any]]:
+        return {"lr_scheduler_type": LR_SCHEDULES}
+
+
+@dataclass
+class SeedConfig(FieldChecks):
+    """The seed of a run (its own base: the training loop and the agents' rollout engine both read it)."""
+
+    seed: int = 0
+    """Seeds the run: data shuffling and held-out splits; for the on-policy agents also the env's prompt stream, the
+    policy's sampler (rollout worker i: seed + i) and any freshly built head (PPO's critic)."""
+
+
+@dataclass
+class TrainLoopConfig(SeedConfig):
+    """The training loop's settings every trainer shares: its seed, how often it evaluates, how it packs forwards."""
+
+    eval_every: int = 0
+    """Evaluate on held-out data (prompts, pairs or examples, where the run has them) every this many steps (the
+    on-policy agents': sampling steps); 0 = only at the end (SFT: before and after training)."""
+    packing: str = "auto"
+    """Forwards over the real tokens packed into bins of the longest row's width instead of the padded batch: off,
+    bins, or auto (bins when they hold at most 80% of the padded tokens); results are equal up to float rounding
+    (tokengym.agents.engine.packing). On-policy agents pack pi_old, the reference, the update and PPO's critic;
+    DPO its plain (not prefix-shared) stacks."""
+
+    def checks(self) -> dict[str, bool]:
+        return {"eval_every": self.eval_every >= 0}
+
+    def choices(self) -> dict[str, Iterable[Any]]:
+        return {"packing": PACKING}
 
 
 class OptimizerStep:

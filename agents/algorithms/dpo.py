@@ -51,29 +51,29 @@ import hashlib
 import math
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
 from tokengym.agents import functional as F
 from tokengym.agents.runtime.logger import RunLogger
-from tokengym.agents.runtime.config import check_config, check_learner_args
+from tokengym.agents.runtime.config import check_learner_args
 from tokengym.agents.runtime.distributed import LOCAL
 from tokengym.agents.engine.models import frozen_copy
-from tokengym.agents.runtime.optim import LR_SCHEDULES, OptimizerStep
+from tokengym.agents.runtime.optim import OptimizerStep, ScheduledOptimConfig, TrainLoopConfig
 from tokengym.agents.engine.policy import AdapterDisabledReference, make_reference
 from tokengym.agents.data.pairs import PairBatch, PairData, SharedPrefixBatch
-from tokengym.agents.engine.packing import PACKING
 from tokengym.agents.engine.rollout import evaluate
 from tokengym.agents.algorithms.registry import register
-from tokengym.rewards.common import Renamed, check_field_types
+from tokengym.rewards.common import Renamed
 
 __all__ = ["DPOConfig", "DPOLearner"]
 
 
 @dataclass
-class DPOConfig(Renamed, renames={"schedule": "lr_scheduler_type"}):
-    """Hyper-parameters of :class:`DPOLearner` (defaults: a quick, stable run on the tiny preset)."""
+class DPOConfig(TrainLoopConfig, ScheduledOptimConfig, Renamed, renames={"schedule": "lr_scheduler_type"}):
+    """Hyper-parameters of :class:`DPOLearner` (defaults: a quick, stable run on the tiny preset): the optimiser's and
+    the training loop's (:mod:`tokengym.rewards.training`), and DPO's below."""
 
     beta: float = 0.1
     """Inverse temperature of the implicit reward beta * log(pi / pi_ref); for IPO the regulariser tau."""
@@ -85,14 +85,6 @@ class DPOConfig(Renamed, renames={"schedule": "lr_scheduler_type"}):
     """Weight of an extra NLL term on chosen completions (per-token mean; "RPO", Pang et al. 2024); 0 = plain DPO."""
     dpop_lambda: float = 0.0
     """DPO-Positive (Pal et al. 2024): margin minus lambda * max(0, ref - policy chosen log-prob); 0 = plain DPO."""
-    lr: float = 1e-4
-    """AdamW learning rate (after warmup)."""
-    weight_decay: float = 0.0
-    """AdamW decoupled weight decay."""
-    lr_scheduler_type: str = "constant"
-    """Learning-rate decay after warmup: constant, linear (to 0) or cosine (to 0)."""
-    warmup_steps: int = 0
-    """Steps of linear learning-rate warmup from 0."""
     batch_size: int = 16
     """Preference pairs per optimiser step (2 * batch_size sequences per forward)."""
     epochs: int = 1
@@ -101,13 +93,8 @@ class DPOConfig(Renamed, renames={"schedule": "lr_scheduler_type"}):
     """Optimiser steps per fit() call, cycling through reshuffled epochs; None = epochs full passes."""
     shuffle: bool = True
     """Reshuffle the pairs every epoch (seeded by seed)."""
-    max_grad_norm: float = 1.0
-    """Gradient clipping norm (0 = off)."""
     share_prefix: bool | None = None
     """Pack pairs as [prompt | chosen | rejected after the common prefix] with a 4D mask (same log-probs, fewer tokens); None = on iff a one-time check on a few synthetic pairs finds the model (and reference) give the plain stack's log-probs that way."""
-    packing: str = "auto"
-    """Plain (not prefix-shared) stacks' forwards over the real tokens packed into bins: off, bins or auto (as the
-    on-policy agents' packing; tokengym.agents.engine.packing)."""
     precompute_ref: bool = False
     """Compute reference log-probs once per dataset before training and keep no reference model in memory."""
     ref_batch_size: int | None = None
@@ -118,29 +105,13 @@ class DPOConfig(Renamed, renames={"schedule": "lr_scheduler_type"}):
     """Cap prompt + completion tokens when tokenizing text pairs; completions keep their start (None = no limit)."""
     chat_template: bool = False
     """Render text pairs with the tokenizer's chat template (needs a tokenizer that has one)."""
-    eval_every: int = 0
-    """Evaluate held-out pairs (and greedy accuracy with an eval env) every this many steps; 0 = only at the end."""
     eval_batch_size: int | None = None
     """Pairs per forward when evaluating; None = 4 * batch_size."""
     log_every: int = 1
     """Write a training record every this many steps (metrics averaged over them)."""
-    seed: int = 0
-    """Seeds minibatch shuffling (and, in the online_dpo round loops, the prompt stream and the policy's sampler)."""
 
     def __post_init__(self) -> None:
-        check_field_types(self)  # types first: the bounds below compare values
-        checks = {
-            "lr": self.lr > 0 and math.isfinite(self.lr), "weight_decay": self.weight_decay >= 0,
-            "warmup_steps": self.warmup_steps >= 0, "batch_size": self.batch_size >= 1, "epochs": self.epochs >= 1,
-            "steps": self.steps is None or self.steps >= 0, "max_grad_norm": self.max_grad_norm >= 0,
-            "nll_coef": self.nll_coef >= 0, "dpop_lambda": self.dpop_lambda >= 0, "eval_every": self.eval_every >= 0,
-            "log_every": self.log_every >= 1,
-            "ref_batch_size": self.ref_batch_size is None or self.ref_batch_size >= 1,
-            "eval_batch_size": self.eval_batch_size is None or self.eval_batch_size >= 1,
-            "max_prompt_len": self.max_prompt_len is None or self.max_prompt_len >= 1,
-            "max_length": self.max_length is None or self.max_length >= 2,
-        }
-        check_config(self, checks, {"lr_scheduler_type": LR_SCHEDULES, "loss_type": F.DPO_LOSSES, "packing": PACKING})
+        self.check_fields()  # the shared fields' checks (rewards.training) and checks()/choices() below
         z = torch.zeros(1)
         try:  # beta / label_smoothing / loss_type compatibility: the loss function's own checks
             F.dpo_loss(z, z, z, z, self.beta, self.loss_type, self.label_smoothing)
@@ -148,6 +119,18 @@ class DPOConfig(Renamed, renames={"schedule": "lr_scheduler_type"}):
             raise ValueError(f"DPOConfig: {e}") from None
         if self.max_length is not None and self.max_prompt_len is not None and self.max_prompt_len >= self.max_length:
             raise ValueError(f"DPOConfig.max_prompt_len={self.max_prompt_len} leaves no room for completions in max_length={self.max_length}")
+
+    def checks(self) -> dict[str, bool]:
+        return {"batch_size": self.batch_size >= 1, "epochs": self.epochs >= 1,
+                "steps": self.steps is None or self.steps >= 0, "nll_coef": self.nll_coef >= 0,
+                "dpop_lambda": self.dpop_lambda >= 0, "log_every": self.log_every >= 1,
+                "ref_batch_size": self.ref_batch_size is None or self.ref_batch_size >= 1,
+                "eval_batch_size": self.eval_batch_size is None or self.eval_batch_size >= 1,
+                "max_prompt_len": self.max_prompt_len is None or self.max_prompt_len >= 1,
+                "max_length": self.max_length is None or self.max_length >= 2}
+
+    def choices(self) -> dict[str, Iterable[Any]]:
+        return {"loss_type": F.DPO_LOSSES}
 
     @property
     def length_normalized(self) -> bool:
@@ -462,10 +445,11 @@ class DPOLearner:
                 (on the same pairs and config; a missing or empty folder starts the run).
         """
         if run_dir is not None:
-            from tokengym.agents.runtime.session import RunSettings, jsonable, python_run, run_in_folder
+            from tokengym.agents.runtime.run_config import RunConfig
+            from tokengym.agents.runtime.session import jsonable, python_run, run_in_folder
 
             data = self.prepare(pairs)
-            settings = RunSettings(save_every=save_every)
+            settings = RunConfig(save_every=save_every, progress=False)  # no progress bar from Python
             config = {"algorithm": "dpo", "preset": None, "config": jsonable(asdict(self.config)),
                       "run": python_run(eval_env, self.policy, eval_samples, settings, rollout=False)}
             return run_in_folder(run_dir, resume, config, self, None, self.fit_steps(data), settings=settings,

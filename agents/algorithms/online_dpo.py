@@ -24,7 +24,6 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 import torch
 
-from tokengym.agents.runtime.config import check_config
 from tokengym.agents.algorithms.dpo import DPOConfig, DPOLearner
 from tokengym.agents.data.pairs import PairData, mine_pairs
 from tokengym.agents.engine.rollout import collect, evaluate
@@ -128,16 +127,14 @@ class SPINConfig(DPOConfig):
     offline default lr 1e-4 collapses on such pairs (``bench/RESULTS.md``), so SPIN takes a smaller step.
     """
 
-    lr: float = 1e-5
-    """AdamW learning rate (after warmup); smaller than DPO's default (own samples as rejected completions)."""
+    lr: float = 1e-5  # smaller than DPO's: the rejected completions are the policy's own samples
     rounds: int = 3
     """Self-play rounds: each mines fresh pairs with the policy as it is at the round's start."""
     prompts_per_round: int = 512
     """Prompts per round, one policy sample each (a sample that reproduces the reference makes no pair)."""
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_config(self, {"rounds": self.rounds >= 1, "prompts_per_round": self.prompts_per_round >= 1})
+    def checks(self) -> dict[str, bool]:
+        return {"rounds": self.rounds >= 1, "prompts_per_round": self.prompts_per_round >= 1}
 
 
 def _draw_prompts(task: Any, n: int, seed: int | Sequence[int], exclude: set[str]) -> list[dict[str, Any]]:

@@ -446,9 +446,10 @@ class OnPolicyAgent:
         check_rollout_env(env, f"{type(self).__name__}.learn()")
         if run_dir is not None:
             from tokengym.agents.algorithms.registry import name_of
-            from tokengym.agents.runtime.session import RunSettings, jsonable, python_run, run_in_folder
+            from tokengym.agents.runtime.run_config import RunConfig
+            from tokengym.agents.runtime.session import jsonable, python_run, run_in_folder
 
-            settings = RunSettings(save_every=save_every)
+            settings = RunConfig(save_every=save_every, progress=False)  # no progress bar from Python
             config = {"algorithm": name_of(type(self)), "preset": None, "config": jsonable(asdict(self.config)),
                       "run": python_run(env, self.policy, eval_samples, settings)}
             return run_in_folder(run_dir, resume, config, self, env, self.total_steps, settings=settings,

@@ -42,7 +42,8 @@ import torch
 
 from tokengym.agents.runtime.distributed import LOCAL
 from tokengym.agents.runtime.logger import RunLogger
-from tokengym.agents.runtime.optim import LR_SCHEDULES, OptimizerStep, lr_factor as schedule_factor
+from tokengym.agents.runtime.optim import (LR_SCHEDULES, OptimizerStep, ScheduledOptimConfig, TrainLoopConfig,
+                                          lr_factor as schedule_factor)
 from tokengym.agents.engine.packing import PACKING
 from tokengym.agents.engine.rollout import evaluate, heldout_samples
 from tokengym.envs.chat import encode_prompts
@@ -60,37 +61,27 @@ def _clip_off_is_zero(value: Any) -> Any:
 
 
 @dataclass
-class SFTConfig(Renamed, renames={"grad_clip": Rename("max_grad_norm", _clip_off_is_zero), "warmup": "warmup_steps",
-                                  "schedule": "lr_scheduler_type", "eval_batch": "eval_batch_size"}):
-    """Settings of a supervised warm start (defaults suit the ``tiny`` preset on arithmetic)."""
+class SFTConfig(TrainLoopConfig, ScheduledOptimConfig, Renamed,
+                renames={"grad_clip": Rename("max_grad_norm", _clip_off_is_zero), "warmup": "warmup_steps",
+                         "schedule": "lr_scheduler_type", "eval_batch": "eval_batch_size"}):
+    """Settings of a supervised warm start (defaults suit the ``tiny`` preset on arithmetic): the optimiser's and
+    the training loop's (:mod:`tokengym.rewards.training`; SFT's own defaults), and SFT's below."""
 
     lr: float = 3e-3
-    """Peak AdamW learning rate (reached at the end of warmup)."""
+    weight_decay: float = 0.01
+    lr_scheduler_type: str = "cosine"
+    warmup_steps: int = 100
+    eval_every: int = 100
     batch_size: int = 64
     """Training sequences per optimizer step."""
     steps: int = 800
     """Optimizer steps (enough for ``tiny`` to learn the default 2-3 operand 2-digit addition)."""
-    warmup_steps: int = 100
-    """Steps of linear learning-rate warmup from 0 to ``lr``."""
-    lr_scheduler_type: str = "cosine"
-    """Decay after warmup: ``"cosine"``, ``"linear"`` (both down to ``min_lr_ratio * lr``) or ``"constant"``."""
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of ``lr`` (cosine and linear schedules)."""
-    weight_decay: float = 0.01
-    """AdamW decoupled weight decay, applied to matrices only (not to norms or biases)."""
     betas: tuple[float, float] = (0.9, 0.95)
     """AdamW ``(beta1, beta2)``."""
-    max_grad_norm: float = 1.0
-    """Clip the global gradient norm to this value (0 = off)."""
-    seed: int = 0
-    """Seeds the training data stream (the model's initialisation is seeded where it is built)."""
     bf16: bool = False
     """Run forward and backward under bf16 autocast (weights and optimizer stay float32)."""
-    packing: str = "auto"
-    """Forwards over the real tokens packed into bins: off, bins or auto (as the RL agents' packing;
-    tokengym.agents.engine.packing)."""
-    eval_every: int = 100
-    """Evaluate held-out greedy accuracy every this many steps (0: only before and after training)."""
     eval_prompts: int = 256
     """Number of held-out prompts (``rollout.heldout_samples``) used for evaluation (0: no evaluation)."""
     eval_batch_size: int = 256
@@ -104,7 +95,7 @@ class SFTConfig(Renamed, renames={"grad_clip": Rename("max_grad_norm", _clip_off
     run_dir: str | None = None
     """If set, :meth:`SFTLearner.fit` writes the run folder ``tokengym train sft`` writes there (as ``fit(run_dir=...)``)."""
 
-    def __post_init__(self) -> None:
+    def __post_init__(self) -> None:  # its own checks (messages of their own), the shared fields' included
         def bad(name: str, why: str) -> None:
             raise ValueError(f"SFTConfig.{name} {why}, got {getattr(self, name)!r}")
 
@@ -330,9 +321,10 @@ class SFTLearner:
         """
         run_dir = run_dir if run_dir is not None else self.config.run_dir
         if run_dir is not None:
-            from tokengym.agents.runtime.session import RunSettings, jsonable, python_run, run_in_folder
+            from tokengym.agents.runtime.run_config import RunConfig
+            from tokengym.agents.runtime.session import jsonable, python_run, run_in_folder
 
-            settings = RunSettings(save_every=save_every)
+            settings = RunConfig(save_every=save_every, progress=False)  # no progress bar from Python
             config = {"algorithm": "sft", "preset": None,  # the folder is the run's: config.json names none
                       "config": jsonable(dataclasses.asdict(dataclasses.replace(self.config, run_dir=None))),
                       "run": python_run(self.eval_env, self.policy, self.heldout, settings, rollout=False)}

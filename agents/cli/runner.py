@@ -1,4 +1,5 @@
-"""The run machinery every ``tokengym train`` algorithm shares: the run settings (:class:`RunConfig`), building the
+"""The run machinery every ``tokengym train`` algorithm shares: the run settings (:class:`RunConfig`, from
+``tokengym.agents.runtime.run_config``) and which settings a resume may change (:data:`RESUMABLE`), building the
 env, model, evaluation set and learned rewards from them, the progress display, the :class:`Trainer` that
 checkpoints and resumes a job, and the on-policy builder. Offline builders (``offline_jobs.py``) use the same
 pieces; ``train.py`` resolves configs and runs a job in its folder.
@@ -9,73 +10,25 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from dataclasses import dataclass
 from typing import Any, Callable
 
+from tokengym.agents.engine.config import EngineConfig
 from tokengym.agents.runtime import runs as R
-from tokengym.agents.runtime.session import RESUMABLE, Progress, Trainer, save_model, summary
+from tokengym.agents.runtime.config import resumable_fields
+from tokengym.agents.runtime.run_config import RunConfig
+from tokengym.agents.runtime.session import Progress, Trainer, save_model, summary
 from tokengym.agents.algorithms.registry import algorithms
 
-__all__ = ["RunConfig", "Job", "Trainer", "Progress", "algorithms", "make_env", "checked_env",
+__all__ = ["RunConfig", "RESUMABLE", "Job", "Trainer", "Progress", "algorithms", "make_env", "checked_env",
            "load_policy", "eval_setup", "learned_rewards", "phase_progress", "save_model", "initial_eval", "summary", "make_agent",
            "build_on_policy", "run_fields", "run_fields_for", "first_line", "resolve_env_id"]
 
 
-@dataclass
-class RunConfig:
-    """Settings of a training run shared by every algorithm (the algorithm's own config holds the rest)."""
-
-    env: str = "tokengym/Arithmetic-v0"
-    """Env id (``tokengym envs`` lists them), or your own: ``module:Class`` (a Task class) or ``module:EnvId-v0``."""
-    imports: list[str] | None = None
-    """Modules to import before the env is made (``--import MODULE``, repeatable), e.g. one that registers env ids."""
-    env_kwargs: dict | None = None
-    """Task/env arguments as a TOML table or JSON object; None = the env's defaults (Arithmetic-v0's are the shipped checkpoint's task: 2-3 operands, 2 digits, '+')."""
-    model: str | None = None
-    """Preset (tiny, small), shipped checkpoint (tiny-arithmetic, tiny-calculator) or local save_pretrained folder; None = tiny for sft, else the env's shipped warm start (tiny-calculator for Calculator-v0, tiny-arithmetic otherwise)."""
-    name: str | None = None
-    """Run name; the run writes runs_dir/name (default: <algo>-<env>-<date>-<time>)."""
-    runs_dir: str = "runs"
-    """Folder holding the runs."""
-    prompts: int | None = None
-    """Prompts per rollout batch; the env holds prompts * group_size episodes (default: 8 for GRPO, 64 for PPO: 64 episodes per step either way)."""
-    group_size: int | None = None
-    """Completions per prompt (default: 8 for GRPO, 1 for PPO)."""
-    temperature: float = 1.0
-    """Sampling temperature of the policy during rollouts."""
-    pairs: str | None = None
-    """DPO / RM: preference pairs as JSONL (prompt, chosen, rejected); None = bundled Arithmetic pairs; "on-policy" =
-    the model's own verifier-correct vs wrong samples of bundled Arithmetic prompts (``reward_data.on_policy_pairs``)."""
-    num_pairs: int = 1024
-    """DPO / RM: how many bundled Arithmetic pairs to generate when no pairs file is given (prompts, for "on-policy")."""
-    rm_kind: str = "sequence"
-    """RM: "sequence" (a scalar head on the model's trunk: ``RewardModel``) or "likelihood" (the LM's log-likelihood,
-    Bradley-Terry-trained as DPO's implicit reward and saved to score without the reference: ``LikelihoodRewardModel``;
-    with ``--pairs on-policy`` the recipe that lifts the verifier under PPO on Arithmetic)."""
-    step_labels: str | None = None
-    """PRM: step-labelled examples as JSONL (prompt, steps, labels); None = generated Arithmetic examples (num_pairs of them)."""
-    reward_model: str | None = None
-    """PPO/GRPO: folder of a trained reward model (tokengym train rm) used as the outcome reward instead of the verifier."""
-    prm_model: str | None = None
-    """PPO/GRPO: folder of a learned PRM (tokengym train prm) used as the process reward instead of the rule-based one."""
-    eval_prompts: int = 256
-    """Held-out prompts for greedy accuracy before and after training (0 = no evaluation)."""
-    save_every: int = 10
-    """Checkpoint every this many steps (0 = only at the end)."""
-    keep_checkpoints: int = 2
-    """How many of the newest checkpoints to keep."""
-    device: str = "cpu"
-    """Device of the model and the env buffers (cpu, cuda, cuda:1, ...)."""
-    threads: int | None = None
-    """torch CPU threads (None = torch's default)."""
-    progress: bool = True
-    """Show a progress bar (on a terminal; otherwise a line every 10% of the run)."""
-    sharding: str = "none"
-    """Under torchrun: "none" (every process holds the whole model, gradients all-reduced) or "fsdp2" (policy, critic
-    and reference sharded over the processes with PyTorch's FSDP2; see tokengym.agents.runtime.sharding)."""
-    dist_timeout: float = 1800.0
-    """Under torchrun: seconds a rank waits for the others in one collective before the run stops with an error
-    saying so (a stopped or hung rank; 10 s to 7 days)."""
+RESUMABLE = resumable_fields(RunConfig, EngineConfig)
+"""The settings a resumed run may change (``--resume`` with other values of them); every other one must match the
+saved ``config.json``. Derived from the fields declared :func:`~tokengym.agents.runtime.config.resumable`: where to
+run, how often to save and how long to wait. (A checkpoint holds full weights whatever the sharding, so a run
+resumes sharded or not, with any process count.)"""
 
 
 def run_fields_for() -> dict[str, set[str]]:

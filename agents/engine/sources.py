@@ -15,13 +15,16 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import torch
 
 from tokengym.agents.engine.messages import MessageError, check_rollout, decode_rollout
 from tokengym.agents.engine.rollout import Rollout, collect
 from tokengym.agents.runtime.weight_sync import WeightSyncError
+
+if TYPE_CHECKING:  # (engine.config names the async modes of engine.workers, which imports this module)
+    from tokengym.agents.engine.config import EngineConfig
 
 __all__ = ["RolloutSource", "InProcess", "WorkerPool", "WorkerError", "DataParallelSource", "full_named",
            "make_source", "check_source"]
@@ -337,10 +340,10 @@ def full_named(model: torch.nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------- choosing one
-def check_source(cfg: Any, env: Any, policy: Any, dp: Any) -> None:
-    """``ValueError`` (one line) when the source ``cfg`` asks for cannot serve ``env``, before anything starts:
-    remote workers that do not answer or refuse the secret, an env they cannot rebuild; local workers that the env
-    cannot reach (pickling) or the machine cannot hold."""
+def check_source(cfg: EngineConfig, env: Any, policy: Any, dp: Any) -> None:
+    """``ValueError`` (one line) when the source the engine settings ``cfg`` ask for cannot serve ``env``, before
+    anything starts: remote workers that do not answer or refuse the secret, an env they cannot rebuild; local
+    workers that the env cannot reach (pickling) or the machine cannot hold."""
     if cfg.async_mode == "off" or not dp.is_main:
         return
     if cfg.remote_workers:
@@ -356,9 +359,9 @@ def check_source(cfg: Any, env: Any, policy: Any, dp: Any) -> None:
     check_workers(policy, env, cfg.rollout_workers, cfg.worker_threads)
 
 
-def make_source(cfg: Any, env: Any, policy: Any, *, dp: Any, version: int, total: int, state: dict[str, Any] | None,
-                sampler: Callable[[Any], Any]) -> RolloutSource:
-    """The rollout source of an :class:`~tokengym.agents.algorithms.onpolicy_config.OnPolicyConfig`: ``sampler(env)``
+def make_source(cfg: EngineConfig, env: Any, policy: Any, *, dp: Any, version: int, total: int,
+                state: dict[str, Any] | None, sampler: Callable[[Any], Any]) -> RolloutSource:
+    """The rollout source of the engine settings ``cfg`` (an on-policy agent's config extends them): ``sampler(env)``
     in process (``async_mode="off"``), else local worker processes or remote ``tokengym worker`` servers sampling the
     global batch, from the checkpointed ``state``, published ``version`` at once; under torchrun rank 0 holds them
     (:class:`DataParallelSource`). ``total``: the run's rollouts (a staleness bound beyond it is capped there)."""

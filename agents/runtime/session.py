@@ -17,25 +17,14 @@ import os
 import signal
 import sys
 import warnings
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from tokengym.agents.runtime import runs as R
+from tokengym.agents.runtime.config import resumable_fields
+from tokengym.agents.runtime.run_config import RunConfig
 
-__all__ = ["RunSettings", "Progress", "Trainer", "save_model", "initial_eval", "summary", "create_run_folder",
+__all__ = ["Progress", "Trainer", "save_model", "initial_eval", "summary", "create_run_folder",
            "run_in_folder", "env_record", "python_run", "jsonable"]
-
-
-@dataclass
-class RunSettings:
-    """The run settings a :class:`Trainer` reads, for runs started from Python (the CLI passes its ``RunConfig``)."""
-
-    save_every: int = 10
-    """Checkpoint every this many steps (0 = only at the end)."""
-    keep_checkpoints: int = 2
-    """How many of the newest checkpoints to keep."""
-    progress: bool = False
-    """Show a progress bar (on a terminal; otherwise a line every 10% of the run)."""
 
 
 def jsonable(d: dict[str, Any]) -> dict[str, Any]:
@@ -97,14 +86,13 @@ class Progress:
 class Trainer:
     """The part every algorithm shares: logger, checkpoints, resume, progress, kill hook (in a created, locked run folder).
 
-    ``run`` holds the run settings it reads: ``save_every``, ``keep_checkpoints`` and ``progress`` (the CLI's
-    ``RunConfig``, or :class:`RunSettings` from Python)."""
+    ``run`` holds the run settings it reads: ``save_every``, ``keep_checkpoints``, ``progress`` and ``sharding``."""
 
-    def __init__(self, run: Any, run_dir: str, resume: bool, total: int, agent: Any, env: Any = None):
+    def __init__(self, run: RunConfig, run_dir: str, resume: bool, total: int, agent: Any, env: Any = None):
         from tokengym.agents.runtime import distributed
 
         self.run, self.run_dir, self.agent, self.env, self.total = run, run_dir, agent, env, total
-        sharding = getattr(run, "sharding", "none")
+        sharding = run.sharding
         if sharding == "none":
             self.dp = distributed.prepare(agent, env)  # under torchrun: shard the env batch, rank 0 writes
         else:  # a checkpoint holds full weights and optimiser state: load them first, then shard (see save)
@@ -292,8 +280,8 @@ def _is_json(v: Any) -> bool:
     return True
 
 
-def python_run(env: Any, policy: Any, eval_samples: Any, settings: RunSettings, rollout: bool = True) -> dict[str, Any]:
-    """The ``run`` section of ``config.json`` for a run started from Python (the CLI's ``RunConfig`` fields it knows).
+def python_run(env: Any, policy: Any, eval_samples: Any, settings: RunConfig, rollout: bool = True) -> dict[str, Any]:
+    """The ``run`` section of ``config.json`` for a run started from Python (the :class:`RunConfig` fields it knows).
 
     ``env``: the env the run trains on (``rollout``: an on-policy run, whose batch it also records) or evaluates on
     (an offline learner's); ``None`` records no env (``tokengym eval/sample --run`` then need ``--env``)."""
@@ -306,37 +294,33 @@ def python_run(env: Any, policy: Any, eval_samples: Any, settings: RunSettings, 
             "device": str(env.device if env is not None else policy.device)}
 
 
-# Settings that may differ when resuming; everything else must match the saved config.
-RESUMABLE = {"save_every", "keep_checkpoints", "threads", "progress", "device", "sharding", "worker_threads",
-             "sync_timeout", "rollout_timeout", "dist_timeout", "remote_workers", "min_workers", "worker_secret_file",
-             "sync_host", "sync_port", "sync_bucket_mb", "sync_dir"}
-"""(A checkpoint holds full weights whatever the sharding, so a run resumes sharded or not, with any process count.)"""
-
-
 def _as_saved(value: Any) -> Any:
     """``value`` as ``config.json`` holds it (tuples as lists), so a resume compares like with like."""
     return json.loads(json.dumps(value, default=repr))
 
 
 def run_in_folder(run_dir: str | os.PathLike, resume: bool, config: dict[str, Any], agent: Any, env: Any, total: int,
-                  body: Callable[[Trainer], None], settings: RunSettings | None = None) -> list[dict[str, Any]]:
+                  body: Callable[[Trainer], None], settings: RunConfig | None = None) -> list[dict[str, Any]]:
     """Train ``agent`` in ``run_dir`` as ``tokengym train`` does; return the records this call logged.
 
     ``config`` is the run's ``config.json`` (``algorithm``, ``run``, ``config``); ``body(trainer)`` trains with
     ``trainer.callback`` and ends with ``trainer.finish()``. A folder that exists and is not empty is refused unless
     ``resume``; ``resume=True`` continues the run from its newest intact checkpoint exactly as ``--resume`` does
-    (its config must be the same), and starts it when the folder is missing or empty. Raises ``ValueError`` (one
-    line) for a refused folder.
+    (its config must be the same but for its :func:`~tokengym.agents.runtime.config.resumable` settings), and starts
+    it when the folder is missing or empty. ``settings``: the run's (default: ``RunConfig(progress=False)``, no
+    progress bar from Python). Raises ``ValueError`` (one line) for a refused folder.
     """
     run_dir = os.fspath(run_dir)
-    settings = settings or RunSettings()
+    settings = settings if settings is not None else RunConfig(progress=False)
     resuming = resume and R.is_run_dir(run_dir)
     if resuming:
         saved = R.read_run_config(run_dir)
+        own = type(getattr(agent, "config", None))
+        may_change = resumable_fields(type(settings), *([own] if dataclasses.is_dataclass(own) else []))
         for part in ("algorithm", "config"):
             was, now = saved.get(part), _as_saved(config[part])
             if isinstance(was, dict) and isinstance(now, dict):  # what a resumed run may change, as on the command line
-                was, now = ({k: v for k, v in d.items() if k not in RESUMABLE} for d in (was, now))
+                was, now = ({k: v for k, v in d.items() if k not in may_change} for d in (was, now))
             if was != now:
                 raise ValueError(f"cannot resume {run_dir} with a different {part}: {_first_difference(was, now)}")
         was, now = saved.get("run") or {}, _as_saved(config["run"])  # the env it trains on (what either record names)

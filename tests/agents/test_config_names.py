@@ -215,3 +215,66 @@ def test_reinforce_pp_beta_goes_to_the_reward_or_to_the_loss(in_reward):
     batch, _ = agent.prepare(ro, ro.logprobs, ro.logprobs - 0.5)  # a reference 0.5 nats below: k1 KL 0.5 per token
     assert ("ref_logp" in batch) is not in_reward  # the loss's KL term reads it
     assert (not torch.allclose(batch["adv"], agent.advantages(ro, None))) is in_reward
+
+
+# ------------------------------------------------------------------ configs by role: each setting declared once
+OLD_RESUMABLE = {"save_every", "keep_checkpoints", "threads", "progress", "device", "sharding", "worker_threads",
+                 "sync_timeout", "rollout_timeout", "dist_timeout", "remote_workers", "min_workers", "worker_secret_file",
+                 "sync_host", "sync_port", "sync_bucket_mb", "sync_dir"}  # the literal set the field metadata replaced
+
+
+def test_the_resumable_settings_come_from_the_fields_and_are_the_old_set():
+    from tokengym.agents.cli.runner import RESUMABLE
+    from tokengym.agents.engine.config import EngineConfig
+    from tokengym.agents.runtime.config import resumable_fields
+    from tokengym.agents.runtime.run_config import RunConfig
+
+    assert RESUMABLE == OLD_RESUMABLE == resumable_fields(RunConfig, EngineConfig)
+    assert resumable_fields(GRPOConfig) == resumable_fields(EngineConfig)  # inherited with their metadata
+    assert resumable_fields(DPOConfig) == resumable_fields(SFTConfig) == set()
+
+
+def test_a_resume_may_change_the_resumable_settings_and_no_other(tmp_path):
+    from tokengym.agents.runtime.runs import UsageError
+
+    run, cfg, _ = resolve("grpo", {}, {}, None)
+    os.makedirs(tmp_path / "r")
+    (tmp_path / "r" / "config.json").write_text(json.dumps({"algorithm": "grpo", "preset": None, "run": dataclasses.asdict(run),
+                                                            "config": dataclasses.asdict(cfg)}))
+    run2, cfg2, _ = resolve("grpo", {}, {"sync_timeout": "60", "save_every": "3", "progress": "false"}, str(tmp_path / "r"))
+    assert (cfg2.sync_timeout, run2.save_every, run2.progress) == (60.0, 3, False)
+    for key, value in (("lr", "0.001"), ("rollout_workers", "2"), ("temperature", "0.5"), ("seed", "1")):
+        with pytest.raises(UsageError, match=f"cannot resume .* with a different config: {key} was"):
+            resolve("grpo", {}, {key: value}, str(tmp_path / "r"))
+
+
+def test_the_shared_settings_are_declared_once_with_one_docstring():
+    from tokengym.rewards.learned_prm import PRMConfig
+    from tokengym.rewards.reward_model import RewardModelConfig
+    from tokengym.rewards.training import ScheduledOptimConfig, TrainLoopConfig
+
+    shared = {**field_docs(ScheduledOptimConfig), **field_docs(TrainLoopConfig)}
+    assert set(shared) == {"lr", "lr_scheduler_type", "warmup_steps", "weight_decay", "max_grad_norm", "seed",
+                           "eval_every", "packing"} and all(shared.values())
+    for cls in [*ON_POLICY, DPOConfig, SPINConfig, SFTConfig, RewardModelConfig, PRMConfig]:
+        docs = field_docs(cls)
+        assert {f: docs[f] for f in shared if f in docs} == {f: shared[f] for f in shared if f in docs}, cls
+        assert {"lr", "weight_decay", "max_grad_norm", "seed", "eval_every", "packing"} <= set(docs), cls
+
+
+def test_the_engine_settings_are_their_own_config_and_the_source_reads_only_them():
+    from tokengym.agents.engine.config import EngineConfig
+    from tokengym.agents.engine.sources import InProcess, make_source
+    from tokengym.agents.runtime.distributed import LOCAL
+
+    engine = {f.name for f in dataclasses.fields(EngineConfig)}
+    assert {"sampler", "async_mode", "max_staleness", "rollout_workers", "sync_bucket_mb", "seed", "bf16"} <= engine
+    assert engine <= {f.name for f in dataclasses.fields(OnPolicyConfig)}
+    with pytest.raises(ValueError, match=r"^EngineConfig\.sync_timeout"):
+        EngineConfig(sync_timeout=0.5)
+    with pytest.raises(ValueError, match=r"^EngineConfig: async_mode='one-step'"):
+        EngineConfig(async_mode="one-step", max_staleness=2)
+    assert EngineConfig(remote_workers="a:1, b:2").worker_count == 2
+    source = make_source(EngineConfig(seed=3), object(), None, dp=LOCAL, version=0, total=1, state=None,
+                         sampler=lambda env: None)
+    assert isinstance(source, InProcess)

@@ -305,7 +305,7 @@ def test_an_own_task_that_breaks_is_one_line_and_exit_2_before_any_folder(user_f
 def test_learn_resume_takes_the_settings_the_cli_lets_a_resume_change(tmp_path, one_thread):
     """``learn(run_dir=..., resume=True)`` with another sync_timeout, rollout_timeout or worker_threads resumes, as
     ``--resume`` with those flags does; another learning rate is still refused."""
-    from tokengym.agents.runtime.session import RESUMABLE
+    from tokengym.agents.cli.runner import RESUMABLE
 
     run_dir = str(tmp_path / "r")
     with pytest.raises(KeyboardInterrupt):
