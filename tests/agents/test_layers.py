@@ -10,7 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 AGENTS = ROOT / "agents"
-RANK = {"cli": 5, "algorithms": 4, "data": 3, "engine": 2, "runtime": 1, "functional": 0, "variants": 0}
+RANK = {"cli": 5, "algorithms": 4, "data": 3, "engine": 2, "runtime": 1, "functional": 0, "variants": 0, "shared_math": 0}
 """Layer of each subpackage / top-level module of ``tokengym.agents``; a module imports only lower or equal ones."""
 
 
