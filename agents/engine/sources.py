@@ -271,7 +271,7 @@ class DataParallelSource:
     def take(self, step: int) -> tuple[Rollout, dict[str, float]]:
         import torch.distributed as dist
 
-        from tokengym.agents.runtime.distributed import _comm_device
+        from tokengym.agents.runtime.distributed import comm_device
 
         failure, ro, data, metrics = None, None, b"", {}
         if self.pool is not None:
@@ -285,7 +285,7 @@ class DataParallelSource:
             if failure is not None:
                 raise failure
             raise WorkerError(word)
-        dev = _comm_device()
+        dev = comm_device()
         size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
         dist.broadcast(size, 0)
         buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev) if data else \
