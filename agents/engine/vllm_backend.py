@@ -31,7 +31,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
-from tokengym.agents.engine.generation import Generation, GenerationRequest, SamplingSettings, check_requests, check_scoring, request_seed
+from tokengym.agents.engine.seam import Generation, GenerationRequest, SamplingSettings, check_requests, check_scoring, request_seed
 from tokengym.agents.runtime.distributed import default_group_is_engine, engine_owns_default_group
 
 __all__ = ["VLLMSampler", "import_vllm"]
