@@ -42,7 +42,7 @@ import torch
 
 from tokengym.agents.engine.messages import encode_rollout
 from tokengym.agents.engine.remote import model_name
-from tokengym.agents.engine.sources import WorkerError, WorkerPool, full_named
+from tokengym.agents.engine.worker_pool import WorkerError, WorkerPool, full_named
 from tokengym.agents.engine.worker_loop import WorkerLoop, weight_manifest
 from tokengym.agents.runtime.weight_sync import DEFAULT_BUCKET, STOP, WeightSync, send
 
