@@ -27,6 +27,9 @@ from torch import Tensor
 # on-policy distillation's per-token reverse KL, defined beside the teacher reward that uses it (rewards never import agents)
 from tokengym.rewards.teacher import reverse_kl, sampled_reverse_kl
 
+from tokengym.agents.shared_math import (as_bool, centre_groups, check_choice, check_dim, check_same_shape, clip_range,
+                                         compute_dtype, float_dtype, masked_mean, shape_of)
+
 __all__ = [
     "gae",
     "whiten",
@@ -53,51 +56,8 @@ _WHITEN_EPS = 1e-8
 
 
 # ---------------------------------------------------------------------------------------------
-# validation helpers
+# numeric helpers
 # ---------------------------------------------------------------------------------------------
-
-
-def _shape(x: Tensor) -> Tuple[int, ...]:
-    return tuple(x.shape)
-
-
-def _check_same_shape(name_a: str, a: Tensor, name_b: str, b: Tensor) -> None:
-    if a.shape != b.shape:
-        raise ValueError(
-            f"shape mismatch: {name_a} has shape {_shape(a)} but {name_b} has shape {_shape(b)}; "
-            "they must be equal"
-        )
-
-
-def _check_dim(name: str, x: Tensor, dim: int, layout: str) -> None:
-    if x.dim() != dim:
-        raise ValueError(f"{name} must be {layout} ({dim}-D), got shape {_shape(x)}")
-
-
-def _check_choice(kind: str, name: str, registry: Dict[str, Callable]) -> Callable:
-    try:
-        return registry[name]
-    except (KeyError, TypeError):
-        raise ValueError(
-            f"unknown {kind} {name!r}; valid choices are: {', '.join(map(repr, registry))}"
-        ) from None
-
-
-def _as_bool(mask: Tensor) -> Tensor:
-    return mask if mask.dtype == torch.bool else mask != 0
-
-
-def _float_dtype(*xs: Tensor) -> torch.dtype:
-    """Promoted floating dtype of the inputs (default dtype if none is floating)."""
-    dtype = xs[0].dtype
-    for x in xs[1:]:
-        dtype = torch.promote_types(dtype, x.dtype)
-    return dtype if dtype.is_floating_point else torch.get_default_dtype()
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Internal accumulation dtype: at least float32."""
-    return torch.promote_types(dtype, torch.float32)
 
 
 def _safe_div(num: Tensor, den: Tensor) -> Tensor:
@@ -106,20 +66,10 @@ def _safe_div(num: Tensor, den: Tensor) -> Tensor:
     return torch.where(ok, num / torch.where(ok, den, torch.ones_like(den)), torch.zeros_like(num))
 
 
-def _masked_sum(x: Tensor, valid: Tensor, dim=None, keepdim: bool = False) -> Tensor:
-    xm = torch.where(valid, x, torch.zeros_like(x))
-    return xm.sum() if dim is None else xm.sum(dim=dim, keepdim=keepdim)
-
-
-def _masked_mean(x: Tensor, valid: Tensor) -> Tensor:
-    """Mean over valid entries; 0 if there are none."""
-    return _masked_sum(x, valid) / valid.sum().clamp(min=1).to(x.dtype)
-
-
 def _masked_var(x: Tensor, valid: Tensor) -> Tensor:
     """Unbiased variance over valid entries; 0 if fewer than 2."""
     n = valid.sum()
-    mean = _masked_mean(x, valid)
+    mean = masked_mean(x, valid)
     dev = torch.where(valid, x - mean, torch.zeros_like(x))
     var = (dev * dev).sum() / (n - 1).clamp(min=1).to(x.dtype)
     return torch.where(n >= 2, var, torch.zeros_like(var))
@@ -175,22 +125,22 @@ def gae(
         >>> ret
         tensor([[1., 1., 1.]])
     """
-    _check_dim("rewards", rewards, 2, "[B, T]")
-    _check_same_shape("rewards", rewards, "values", values)
-    _check_same_shape("rewards", rewards, "mask", mask)
+    check_dim("rewards", rewards, 2, "[B, T]")
+    check_same_shape("rewards", rewards, "values", values)
+    check_same_shape("rewards", rewards, "mask", mask)
     if not (0.0 <= gamma <= 1.0):
         raise ValueError(f"gamma must be in [0, 1], got {gamma}")
     if not (0.0 <= lam <= 1.0):
         raise ValueError(f"lam must be in [0, 1], got {lam}")
     B, T = rewards.shape
-    if last_values is not None and _shape(last_values) != (B,):
+    if last_values is not None and shape_of(last_values) != (B,):
         raise ValueError(
-            f"shape mismatch: last_values has shape {_shape(last_values)} but rewards has shape "
-            f"{_shape(rewards)}; last_values must be ({B},)"
+            f"shape mismatch: last_values has shape {shape_of(last_values)} but rewards has shape "
+            f"{shape_of(rewards)}; last_values must be ({B},)"
         )
-    out_dtype = _float_dtype(rewards, values)
-    dt = _compute_dtype(out_dtype)
-    valid = _as_bool(mask)
+    out_dtype = float_dtype(rewards, values)
+    dt = compute_dtype(out_dtype)
+    valid = as_bool(mask)
     with torch.no_grad():
         r = rewards.detach().to(dt)
         v = values.detach().to(dt)
@@ -239,10 +189,10 @@ def whiten(x: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:
         >>> whiten(x, torch.tensor([[1, 1, 1, 0]]))
         tensor([[-1.,  0.,  1.,  0.]])
     """
-    _check_same_shape("x", x, "mask", mask)
-    valid = _as_bool(mask)
+    check_same_shape("x", x, "mask", mask)
+    valid = as_bool(mask)
     n = valid.sum()
-    mean = _masked_mean(x, valid)
+    mean = masked_mean(x, valid)
     dev = torch.where(valid, x - mean, torch.zeros_like(x))
     var = _masked_var(x, valid)
     scale = torch.where(n >= 2, torch.rsqrt(var + _WHITEN_EPS), torch.ones_like(var))
@@ -258,22 +208,14 @@ def _sample_std(dev: Tensor, count: Tensor) -> Tensor:
     return torch.where(count >= 2, var.sqrt(), torch.zeros_like(var))
 
 
-def _centre_groups(grouped: Tensor) -> Tensor:
-    """``r - group_mean`` per row of ``[G, n]``, exactly 0 when a group's rewards are identical."""
-    # Subtract a member first: identical rewards give exact zeros (torch.mean alone would not
-    # guarantee that, e.g. mean([0.1] * 3) != 0.1), and it improves conditioning.
-    shifted = grouped - grouped[:, :1]
-    return shifted - shifted.mean(dim=-1, keepdim=True)
-
-
 def _scale_group(grouped: Tensor, eps: float) -> Tensor:
-    dev = _centre_groups(grouped)
+    dev = centre_groups(grouped)
     n = torch.full_like(dev[:, :1], grouped.shape[1])
     return _safe_div(dev, _sample_std(dev, n) + eps)
 
 
 def _scale_batch(grouped: Tensor, eps: float) -> Tensor:
-    dev = _centre_groups(grouped)
+    dev = centre_groups(grouped)
     flat = grouped.reshape(1, -1)
     batch_dev = flat - flat.mean()
     std = _sample_std(batch_dev, torch.full_like(flat[:, :1], flat.shape[1]))
@@ -281,7 +223,7 @@ def _scale_batch(grouped: Tensor, eps: float) -> Tensor:
 
 
 def _scale_none(grouped: Tensor, eps: float) -> Tensor:
-    return _centre_groups(grouped)
+    return centre_groups(grouped)
 
 
 GROUP_SCALES: Dict[str, Callable[[Tensor, float], Tensor]] = {
@@ -323,20 +265,20 @@ def group_advantages(
         >>> group_advantages(torch.tensor([1.0, 0.0, 3.0, 3.0]), group_size=2, eps=0.0)
         tensor([ 0.7071, -0.7071,  0.0000,  0.0000])
     """
-    fn = _check_choice("scale", scale, GROUP_SCALES)
-    _check_dim("rewards", rewards, 1, "[B]")
+    fn = check_choice("scale", scale, GROUP_SCALES)
+    check_dim("rewards", rewards, 1, "[B]")
     if not isinstance(group_size, int) or group_size < 1:
         raise ValueError(f"group_size must be a positive int, got {group_size!r}")
     B = rewards.shape[0]
     if B % group_size != 0:
         raise ValueError(
-            f"number of rewards B={B} (shape {_shape(rewards)}) is not divisible by "
+            f"number of rewards B={B} (shape {shape_of(rewards)}) is not divisible by "
             f"group_size={group_size}"
         )
     if eps < 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
-    out_dtype = _float_dtype(rewards)
-    grouped = rewards.to(_compute_dtype(out_dtype)).reshape(B // group_size, group_size)
+    out_dtype = float_dtype(rewards)
+    grouped = rewards.to(compute_dtype(out_dtype)).reshape(B // group_size, group_size)
     return fn(grouped, eps).reshape(B).to(out_dtype)
 
 
@@ -380,8 +322,8 @@ def process_advantages(
         tensor([[ 0., -1., -1.,  0.],
                 [ 0.,  0.,  0.,  0.]])
     """
-    _check_dim("step_rewards", step_rewards, 2, "[B, S]")
-    _check_same_shape("step_rewards", step_rewards, "step_ends", step_ends)
+    check_dim("step_rewards", step_rewards, 2, "[B, S]")
+    check_same_shape("step_rewards", step_rewards, "step_ends", step_ends)
     if step_ends.dtype.is_floating_point or step_ends.dtype == torch.bool:
         raise ValueError(f"step_ends must be an integer tensor, got dtype {step_ends.dtype}")
     if not isinstance(seq_len, int) or seq_len < 1:
@@ -391,7 +333,7 @@ def process_advantages(
     B, S = step_rewards.shape
     if B % group_size != 0:
         raise ValueError(
-            f"number of responses B={B} (step_rewards shape {_shape(step_rewards)}) is not "
+            f"number of responses B={B} (step_rewards shape {shape_of(step_rewards)}) is not "
             f"divisible by group_size={group_size}"
         )
     if eps < 0:
@@ -403,8 +345,8 @@ def process_advantages(
         if lo < -1:
             raise ValueError(f"step_ends contains {lo}; use -1 (only) to mark missing steps")
 
-    out_dtype = _float_dtype(step_rewards)
-    dt = _compute_dtype(out_dtype)
+    out_dtype = float_dtype(step_rewards)
+    dt = compute_dtype(out_dtype)
     G = B // group_size
     valid = (step_ends >= 0).reshape(G, group_size * S)
     r = step_rewards.to(dt).reshape(G, group_size * S)
@@ -480,8 +422,8 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: str = "k1") -> Tensor:
         >>> kl_penalty(logp, ref, "k3")
         tensor([[0.1931, 0.3069]])
     """
-    fn = _check_choice("KL estimator", estimator, KL_ESTIMATORS)
-    _check_same_shape("logp", logp, "ref_logp", ref_logp)
+    fn = check_choice("KL estimator", estimator, KL_ESTIMATORS)
+    check_same_shape("logp", logp, "ref_logp", ref_logp)
     return fn(logp - ref_logp)
 
 
@@ -541,22 +483,11 @@ def masked_aggregate(x: Tensor, mask: Tensor, aggregation: str = "token-mean") -
         >>> masked_aggregate(x, m, "seq-mean-token-sum")
         tensor(3.5000)
     """
-    fn = _check_choice("aggregation", aggregation, AGGREGATIONS)
-    _check_dim("x", x, 2, "[B, T]")
-    _check_same_shape("x", x, "mask", mask)
-    valid = _as_bool(mask)
+    fn = check_choice("aggregation", aggregation, AGGREGATIONS)
+    check_dim("x", x, 2, "[B, T]")
+    check_same_shape("x", x, "mask", mask)
+    valid = as_bool(mask)
     return fn(torch.where(valid, x, torch.zeros_like(x)), valid)
-
-
-def _clip_range(clip_eps: float, clip_eps_high: Optional[float]) -> Tuple[float, float]:
-    """``(low, high)`` clip ranges of a ratio, checked: ``clip_eps_high`` defaults to ``clip_eps``."""
-    eps_low = float(clip_eps)
-    eps_high = eps_low if clip_eps_high is None else float(clip_eps_high)
-    if not (0.0 <= eps_low <= 1.0):
-        raise ValueError(f"clip_eps must be in [0, 1], got {clip_eps}")
-    if eps_high < 0.0:
-        raise ValueError(f"clip_eps_high must be >= 0, got {clip_eps_high}")
-    return eps_low, eps_high
 
 
 def policy_loss(
@@ -606,24 +537,24 @@ def policy_loss(
         >>> stats["clipfrac_high"]
         tensor(0.5000)
     """
-    agg = _check_choice("aggregation", aggregation, AGGREGATIONS)
-    _check_dim("logp", logp, 2, "[B, T]")
-    _check_same_shape("logp", logp, "old_logp", old_logp)
-    _check_same_shape("logp", logp, "mask", mask)
+    agg = check_choice("aggregation", aggregation, AGGREGATIONS)
+    check_dim("logp", logp, 2, "[B, T]")
+    check_same_shape("logp", logp, "old_logp", old_logp)
+    check_same_shape("logp", logp, "mask", mask)
     if advantages.dim() == 1:
         if advantages.shape[0] != logp.shape[0]:
             raise ValueError(
-                f"shape mismatch: advantages has shape {_shape(advantages)} but logp has shape "
-                f"{_shape(logp)}; advantages must be [B] or [B, T]"
+                f"shape mismatch: advantages has shape {shape_of(advantages)} but logp has shape "
+                f"{shape_of(logp)}; advantages must be [B] or [B, T]"
             )
         advantages = advantages[:, None]
     else:
-        _check_same_shape("advantages", advantages, "logp", logp)
-    eps_low, eps_high = _clip_range(clip_eps, clip_eps_high)
+        check_same_shape("advantages", advantages, "logp", logp)
+    eps_low, eps_high = clip_range(clip_eps, clip_eps_high)
     if weights is not None:
-        _check_same_shape("weights", weights, "logp", logp)
+        check_same_shape("weights", weights, "logp", logp)
 
-    valid = _as_bool(mask)
+    valid = as_bool(mask)
     adv = advantages.detach().to(logp.dtype).expand_as(logp)
     log_ratio = torch.where(valid, logp - old_logp.detach(), torch.zeros_like(logp))
     ratio = torch.exp(log_ratio)
@@ -642,10 +573,10 @@ def policy_loss(
         lr = log_ratio.detach()
         ratio_max = torch.where(valid, r, torch.full_like(r, -math.inf)).amax()
         stats = {
-            "clipfrac_low": _masked_mean(low, valid),
-            "clipfrac_high": _masked_mean(high, valid),
-            "approx_kl": _masked_mean(torch.expm1(lr) - lr, valid),
-            "ratio_mean": _masked_mean(r, valid),
+            "clipfrac_low": masked_mean(low, valid),
+            "clipfrac_high": masked_mean(high, valid),
+            "approx_kl": masked_mean(torch.expm1(lr) - lr, valid),
+            "ratio_mean": masked_mean(r, valid),
             "ratio_max": torch.where(valid.any(), ratio_max, torch.zeros_like(ratio_max)),
         }
         stats["clipfrac"] = stats["clipfrac_low"] + stats["clipfrac_high"]
@@ -686,13 +617,13 @@ def value_loss(
         >>> loss  # 0.5 * mean((1 - 2)^2, 0)
         tensor(0.2500)
     """
-    _check_dim("values", values, 2, "[B, T]")
-    _check_same_shape("values", values, "old_values", old_values)
-    _check_same_shape("values", values, "returns", returns)
-    _check_same_shape("values", values, "mask", mask)
+    check_dim("values", values, 2, "[B, T]")
+    check_same_shape("values", values, "old_values", old_values)
+    check_same_shape("values", values, "returns", returns)
+    check_same_shape("values", values, "mask", mask)
     if clip_eps is not None and not clip_eps > 0:
         raise ValueError(f"clip_eps must be > 0 or None, got {clip_eps}")
-    valid = _as_bool(mask)
+    valid = as_bool(mask)
     R = returns.detach().to(values.dtype)
     err = (values - R) ** 2
     if clip_eps is None:
@@ -714,8 +645,8 @@ def value_loss(
         var_r = _masked_var(R, valid)
         var_res = _masked_var(R - v, valid)
         stats = {
-            "vf_clipfrac": _masked_mean(clip_active.to(v.dtype), valid),
-            "value_mean": _masked_mean(v, valid),
+            "vf_clipfrac": masked_mean(clip_active.to(v.dtype), valid),
+            "value_mean": masked_mean(v, valid),
             # Var(R) at or below eps * Var(R - V) makes the ratio overflow (a denormal Var(R) gave -inf):
             # the returns are constant up to rounding, so the statistic is undefined and reported as 0.
             "explained_variance": torch.where(
@@ -802,7 +733,7 @@ def dpo_loss(
         >>> losses  # log(2)
         tensor([0.6931])
     """
-    fn = _check_choice("loss_type", loss_type, DPO_LOSSES)
+    fn = check_choice("loss_type", loss_type, DPO_LOSSES)
     if not (isinstance(beta, (int, float)) and math.isfinite(beta) and beta > 0):
         raise ValueError(f"beta must be a finite number > 0, got {beta!r}")
     if not (0.0 <= label_smoothing < 0.5):
@@ -813,9 +744,9 @@ def dpo_loss(
             f"use one of {sorted(_DPO_USES_LABEL_SMOOTHING)}"
         )
     pc, pr, rc, rr = policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps
-    _check_same_shape("policy_chosen_logps", pc, "policy_rejected_logps", pr)
-    _check_same_shape("policy_chosen_logps", pc, "ref_chosen_logps", rc)
-    _check_same_shape("policy_chosen_logps", pc, "ref_rejected_logps", rr)
+    check_same_shape("policy_chosen_logps", pc, "policy_rejected_logps", pr)
+    check_same_shape("policy_chosen_logps", pc, "ref_chosen_logps", rc)
+    check_same_shape("policy_chosen_logps", pc, "ref_rejected_logps", rr)
     rc, rr = rc.detach(), rr.detach()
     chosen_logratio = pc - rc
     rejected_logratio = pr - rr
@@ -857,7 +788,7 @@ class _TokenLogprobs(torch.autograd.Function):
     def forward(ctx, logits: Tensor, labels: Tensor, chunk_size: int, index: Tensor | None = None,
                 table: Tensor | None = None) -> Tensor:
         B, T, V = logits.shape
-        dt = _compute_dtype(logits.dtype)
+        dt = compute_dtype(logits.dtype)
         flat_labels = labels.reshape(B * T, 1).to(torch.long)
         out = torch.empty(B * T, dtype=dt, device=logits.device)
         lse = torch.empty(B * T, dtype=dt, device=logits.device)
@@ -890,7 +821,7 @@ class _Entropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: Tensor, chunk_size: int, index: Tensor | None = None, table: Tensor | None = None) -> Tensor:
         B, T, V = logits.shape
-        dt = _compute_dtype(logits.dtype)
+        dt = compute_dtype(logits.dtype)
         out = torch.empty(B * T, dtype=dt, device=logits.device)
         lse = torch.empty(B * T, dtype=dt, device=logits.device)
         for sl, chunk in _chunks(logits, chunk_size):
@@ -934,14 +865,14 @@ def _allowed_pair(allowed: Any, logits: Tensor, labels: Tensor | None) -> tuple[
     B, T, V = logits.shape
     if isinstance(allowed, Tensor):
         if allowed.shape != logits.shape or allowed.dtype != torch.bool:
-            raise ValueError(f"allowed must be a bool tensor of the logits' shape {_shape(logits)}, got {allowed.dtype} "
-                             f"{_shape(allowed)}")
+            raise ValueError(f"allowed must be a bool tensor of the logits' shape {shape_of(logits)}, got {allowed.dtype} "
+                             f"{shape_of(allowed)}")
         index, table = torch.arange(B * T, device=logits.device), allowed.reshape(B * T, V)
     else:
         index, table = allowed
         if index.shape != (B, T) or table.dim() != 2 or table.dtype != torch.bool:
-            raise ValueError(f"allowed must be (index {_shape(logits)[:2]}, bool table [U, V]), got index "
-                             f"{_shape(index)} and table {table.dtype} {_shape(table)}")
+            raise ValueError(f"allowed must be (index {shape_of(logits)[:2]}, bool table [U, V]), got index "
+                             f"{shape_of(index)} and table {table.dtype} {shape_of(table)}")
         if table.shape[1] != V:  # a head wider than the tokenizer: its extra ids are never allowed
             if table.shape[1] > V:
                 raise ValueError(f"the allowed sets cover {table.shape[1]} tokens but the logits only {V}")
@@ -956,7 +887,7 @@ def _allowed_pair(allowed: Any, logits: Tensor, labels: Tensor | None) -> tuple[
 
 
 def _check_logits(logits: Tensor, chunk_size: int) -> None:
-    _check_dim("logits", logits, 3, "[B, T, V]")
+    check_dim("logits", logits, 3, "[B, T, V]")
     if not logits.dtype.is_floating_point:
         raise ValueError(f"logits must be floating point, got dtype {logits.dtype}")
     if not isinstance(chunk_size, int) or chunk_size < 1:
@@ -1001,8 +932,8 @@ def token_logprobs(logits: Tensor, labels: Tensor, chunk_size: int = 128, allowe
     _check_logits(logits, chunk_size)
     if labels.shape != logits.shape[:2]:
         raise ValueError(
-            f"shape mismatch: labels has shape {_shape(labels)} but logits has shape "
-            f"{_shape(logits)}; labels must be {_shape(logits)[:2]}"
+            f"shape mismatch: labels has shape {shape_of(labels)} but logits has shape "
+            f"{shape_of(logits)}; labels must be {shape_of(logits)[:2]}"
         )
     if labels.dtype.is_floating_point or labels.dtype == torch.bool:
         raise ValueError(f"labels must be an integer tensor, got dtype {labels.dtype}")
@@ -1042,7 +973,7 @@ def entropy(logits: Tensor, mask: Optional[Tensor] = None, chunk_size: int = 128
         return H
     if mask.shape != logits.shape[:2]:
         raise ValueError(
-            f"shape mismatch: mask has shape {_shape(mask)} but logits has shape "
-            f"{_shape(logits)}; mask must be {_shape(logits)[:2]}"
+            f"shape mismatch: mask has shape {shape_of(mask)} but logits has shape "
+            f"{shape_of(logits)}; mask must be {shape_of(logits)[:2]}"
         )
-    return torch.where(_as_bool(mask), H, torch.zeros_like(H))
+    return torch.where(as_bool(mask), H, torch.zeros_like(H))

@@ -25,21 +25,9 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .functional import (
-    _as_bool,
-    _centre_groups,
-    _check_choice,
-    _check_dim,
-    _clip_range,
-    _check_same_shape,
-    _compute_dtype,
-    _float_dtype,
-    _masked_mean,
-    _shape,
-    gae,
-    masked_aggregate,
-    whiten,
-)
+from .functional import gae, masked_aggregate, whiten
+from .shared_math import (as_bool, centre_groups, check_choice, check_dim, check_same_shape, clip_range, compute_dtype,
+                          float_dtype, masked_mean, shape_of)
 
 __all__ = [
     "rloo_advantages",
@@ -72,7 +60,7 @@ def _ratio_stats(ratio: Tensor, valid: Tensor) -> Dict[str, Tensor]:
     """``ratio_mean`` and ``ratio_max`` over valid entries (0 when none is valid)."""
     r_max = torch.where(valid, ratio, torch.full_like(ratio, -math.inf)).amax()
     return {
-        "ratio_mean": _masked_mean(ratio, valid),
+        "ratio_mean": masked_mean(ratio, valid),
         "ratio_max": torch.where(valid.any(), r_max, torch.zeros_like(r_max)),
     }
 
@@ -104,11 +92,11 @@ def rloo_advantages(rewards: Tensor, group_size: int) -> Tensor:
         >>> rloo_advantages(torch.tensor([1.0, 0.0, 0.0, 3.0, 3.0, 3.0]), group_size=3)
         tensor([ 1.0000, -0.5000, -0.5000,  0.0000,  0.0000,  0.0000])
     """
-    _check_dim("rewards", rewards, 1, "[N]")
-    _check_groups("rewards", rewards.shape[0], _shape(rewards), group_size, minimum=2)
-    out_dtype = _float_dtype(rewards)
-    grouped = rewards.detach().to(_compute_dtype(out_dtype)).reshape(-1, group_size)
-    adv = _centre_groups(grouped) * (group_size / (group_size - 1))
+    check_dim("rewards", rewards, 1, "[N]")
+    _check_groups("rewards", rewards.shape[0], shape_of(rewards), group_size, minimum=2)
+    out_dtype = float_dtype(rewards)
+    grouped = rewards.detach().to(compute_dtype(out_dtype)).reshape(-1, group_size)
+    adv = centre_groups(grouped) * (group_size / (group_size - 1))
     return adv.reshape(-1).to(out_dtype)
 
 
@@ -147,10 +135,10 @@ def reinforce_pp_advantages(
         tensor([[ 0.8660,  0.8660],
                 [-0.8660, -0.8660]])
     """
-    _check_dim("rewards", rewards, 2, "[N, T]")
-    _check_same_shape("rewards", rewards, "mask", mask)
+    check_dim("rewards", rewards, 2, "[N, T]")
+    check_same_shape("rewards", rewards, "mask", mask)
     if kl is not None:
-        _check_same_shape("kl", kl, "rewards", rewards)
+        check_same_shape("kl", kl, "rewards", rewards)
     if not kl_coef >= 0:
         raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
     if kl_coef != 0 and kl is None:
@@ -159,10 +147,10 @@ def reinforce_pp_advantages(
         raise ValueError(f"gamma must be in [0, 1], got {gamma}")
     N, T = rewards.shape
     if group_size is not None:
-        _check_groups("rows", N, _shape(rewards), group_size)
-    out_dtype = _float_dtype(rewards)
-    dt = _compute_dtype(out_dtype)
-    valid = _as_bool(mask)
+        _check_groups("rows", N, shape_of(rewards), group_size)
+    out_dtype = float_dtype(rewards)
+    dt = compute_dtype(out_dtype)
+    valid = as_bool(mask)
     with torch.no_grad():
         zero = torch.zeros((), dtype=dt, device=rewards.device)
         r = torch.where(valid, rewards.detach().to(dt), zero)
@@ -223,17 +211,17 @@ def gspo_loss(
         >>> loss.item(), stats["ratio_mean"].item()  # token log-ratios +0.2, -0.2: s = exp(0)
         (-1.0, 1.0)
     """
-    _check_dim("logp", logp, 2, "[N, T]")
-    _check_same_shape("logp", logp, "old_logp", old_logp)
-    _check_same_shape("logp", logp, "mask", mask)
-    if _shape(advantages) != (logp.shape[0],):
+    check_dim("logp", logp, 2, "[N, T]")
+    check_same_shape("logp", logp, "old_logp", old_logp)
+    check_same_shape("logp", logp, "mask", mask)
+    if shape_of(advantages) != (logp.shape[0],):
         raise ValueError(
-            f"shape mismatch: advantages has shape {_shape(advantages)} but logp has shape "
-            f"{_shape(logp)}; advantages must be [N] (one per sequence)"
+            f"shape mismatch: advantages has shape {shape_of(advantages)} but logp has shape "
+            f"{shape_of(logp)}; advantages must be [N] (one per sequence)"
         )
-    eps_low, eps_high = _clip_range(clip_eps, clip_eps_high)
+    eps_low, eps_high = clip_range(clip_eps, clip_eps_high)
 
-    valid = _as_bool(mask)
+    valid = as_bool(mask)
     n_tok = valid.sum(-1)
     has = n_tok > 0
     log_ratio = torch.where(valid, logp - old_logp.detach(), torch.zeros_like(logp))
@@ -248,9 +236,9 @@ def gspo_loss(
         s = seq_ratio.detach()
         lr = log_ratio.detach()
         stats = {
-            "clipfrac_low": _masked_mean(((adv < 0) & (s < 1.0 - eps_low)).to(s.dtype), has),
-            "clipfrac_high": _masked_mean(((adv > 0) & (s > 1.0 + eps_high)).to(s.dtype), has),
-            "approx_kl": _masked_mean(torch.expm1(lr) - lr, valid),
+            "clipfrac_low": masked_mean(((adv < 0) & (s < 1.0 - eps_low)).to(s.dtype), has),
+            "clipfrac_high": masked_mean(((adv > 0) & (s > 1.0 + eps_high)).to(s.dtype), has),
+            "approx_kl": masked_mean(torch.expm1(lr) - lr, valid),
             **_ratio_stats(s, has),
         }
         stats["clipfrac"] = stats["clipfrac_low"] + stats["clipfrac_high"]
@@ -280,8 +268,8 @@ def group_has_signal(rewards: Tensor, group_size: int) -> Tensor:
         >>> group_has_signal(torch.tensor([1.0, 1.0, 0.0, 1.0]), group_size=2)
         tensor([False,  True])
     """
-    _check_dim("rewards", rewards, 1, "[N]")
-    _check_groups("rewards", rewards.shape[0], _shape(rewards), group_size)
+    check_dim("rewards", rewards, 1, "[N]")
+    _check_groups("rewards", rewards.shape[0], shape_of(rewards), group_size)
     grouped = rewards.detach().reshape(-1, group_size)
     return grouped.amax(-1) != grouped.amin(-1)
 
@@ -308,13 +296,13 @@ def overlong_penalty(lengths: Tensor, max_len: int, buffer: int, penalty: float 
         >>> overlong_penalty(torch.tensor([16, 17, 18, 20, 21]), max_len=20, buffer=4)
         tensor([ 0.0000, -0.2500, -0.5000, -1.0000, -1.0000])
     """
-    _check_dim("lengths", lengths, 1, "[N]")
+    check_dim("lengths", lengths, 1, "[N]")
     if not (isinstance(buffer, int) and 1 <= buffer <= max_len):
         raise ValueError(f"buffer must be an int in [1, max_len={max_len}], got {buffer!r}")
     if not penalty >= 0:
         raise ValueError(f"penalty must be >= 0, got {penalty}")
     start = max_len - buffer
-    L = lengths.detach().to(_float_dtype(lengths))
+    L = lengths.detach().to(float_dtype(lengths))
     ramp = -penalty * (L - start) / buffer
     full = torch.full_like(L, -penalty)
     return torch.where(L <= start, torch.zeros_like(L), torch.where(L <= max_len, ramp, full))
@@ -340,19 +328,19 @@ def logprob_mismatch(sampler_logp: Tensor, trainer_logp: Tensor, mask: Tensor) -
         >>> stats["abs_gap_max"], stats["ratio_outside_frac"]  # exp(-0.8) = 0.45 < 0.5
         (tensor(0.8000), tensor(0.3333))
     """
-    _check_dim("sampler_logp", sampler_logp, 2, "[N, T]")
-    _check_same_shape("sampler_logp", sampler_logp, "trainer_logp", trainer_logp)
-    _check_same_shape("sampler_logp", sampler_logp, "mask", mask)
-    valid = _as_bool(mask)
+    check_dim("sampler_logp", sampler_logp, 2, "[N, T]")
+    check_same_shape("sampler_logp", sampler_logp, "trainer_logp", trainer_logp)
+    check_same_shape("sampler_logp", sampler_logp, "mask", mask)
+    valid = as_bool(mask)
     with torch.no_grad():
         d = trainer_logp.detach() - sampler_logp.detach()
         gap = torch.where(valid, d.abs(), torch.zeros_like(d))
         ratio = torch.exp(torch.where(valid, d, torch.zeros_like(d)))
         outside = (ratio < 0.5) | (ratio > 2.0)
         return {
-            "abs_gap_mean": _masked_mean(gap, valid),
+            "abs_gap_mean": masked_mean(gap, valid),
             "abs_gap_max": gap.amax() if gap.numel() else gap.sum(),
-            "ratio_outside_frac": _masked_mean(outside.to(d.dtype), valid),
+            "ratio_outside_frac": masked_mean(outside.to(d.dtype), valid),
         }
 
 
@@ -413,16 +401,16 @@ def importance_weights(
         >>> importance_weights(t, torch.zeros(1, 3), torch.ones(1, 3), "mis", "sequence")
         tensor([[0., 0., 0.]])
     """
-    mode_fn = _check_choice("correction mode", mode, CORRECTION_MODES)
-    level_fn = _check_choice("correction level", level, CORRECTION_LEVELS)
-    _check_dim("trainer_logp", trainer_logp, 2, "[N, T]")
-    _check_same_shape("trainer_logp", trainer_logp, "sampler_logp", sampler_logp)
-    _check_same_shape("trainer_logp", trainer_logp, "mask", mask)
+    mode_fn = check_choice("correction mode", mode, CORRECTION_MODES)
+    level_fn = check_choice("correction level", level, CORRECTION_LEVELS)
+    check_dim("trainer_logp", trainer_logp, 2, "[N, T]")
+    check_same_shape("trainer_logp", trainer_logp, "sampler_logp", sampler_logp)
+    check_same_shape("trainer_logp", trainer_logp, "mask", mask)
     if not (isinstance(cap, (int, float)) and cap >= 1):
         raise ValueError(f"cap must be a number >= 1, got {cap!r}")
-    valid = _as_bool(mask)
-    out_dtype = _float_dtype(trainer_logp, sampler_logp)
-    dt = _compute_dtype(out_dtype)
+    valid = as_bool(mask)
+    out_dtype = float_dtype(trainer_logp, sampler_logp)
+    dt = compute_dtype(out_dtype)
     with torch.no_grad():
         d = trainer_logp.detach().to(dt) - sampler_logp.detach().to(dt)
         d = torch.where(valid, d, torch.zeros_like(d))
@@ -451,17 +439,17 @@ def token_covariance(logp: Tensor, advantages: Tensor, mask: Tensor) -> Tensor:
         ...                  torch.tensor([[1, 1, 0]]))
         tensor([[1., 1., 0.]])
     """
-    _check_dim("logp", logp, 2, "[N, T]")
-    _check_same_shape("logp", logp, "advantages", advantages)
-    _check_same_shape("logp", logp, "mask", mask)
-    valid = _as_bool(mask)
-    out_dtype = _float_dtype(logp, advantages)
-    dt = _compute_dtype(out_dtype)
+    check_dim("logp", logp, 2, "[N, T]")
+    check_same_shape("logp", logp, "advantages", advantages)
+    check_same_shape("logp", logp, "mask", mask)
+    valid = as_bool(mask)
+    out_dtype = float_dtype(logp, advantages)
+    dt = compute_dtype(out_dtype)
     with torch.no_grad():
         zero = torch.zeros((), dtype=dt, device=logp.device)
         lp = torch.where(valid, logp.detach().to(dt), zero)
         adv = torch.where(valid, advantages.detach().to(dt), zero)
-        cov = (lp - _masked_mean(lp, valid)) * (adv - _masked_mean(adv, valid))
+        cov = (lp - masked_mean(lp, valid)) * (adv - masked_mean(adv, valid))
         return torch.where(valid, cov, zero).to(out_dtype)
 
 
@@ -534,11 +522,11 @@ def cov_policy_loss(
         >>> loss  # (-1 - 0.5 + 0.5 + exp(0.2) + |0.2|) / 4 on the top-covariance token
         tensor(0.1054)
     """
-    select = _check_choice("covariance mode", mode, COV_MODES)
-    _check_dim("logp", logp, 2, "[N, T]")
-    _check_same_shape("logp", logp, "old_logp", old_logp)
-    _check_same_shape("logp", logp, "advantages", advantages)
-    _check_same_shape("logp", logp, "mask", mask)
+    select = check_choice("covariance mode", mode, COV_MODES)
+    check_dim("logp", logp, 2, "[N, T]")
+    check_same_shape("logp", logp, "old_logp", old_logp)
+    check_same_shape("logp", logp, "advantages", advantages)
+    check_same_shape("logp", logp, "mask", mask)
     if not (0.0 < select_ratio <= 1.0):
         raise ValueError(f"select_ratio must be in (0, 1], got {select_ratio}")
     if not kl_coef >= 0:
@@ -547,7 +535,7 @@ def cov_policy_loss(
     if not low <= high:
         raise ValueError(f"cov_bounds must be (low, high) with low <= high, got {cov_bounds}")
 
-    valid = _as_bool(mask)
+    valid = as_bool(mask)
     zero = torch.zeros_like(logp)
     log_ratio = torch.where(valid, logp - old_logp.detach(), zero)
     ratio = torch.exp(log_ratio)
@@ -569,8 +557,8 @@ def cov_policy_loss(
     with torch.no_grad():
         lr = log_ratio.detach()
         stats = {
-            "cov_selected_frac": _masked_mean(selected.to(lr.dtype), valid),
-            "approx_kl": _masked_mean(torch.expm1(lr) - lr, valid),
+            "cov_selected_frac": masked_mean(selected.to(lr.dtype), valid),
+            "approx_kl": masked_mean(torch.expm1(lr) - lr, valid),
             **_ratio_stats(ratio.detach(), valid),
         }
     return loss, stats

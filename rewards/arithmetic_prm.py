@@ -23,7 +23,7 @@ from __future__ import annotations
 import re
 from typing import Any, Sequence
 
-from .verifiers import _answer_line_value, parse_int
+from .verifiers import answer_line_value, parse_int
 
 __all__ = ["parse_expression", "next_reduction", "solve_expression", "ArithmeticStepReward", "arithmetic_step_reward"]
 
@@ -163,7 +163,7 @@ class ArithmeticStepReward:
             if answered:
                 scores.append(0.0)
                 continue
-            value = _answer_line_value(line)
+            value = answer_line_value(line)
             if value is not None:
                 answered = True
                 scores.append(1.0 if parse_int(value) == true_answer else 0.0)

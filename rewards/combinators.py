@@ -12,7 +12,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from .protocols import _as_vector, reward_name
+from .protocols import as_vector, reward_name
 
 __all__ = ["WeightedSum", "weighted_sum", "FormatReward", "format_reward", "LengthPenalty", "length_penalty"]
 
@@ -80,7 +80,7 @@ class WeightedSum:
         n = len(completions)
         comps = {}
         for k, v in self.components(prompts, completions, **fields).items():
-            _as_vector(v, n, f"{self.name}.{k}")  # checks length and finiteness, names the term
+            as_vector(v, n, f"{self.name}.{k}")  # checks length and finiteness, names the term
             comps[k] = torch.as_tensor(v.detach().cpu() if isinstance(v, torch.Tensor) else v, dtype=torch.float64)
         return self.combine(comps).tolist()
 

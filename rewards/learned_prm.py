@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from .packing import classifier_at
-from .reward_model import _device, _load, _pad_id, _save, fit, load_rows, pad_right, split_rows
+from .reward_model import fit, load_folder, load_rows, model_device, pad_id_of, pad_right, save_folder, split_rows
 from .training import OptimConfig, TrainLoopConfig
 
 __all__ = ["LearnedPRM", "PRMConfig", "train_prm", "PRM_COLUMNS"]
@@ -90,7 +90,7 @@ class LearnedPRM:
         if batch_size < 1 or (threshold is not None and not 0 < threshold < 1):
             raise ValueError(f"batch_size must be >= 1 and threshold None or in (0, 1), got {batch_size}, {threshold}")
         self.model, self.tokenizer = model, tokenizer
-        self.pad_id = _pad_id(model, tokenizer)
+        self.pad_id = pad_id_of(model, tokenizer)
         self.num_labels = labels
         self.delimiter, self.batch_size, self.threshold, self.name = delimiter, int(batch_size), threshold, name
         self.packing = "off"  # forwards over the real tokens packed into bins: off, bins or auto (the fit sets it)
@@ -110,7 +110,7 @@ class LearnedPRM:
     def step_logits(self, encoded: Sequence[tuple[list[int], list[int]]]) -> torch.Tensor:
         """Logits ``[S, num_labels]`` at the step ends of encoded solutions (all their steps, in order), with
         autograd, from one forward pass."""
-        tokens, mask = pad_right([ids for ids, _ in encoded], self.pad_id, _device(self.model))
+        tokens, mask = pad_right([ids for ids, _ in encoded], self.pad_id, model_device(self.model))
         rows = torch.tensor([i for i, (_, ends) in enumerate(encoded) for _ in ends], dtype=torch.long, device=tokens.device)
         cols = torch.tensor([e for _, ends in encoded for e in ends], dtype=torch.long, device=tokens.device)
         if self.packing != "off":
@@ -148,7 +148,7 @@ class LearnedPRM:
 
     def save_pretrained(self, path: str | os.PathLike) -> None:
         """Write the model (safetensors), its tokenizer and ``learned_prm.json`` (the wrapper's settings)."""
-        _save(self.model, self.tokenizer, path, "learned_prm.json",
+        save_folder(self.model, self.tokenizer, path, "learned_prm.json",
               {"delimiter": self.delimiter, "batch_size": self.batch_size, "threshold": self.threshold, "name": self.name})
 
     @classmethod
@@ -158,7 +158,7 @@ class LearnedPRM:
         override the saved settings."""
         from transformers import AutoModelForTokenClassification
 
-        model, tok, settings = _load(AutoModelForTokenClassification, path, tokenizer, device, "learned_prm.json", kwargs)
+        model, tok, settings = load_folder(AutoModelForTokenClassification, path, tokenizer, device, "learned_prm.json", kwargs)
         return cls(model, tok, **{**settings, **kwargs})
 
     def __repr__(self) -> str:

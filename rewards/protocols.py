@@ -45,7 +45,8 @@ def check_reward(fn: Any, what: str) -> None:
         raise TypeError(f"{what} must be a callable (prompts, completions or steps, **task_fields), got {type(fn).__name__}: {fn!r:.40}")
 
 
-def _as_vector(values: Any, n: int, who: str) -> torch.Tensor:
+def as_vector(values: Any, n: int, who: str) -> torch.Tensor:
+    """Reward ``who``'s output as a float32 vector of ``n`` finite values; TypeError/ValueError naming it otherwise."""
     try:
         t = torch.as_tensor(values.detach().cpu() if isinstance(values, torch.Tensor) else values, dtype=torch.float32)
     except (TypeError, ValueError) as e:
@@ -78,10 +79,10 @@ def score_outcome(
     comps_fn = getattr(fn, "components", None)
     if callable(comps_fn):
         raw = comps_fn(prompts, completions, **fields)
-        comps = {k: _as_vector(v, n, f"{who}.{k}") for k, v in raw.items()}
-        total = _as_vector(fn.combine(comps) if hasattr(fn, "combine") else fn(prompts, completions, **fields), n, who)
+        comps = {k: as_vector(v, n, f"{who}.{k}") for k, v in raw.items()}
+        total = as_vector(fn.combine(comps) if hasattr(fn, "combine") else fn(prompts, completions, **fields), n, who)
         return total, comps
-    total = _as_vector(fn(prompts, completions, **fields), n, who)
+    total = as_vector(fn(prompts, completions, **fields), n, who)
     return total, {who: total}
 
 

@@ -119,7 +119,7 @@ def pad_right(ids: Sequence[Sequence[int]], pad_id: int, device: torch.device) -
     return tokens.to(device), mask.to(device)
 
 
-def _pad_id(model: torch.nn.Module, tokenizer: Any) -> int:
+def pad_id_of(model: torch.nn.Module, tokenizer: Any) -> int:
     """The pad id, also written into the model's config (sequence classifiers find the last token with it)."""
     pad = getattr(tokenizer, "pad_token_id", None)
     if pad is None:
@@ -130,7 +130,8 @@ def _pad_id(model: torch.nn.Module, tokenizer: Any) -> int:
     return int(pad)
 
 
-def _device(model: torch.nn.Module) -> torch.device:
+def model_device(model: torch.nn.Module) -> torch.device:
+    """The device of ``model``'s first parameter (where its inputs go)."""
     return next(model.parameters()).device
 
 
@@ -169,7 +170,7 @@ class RewardModel:
         if batch_size < 1 or (max_length is not None and max_length < 2):
             raise ValueError(f"batch_size must be >= 1 and max_length None or >= 2, got {batch_size}, {max_length}")
         self.model, self.tokenizer = model, tokenizer
-        self.pad_id = _pad_id(model, tokenizer)
+        self.pad_id = pad_id_of(model, tokenizer)
         if not (math.isfinite(shift) and math.isfinite(scale) and scale > 0):
             raise ValueError(f"shift must be finite and scale finite and > 0, got {shift}, {scale}")
         self.batch_size, self.max_length, self.name = int(batch_size), max_length, name
@@ -188,7 +189,7 @@ class RewardModel:
 
     def forward_ids(self, ids: Sequence[Sequence[int]]) -> torch.Tensor:
         """Rewards ``[N]`` (float32, with autograd) of already encoded rows, in one forward pass."""
-        tokens, mask = pad_right(ids, self.pad_id, _device(self.model))
+        tokens, mask = pad_right(ids, self.pad_id, model_device(self.model))
         logits = _packed_score(self.model, self.packing, tokens, mask)
         if logits is None:
             logits = self.model(input_ids=tokens, attention_mask=mask.long()).logits
@@ -231,7 +232,7 @@ class RewardModel:
 
     def save_pretrained(self, path: str | os.PathLike) -> None:
         """Write the model (safetensors), its tokenizer and ``reward_model.json`` (the wrapper's settings)."""
-        _save(self.model, self.tokenizer, path, self.SETTINGS_FILE,
+        save_folder(self.model, self.tokenizer, path, self.SETTINGS_FILE,
               {"batch_size": self.batch_size, "max_length": self.max_length, "name": self.name,
                "shift": self.shift, "scale": self.scale})
 
@@ -248,7 +249,7 @@ class RewardModel:
 
         if cls is RewardModel and os.path.isfile(os.path.join(os.fspath(path), LikelihoodRewardModel.SETTINGS_FILE)):
             return LikelihoodRewardModel.from_pretrained(path, tokenizer, device, **kwargs)
-        model, tok, settings = _load(AutoModelForSequenceClassification, path, tokenizer, device, cls.SETTINGS_FILE, kwargs)
+        model, tok, settings = load_folder(AutoModelForSequenceClassification, path, tokenizer, device, cls.SETTINGS_FILE, kwargs)
         return cls(model, tok, **{**settings, **kwargs})
 
     def __repr__(self) -> str:
@@ -329,7 +330,7 @@ class LikelihoodRewardModel(RewardModel):
 
     def forward_ids(self, ids: Sequence[Sequence[int]]) -> torch.Tensor:
         """Rewards ``[N]`` (with autograd through ``model``) of rows from :meth:`encode`, in one forward pass."""
-        tokens, mask = pad_right(ids, self.pad_id, _device(self.model))
+        tokens, mask = pad_right(ids, self.pad_id, model_device(self.model))
         lp = self._token_logprobs(self.model, tokens, mask)
         if self.reference is not None:
             with torch.no_grad():
@@ -343,7 +344,7 @@ class LikelihoodRewardModel(RewardModel):
 
     def save_pretrained(self, path: str | os.PathLike) -> None:
         """Write the LM (safetensors), its tokenizer and ``likelihood_reward_model.json`` (the reference is not saved)."""
-        _save(self.model, self.tokenizer, path, self.SETTINGS_FILE,
+        save_folder(self.model, self.tokenizer, path, self.SETTINGS_FILE,
               {"beta": self.beta, "batch_size": self.batch_size, "max_length": self.max_length, "name": self.name,
                "shift": self.shift, "scale": self.scale})
 
@@ -353,14 +354,15 @@ class LikelihoodRewardModel(RewardModel):
         """Load a local folder holding a causal LM (e.g. written by :meth:`save_pretrained`); ``kwargs`` override saved settings."""
         from transformers import AutoModelForCausalLM
 
-        model, tok, settings = _load(AutoModelForCausalLM, path, tokenizer, device, cls.SETTINGS_FILE, kwargs)
+        model, tok, settings = load_folder(AutoModelForCausalLM, path, tokenizer, device, cls.SETTINGS_FILE, kwargs)
         return cls(model, tok, **{**settings, **kwargs})
 
     def __repr__(self) -> str:
         return f"LikelihoodRewardModel({type(self.model).__name__}, beta={self.beta}, reference={self.reference is not None})"
 
 
-def _save(model: torch.nn.Module, tokenizer: Any, path: str | os.PathLike, settings_file: str, settings: dict) -> None:
+def save_folder(model: torch.nn.Module, tokenizer: Any, path: str | os.PathLike, settings_file: str, settings: dict) -> None:
+    """Write ``model``, ``tokenizer`` and ``settings`` (as ``settings_file``, JSON) into the folder ``path``."""
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     with quiet_transformers():
@@ -370,7 +372,7 @@ def _save(model: torch.nn.Module, tokenizer: Any, path: str | os.PathLike, setti
         json.dump(settings, f, indent=1)
 
 
-def _load(auto_cls: Any, path: str | os.PathLike, tokenizer: Any, device: Any, settings_file: str, kwargs: dict[str, Any]):
+def load_folder(auto_cls: Any, path: str | os.PathLike, tokenizer: Any, device: Any, settings_file: str, kwargs: dict[str, Any]):
     """``(model, tokenizer, saved settings)`` of a local folder; ``kwargs`` are the caller's setting overrides, checked
     here for ``trust_remote_code``, which tokengym never turns on (a model folder's own code is never run)."""
     from transformers import AutoTokenizer

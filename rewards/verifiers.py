@@ -75,7 +75,7 @@ def parse_int(text: Any) -> int | None:
     return -value if m.group("sign") == "-" else value
 
 
-def _answer_line_value(line: str) -> str | None:
+def answer_line_value(line: str) -> str | None:
     """The value written on an answer line (``"A: 49."`` -> ``"49"``), or ``None`` if ``line`` is not one."""
     m = _ANSWER_LINE.fullmatch(line.strip())
     if m is None:
@@ -111,7 +111,7 @@ def extract_final_answer(text: str | None) -> str | None:
         return None
     lines = [ln.strip() for ln in text.splitlines()]
     for line in reversed(lines):
-        value = _answer_line_value(line)
+        value = answer_line_value(line)
         if value is not None:
             return value
     nonempty = [ln for ln in lines if ln]
@@ -148,7 +148,7 @@ def extract_answer(text: str | None) -> str | None:
         return tags[-1].strip()
     lines = [ln.strip() for ln in text.splitlines()]
     for line in reversed(lines):
-        value = _answer_line_value(line)
+        value = answer_line_value(line)
         if value is not None:
             return value
     nonempty = [ln for ln in lines if ln]

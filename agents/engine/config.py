@@ -16,7 +16,10 @@ from tokengym.agents.runtime.config import resumable
 from tokengym.agents.runtime.weight_sync import WeightSync
 from tokengym.rewards.training import SeedConfig
 
-__all__ = ["EngineConfig"]
+ASYNC_MODES = ("off", "one-step", "bounded")
+"""Rollouts in worker processes while the learner updates (:attr:`EngineConfig.async_mode`)."""
+
+__all__ = ["ASYNC_MODES", "EngineConfig"]
 
 
 @dataclass
@@ -103,6 +106,4 @@ class EngineConfig(SeedConfig):
                 "sync_port": 0 <= self.sync_port <= 65535, "sync_bucket_mb": self.sync_bucket_mb > 0}
 
     def choices(self) -> dict[str, Iterable[Any]]:
-        from tokengym.agents.engine.workers import ASYNC_MODES  # (workers imports sources, which reads this config)
-
         return {"async_mode": ASYNC_MODES, "sampler": SAMPLERS}

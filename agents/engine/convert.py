@@ -80,7 +80,7 @@ def cached_folder(folder: str, write: Any) -> str:
     write left (``<folder>.tmp-<pid>``) is removed, and an entry found incomplete (damaged, or written by an older
     tokengym whose conversion raced) is written again.
     """
-    from tokengym.agents.runtime.runs import UsageError, _rmtree, storage_errors, write_folder_atomic
+    from tokengym.agents.runtime.runs import UsageError, remove_path, storage_errors, write_folder_atomic
 
     if is_complete(folder):
         return folder
@@ -94,9 +94,9 @@ def cached_folder(folder: str, write: Any) -> str:
                 return folder
             for name in os.listdir(parent):
                 if name.startswith(os.path.basename(folder) + ".tmp-"):
-                    _rmtree(os.path.join(parent, name))
+                    remove_path(os.path.join(parent, name))
             if os.path.lexists(folder):
-                _rmtree(folder)
+                remove_path(folder)
             write_folder_atomic(folder, write, what="converted model")
     if not is_complete(folder):
         raise UsageError(f"{folder} was written but is not a complete model folder; delete it and try again")

@@ -82,7 +82,7 @@ def encode_rollout(ro: Any, meta: dict[str, Any], stream: dict[str, Any]) -> byt
 
 def decode_rollout(data: bytes, device: torch.device | str = "cpu") -> tuple[Any, dict[str, Any], dict[str, Any]]:
     """``(rollout, header, stream)`` of an :func:`encode_rollout` message, its tensors on ``device``."""
-    from tokengym.agents.engine.rollout import Rollout
+    from tokengym.agents.engine.rollout_data import Rollout
 
     header, tensors = decode(data)
     if header.get("kind") != "rollout" or not isinstance(header.get("fields"), dict):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokengym.agents import functional as Fn
+import tokengym.agents.functional as Fn
 from tokengym.rewards.packing import (AUTO_FILL, PACKING, Bins, check_packing, classifier_at, head_logits, hidden_at,
                                       honours_mask, pack, place, plan)
 

@@ -38,7 +38,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from tokengym.agents import functional as Fn
+import tokengym.agents.functional as Fn
 from tokengym.agents.engine.fast_decode import StaticDecoder, unsupported_reason
 from tokengym.agents.engine.models import load_model, use_tokengym_attention
 from tokengym.agents.engine.packing import check_packing, lm_logprobs, plan

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from tokengym.rewards.common import TokengymWarning
 from tokengym.agents.engine.messages import MessageError, check_manifest, encode_rollout
-from tokengym.agents.engine.sources import WorkerError, WorkerPool, _stream_from_state, _stream_state, full_named
+from tokengym.agents.engine.worker_pool import WorkerError, WorkerPool, full_named, stream_from_state, stream_state
 from tokengym.agents.engine.worker_loop import WorkerLoop, weight_manifest
 from tokengym.agents.runtime.weight_sync import DEFAULT_BUCKET, STOP, WeightSync, WeightSyncError, send
 
@@ -155,7 +155,7 @@ class _Session:
             def put(j: int, v: int, ro: Any, stream: dict, seconds: float) -> None:
                 self.outbox.put(encode_rollout(ro, {"index": j, "worker": slot, "seconds": seconds}, stream))
 
-            self.loop = WorkerLoop({**spec, "stream": _stream_from_state(spec["stream"])}, env, policy, sync, put)
+            self.loop = WorkerLoop({**spec, "stream": stream_from_state(spec["stream"])}, env, policy, sync, put)
             self.ready.set()
             self.loop.run()
         except BaseException as e:  # noqa: BLE001 (the learner reads it as one line)
@@ -478,7 +478,7 @@ class RemoteWorkers(WorkerPool):
             prefix = f"g{self.generation}/s{slot}/"
             body = {"protocol": PROTOCOL, "session": session, "env": self.env_spec, "model": self.model,
                     "temperature": self.temperature, "workers": len(slots), "worker": pos, "slot": slot, "k": self.k,
-                    "exact": exact, "start": start, "stream": _stream_state(self.streams[slot]),
+                    "exact": exact, "start": start, "stream": stream_state(self.streams[slot]),
                     "seed": self.seed + slot, "prefix": prefix,
                     "store": None if self.store is None else [self.sync_host, self.store.port],
                     "manifest": self.manifest, "timeout": self.timeout, "bf16": self.bf16, "sampler": self.sampler}

@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from tokengym.agents.engine.generation import FINISH_REASONS, GenerationRequest, stream_seed
+from tokengym.agents.engine.seam import FINISH_REASONS, GenerationRequest, stream_seed
 from tokengym.agents.engine.resources import check_fits
-from tokengym.agents.engine.rollout import Rollout, _check_call, _snapshot, attach_values
+from tokengym.agents.engine.rollout_data import Rollout, attach_values, check_collect_args, snapshot_rollout
 
 __all__ = ["collect_generated"]
 
@@ -33,13 +33,13 @@ def collect_generated(env, generator, critic=None, *, greedy: bool = False, seed
     """One lockstep batch of ``env`` (``disabled`` autoreset) with ``generator``; the same ``Rollout`` as
     :func:`~tokengym.agents.engine.rollout.collect`, with ``policy_version`` the generator's and ``generation_counts``
     (requests, dropped tokens) per episode."""
-    _check_call("collect", env, greedy)
+    check_collect_args("collect", env, greedy)
     if env.autoreset_mode.name != "DISABLED":
         raise ValueError("collect() runs lockstep batches: create the env with autoreset_mode='disabled'")
     check_fits(generator, env)
     with torch.inference_mode():
         logps, counts, version = _replay(env, generator, greedy, seed, samples)
-    ro = _snapshot(env, logps.clone())
+    ro = snapshot_rollout(env, logps.clone())
     ro.policy_version = version
     ro.generation_counts = {k: v.clone() for k, v in counts.items()}
     return ro if critic is None else attach_values(ro, critic)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -21,113 +20,11 @@ import torch
 from tokengym.envs.masks import TokenMasks
 from tokengym.agents.engine.generation import is_generation_backend
 from tokengym.agents.engine.resources import check_fits
+from tokengym.agents.engine.rollout_data import Rollout, attach_values, check_collect_args, snapshot_rollout
 from tokengym.agents.engine.sampler import SamplerCapabilities, capabilities_of
 from tokengym.agents.runtime.sharding import full_weights
 
 __all__ = ["Rollout", "attach_values", "collect", "collect_episodes", "evaluate", "heldout_samples", "turn_metrics", "used_columns", "used_slice", "trimmed_logprobs"]
-
-
-@dataclass
-class Rollout:
-    """One batch of finished episodes; tensors ``[N, ...]`` on the env's device.
-
-    Token layout is the env's: ``tokens[:, :P]`` left-padded prompts, ``tokens[:, P:]`` the episode (the agent's
-    tokens and, in multi-turn envs, the env's replies between its turns). Per-token tensors ``[N, M]`` are aligned
-    with ``tokens[:, P:]``; ``action_mask`` (the env's) is 1 on the agent's tokens only: losses, KL, entropy and
-    advantages cover those, and env tokens are context. ``turn_rewards`` are the env's per-turn rewards (on the token
-    that ended each turn, also included in ``rewards``); for a task whose ``outcome_is_return`` (a library env's adapter,
-    whose rewards are all turn rewards) they are folded into ``outcome`` instead, so that metrics and evaluation read
-    the episode's return, and ``turn_rewards`` is ``None``. ``turn_counts`` holds each episode's multi-turn events.
-    ``values``/``last_values`` are filled only when a critic was given (``last_values`` is the bootstrap value V(s_M)
-    for truncated rows and 0 for terminated ones).
-    """
-
-    tokens: torch.Tensor
-    attention_mask: torch.Tensor
-    action_mask: torch.Tensor
-    prompt_len: int
-    logprobs: torch.Tensor
-    rewards: torch.Tensor
-    process_rewards: torch.Tensor
-    step_end: torch.Tensor
-    outcome: torch.Tensor
-    terminated: torch.Tensor
-    truncated: torch.Tensor
-    group_id: torch.Tensor
-    group_size: int
-    values: torch.Tensor | None = None
-    last_values: torch.Tensor | None = None
-    completions: list[str] = field(default_factory=list)
-    samples: list[dict[str, Any]] = field(default_factory=list)
-    step_scores: list[list[float]] = field(default_factory=list)
-    reward_components: dict[str, torch.Tensor] = field(default_factory=dict)
-    turn_rewards: torch.Tensor | None = None
-    turn_counts: dict[str, torch.Tensor] = field(default_factory=dict)
-    policy_version: int | None = None
-    """The policy version that sampled the batch: in async modes the learner's number of updates when a worker took
-    its weights, with an inference engine the version its weights were loaded as; ``None``: the policy as it stood
-    (synchronous training)."""
-    token_masks: TokenMasks | None = None
-    """The allowed set each token was sampled under (an env that masks its actions: a grammar), compact; the trainer
-    scores every log-prob under the same sets (``mask_training="masked"``). ``None``: unmasked sampling."""
-    generation_counts: dict[str, torch.Tensor] = field(default_factory=dict)
-    """Rollouts through the generation seam (an engine's tokens replayed through the env): per episode, the
-    ``requests`` sent to the engine and the tokens it generated that were ``dropped`` because the env ended the turn
-    first (``{}`` for token-level rollouts)."""
-
-    @property
-    def num_episodes(self) -> int:
-        return self.tokens.shape[0]
-
-    @property
-    def lengths(self) -> torch.Tensor:
-        """The agent's tokens per episode, ``[N]``."""
-        return self.action_mask.sum(1)
-
-    @property
-    def episode_lengths(self) -> torch.Tensor:
-        """Tokens after the prompt per episode (agent and env), ``[N]``."""
-        return self.attention_mask[:, self.prompt_len:].sum(1)
-
-    @property
-    def turn_stats(self) -> dict[str, int]:
-        """The batch's multi-turn events, summed over episodes (``{}`` for single-turn envs)."""
-        return {k: int(v.sum()) for k, v in self.turn_counts.items()}
-
-    @property
-    def returns(self) -> torch.Tensor:
-        """Each episode's outcome plus its turn rewards, ``[N]`` (what group-relative advantages compare)."""
-        return self.outcome if self.turn_rewards is None else self.outcome + self.turn_rewards.sum(1)
-
-    def step_rewards(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(step_rewards[N, S], step_ends[N, S])`` for ``functional.process_advantages`` (-1 = no step)."""
-        counts = self.step_end.sum(1)
-        s = max(int(counts.max()), 1) if counts.numel() else 1
-        ends = torch.full((self.num_episodes, s), -1, dtype=torch.long, device=self.tokens.device)
-        vals = torch.zeros((self.num_episodes, s), dtype=torch.float32, device=self.tokens.device)
-        rows, cols = self.step_end.nonzero(as_tuple=True)
-        rank = torch.cumsum(self.step_end.long(), 1)[rows, cols] - 1
-        ends[rows, rank] = cols
-        vals[rows, rank] = self.process_rewards[rows, cols]
-        return vals, ends
-
-    def select(self, idx: torch.Tensor | Sequence[int]) -> "Rollout":
-        """The sub-batch of episodes ``idx`` (tensors indexed, lists picked)."""
-        idx_t = torch.as_tensor(idx, device=self.tokens.device)
-        pick = idx_t.tolist()
-        out = {}
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, torch.Tensor):
-                v = v[idx_t]
-            elif isinstance(v, list):
-                v = [v[i] for i in pick] if v else v
-            elif isinstance(v, dict):
-                v = {k: t[idx_t] for k, t in v.items()}
-            elif isinstance(v, TokenMasks):
-                v = v.select(idx_t)
-            out[f.name] = v
-        return Rollout(**out)
 
 
 def concat_rollouts(parts: Sequence[Rollout]) -> Rollout:
@@ -218,7 +115,7 @@ def collect(env, policy, critic=None, *, greedy: bool = False, seed: int | None 
             every group's rows hold the same prompt (always, for prompts the env draws); ``True`` with rows of a
             group holding different prompts is an error.
     """
-    _check_call("collect", env, greedy)
+    check_collect_args("collect", env, greedy)
     if env.autoreset_mode.name != "DISABLED":
         raise ValueError("collect() runs lockstep batches: create the env with autoreset_mode='disabled'")
     if is_generation_backend(policy):  # an inference engine: whole generations, replayed token by token
@@ -228,37 +125,8 @@ def collect(env, policy, critic=None, *, greedy: bool = False, seed: int | None 
     check_fits(policy, env)
     with torch.inference_mode():
         logps = _run_episodes(env, policy, greedy, seed, samples, compact, share_prefix)
-    ro = _snapshot(env, logps.clone())
+    ro = snapshot_rollout(env, logps.clone())
     return ro if critic is None else attach_values(ro, critic)
-
-
-def attach_values(ro: Rollout, critic) -> Rollout:
-    """Fill ``ro.values`` and ``ro.last_values`` with ``critic``'s values in one pass; return ``ro``."""
-    M = ro.action_mask.shape[1]
-    with torch.no_grad():
-        v = critic(ro.tokens, ro.attention_mask, ro.prompt_len)  # [N, M + 1]: V(s_0) .. V(s_M)
-    ro.values = v[:, :M] * ro.action_mask
-    after = v.gather(1, ro.episode_lengths[:, None])[:, 0]  # V after the last token (M unless a reply overflowed)
-    ro.last_values = torch.where(ro.truncated, after, torch.zeros_like(after))
-    return ro
-
-
-def _check_call(fn: str, env: Any, greedy: Any) -> None:
-    """TypeError in one line for arguments of the wrong kind (a string where the env goes, ``greedy="yes"``)."""
-    if not all(hasattr(env, a) for a in ("reset", "step", "autoreset_mode", "max_new_tokens", "vocab_size")):
-        raise TypeError(f"{fn}() needs a tokengym vector env (TokenVectorEnv, or gymnasium.make_vec(env_id, num_envs=N, "
-                        f"vectorization_mode='vector_entry_point')), got {type(env).__name__}: {env!r:.60}")
-    if not isinstance(greedy, bool):
-        raise TypeError(f"{fn}(greedy=...) must be True or False, got {greedy!r}")
-
-
-def _snapshot(env, logps: torch.Tensor, slots: list[int] | None = None) -> Rollout:
-    """A :class:`Rollout` of the episodes in ``env``'s ``slots`` (default: all) as they stand (``env.record``), with
-    the sampled log-probs ``logps[N, M]`` (every tensor a copy: built outside inference mode, it can be used in
-    autograd)."""
-    record = env.record(slots)
-    idx = slice(None) if slots is None else torch.tensor(slots, dtype=torch.long, device=env.device)
-    return Rollout(**record, logprobs=logps[idx].masked_fill(~record["action_mask"], 0.0))
 
 
 def _prefix_copies(env, tokens: torch.Tensor, mask: torch.Tensor, share_prefix: bool | None) -> int:
@@ -386,7 +254,7 @@ def collect_episodes(env, policy, samples: Sequence[Any] | None = None, n: int |
     every average towards them. Each episode samples from its own stream (keyed by its index in the list), so the
     tokens do not depend on which slot ran it or on the batch size.
     """
-    _check_call("collect_episodes", env, greedy)
+    check_collect_args("collect_episodes", env, greedy)
     if env.autoreset_mode.name != "NEXT_STEP":
         raise ValueError("collect_episodes() refills finished slots through next-step autoresets: create the env with "
                          "autoreset_mode='next_step' (collect() runs lockstep batches)")
@@ -420,7 +288,7 @@ def _run_continuous(env, policy, caps: SamplerCapabilities, episodes: list | int
     P, M = env.max_prompt_len, env.max_new_tokens
 
     def ended(slots: list[int], logps: torch.Tensor) -> None:
-        parts.append((env.episode_id[slots].tolist(), _snapshot(env, logps, slots)))
+        parts.append((env.episode_id[slots].tolist(), snapshot_rollout(env, logps, slots)))
 
     with _rollout(policy, caps, greedy):
         logits = policy.prefill(obs["tokens"][:, :P], obs["mask"][:, :P], max_new_tokens=M)  # full width: refills

@@ -31,8 +31,8 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
-from tokengym.agents.engine.generation import Generation, GenerationRequest, SamplingSettings, check_requests, check_scoring, request_seed
-from tokengym.agents.runtime.distributed import _engine_group, engine_owns_default_group
+from tokengym.agents.engine.seam import Generation, GenerationRequest, SamplingSettings, check_requests, check_scoring, request_seed
+from tokengym.agents.runtime.distributed import default_group_is_engine, engine_owns_default_group
 
 __all__ = ["VLLMSampler", "import_vllm"]
 
@@ -251,7 +251,7 @@ class VLLMSampler:
         _LIVE.discard(self)
         with contextlib.suppress(Exception):
             llm.llm_engine.engine_core.shutdown()
-        if _engine_group():
+        if default_group_is_engine():
             _tear_down_vllm_groups()
 
     def __enter__(self) -> "VLLMSampler":

@@ -40,15 +40,15 @@ from typing import Any
 
 import torch
 
+from tokengym.agents.engine.config import ASYNC_MODES
 from tokengym.agents.engine.messages import encode_rollout
 from tokengym.agents.engine.remote import model_name
-from tokengym.agents.engine.sources import WorkerError, WorkerPool, full_named
+from tokengym.agents.engine.worker_pool import WorkerError, WorkerPool, full_named
 from tokengym.agents.engine.worker_loop import WorkerLoop, weight_manifest
 from tokengym.agents.runtime.weight_sync import DEFAULT_BUCKET, STOP, WeightSync, send
 
 __all__ = ["ASYNC_MODES", "RolloutWorkers", "WorkerError", "check_crosses", "check_workers"]
 
-ASYNC_MODES = ("off", "one-step", "bounded")
 
 
 def _die_with_parent() -> None:

@@ -84,7 +84,7 @@ class DataParallel:
     def current(cls) -> "DataParallel":
         """The running process group's rank and size, or :data:`LOCAL` when none is initialised (or the one there is
         belongs to an in-process inference engine: :func:`engine_owns_default_group`)."""
-        if dist.is_available() and dist.is_initialized() and not _engine_group():
+        if dist.is_available() and dist.is_initialized() and not default_group_is_engine():
             return cls(dist.get_rank(), dist.get_world_size(), True)
         return LOCAL
 
@@ -159,7 +159,7 @@ class DataParallel:
         """Sum each number over ranks (every rank passes the same keys)."""
         if not self._comm:
             return values
-        t = torch.tensor([float(v) for v in values.values()], dtype=torch.float64, device=_comm_device())
+        t = torch.tensor([float(v) for v in values.values()], dtype=torch.float64, device=comm_device())
         dist.all_reduce(t)
         return dict(zip(values, t.tolist()))
 
@@ -171,7 +171,7 @@ class DataParallel:
         out = self.sum({k: float(v) * weight for k, v in stats.items() if not k.endswith("_max")})
         maxima = {k: float(v) for k, v in stats.items() if k.endswith("_max")}
         if maxima and self._comm:
-            t = torch.tensor(list(maxima.values()), dtype=torch.float64, device=_comm_device())
+            t = torch.tensor(list(maxima.values()), dtype=torch.float64, device=comm_device())
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             maxima = dict(zip(maxima, t.tolist()))
         return {k: out[k] if k in out else maxima[k] for k in stats}
@@ -226,7 +226,7 @@ LOCAL = DataParallel()
 """A plain single-process run."""
 
 
-def _comm_device() -> torch.device:
+def comm_device() -> torch.device:
     """Where small host values go for a collective: the current GPU under nccl, else the CPU."""
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
@@ -301,7 +301,8 @@ def engine_owns_default_group() -> None:
     _ENGINE_GROUP[:] = [dist.group.WORLD]
 
 
-def _engine_group() -> bool:
+def default_group_is_engine() -> bool:
+    """Whether the default process group is the one an in-process inference engine made (see above)."""
     return bool(_ENGINE_GROUP) and _ENGINE_GROUP[0] is dist.group.WORLD
 
 

@@ -189,7 +189,8 @@ def _sync_and_hash(path: str) -> dict[str, Any]:
     return {"size": os.path.getsize(path), "sha256": file_sha256(path)}
 
 
-def _rmtree(path: str) -> None:
+def remove_path(path: str) -> None:
+    """Remove a file, a link or a folder tree at ``path`` (nothing there: nothing to do)."""
     if os.path.islink(path) or os.path.isfile(path):
         os.unlink(path)
     elif os.path.isdir(path):
@@ -199,7 +200,7 @@ def _rmtree(path: str) -> None:
 def _rmtree_quiet(path: str) -> None:
     """Best-effort removal (cleanup after a failure that is already being raised)."""
     try:
-        _rmtree(path)
+        remove_path(path)
     except OSError:
         pass
 
@@ -238,7 +239,7 @@ def write_folder_atomic(path: str, write: Callable[[str], None], what: str = "mo
     tmp = f"{path}.tmp-{os.getpid()}"
     with storage_errors(path, what):
         try:
-            _rmtree(tmp)
+            remove_path(tmp)
             os.makedirs(tmp)
             write(tmp)
             kill_during_write(what)
@@ -391,7 +392,7 @@ def clean_stale_tmp(run_dir: str) -> list[str]:
             continue
         for name in sorted(os.listdir(folder)):
             if stale(name):
-                _rmtree(os.path.join(folder, name))
+                remove_path(os.path.join(folder, name))
                 removed.append(os.path.join(sub, name) if sub else name)
     if removed:
         _fsync_dir(run_dir)
@@ -465,7 +466,7 @@ def save_checkpoint(run_dir: str, step: int, modules: dict[str, torch.nn.Module]
     with storage_errors(final, "the checkpoint"):
         os.makedirs(root, exist_ok=True)
         try:
-            _rmtree(tmp)
+            remove_path(tmp)
             os.makedirs(tmp)
             files: dict[str, dict[str, Any]] = {}
 

@@ -12,7 +12,6 @@ numbers are written ``-5``: ``"3-8+2\\n"`` -> ``"3-8=-5\\n-5+2=-3\\nA: -3"``.
 
 from __future__ import annotations
 
-import numbers
 from typing import Any, Callable, Iterable
 
 import numpy as np
@@ -22,38 +21,12 @@ from tokengym.rewards import arithmetic_correct, arithmetic_step_reward, number_
 from ..chat import user_prompt
 
 from .arithmetic_data import arithmetic_pairs, arithmetic_step_labels
-from .base import Task
+from .base import Task, check_seed, int_range
 from .registry import register_task
 
 __all__ = ["ArithmeticTask"]
 
 _OPERATORS = "+-*"
-
-
-def _int_range(name: str, value: Any, minimum: int, maximum: int | None = None) -> tuple[int, int]:
-    """Validate an int or an inclusive ``(lo, hi)`` range and return ``(lo, hi)``."""
-
-    def is_int(x: Any) -> bool:
-        return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-    bounds = f">= {minimum}" + ("" if maximum is None else f" and <= {maximum}")
-    if is_int(value):
-        lo = hi = int(value)
-    elif isinstance(value, (tuple, list)) and len(value) == 2 and all(is_int(x) for x in value):
-        lo, hi = int(value[0]), int(value[1])
-        if lo > hi:
-            raise ValueError(f"{name} range must have min <= max, got {value!r}")
-    else:
-        raise ValueError(f"{name} must be an int or an inclusive (min, max) pair of ints, got {value!r}")
-    if lo < minimum or (maximum is not None and hi > maximum):
-        raise ValueError(f"{name} must be {bounds}, got {value!r}")
-    return lo, hi
-
-
-def _check_seed(seed: Any) -> int | None:
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0):
-        raise ValueError(f"seed must be None or an int >= 0, got {seed!r}")
-    return None if seed is None else int(seed)
 
 
 @register_task(
@@ -104,8 +77,8 @@ class ArithmeticTask(Task):
 
     def __init__(self, n_operands: int | tuple[int, int] = (2, 3), digits: int | tuple[int, int] = 2, operators: str = "+",
                  seed: int | None = None, chat: bool = False, system_prompt: str | None = None):
-        self.n_operands = _int_range("n_operands", n_operands, 2, 64)
-        self.digits = _int_range("digits", digits, 1, 18)
+        self.n_operands = int_range("n_operands", n_operands, 2, 64)
+        self.digits = int_range("digits", digits, 1, 18)
         if not isinstance(operators, str) or not operators:
             raise ValueError(f"operators must be a non-empty string of characters from {_OPERATORS!r}, got {operators!r}")
         bad = sorted(set(operators) - set(_OPERATORS))
@@ -114,7 +87,7 @@ class ArithmeticTask(Task):
         if len(set(operators)) != len(operators):
             raise ValueError(f"operators must not repeat a character, got {operators!r}")
         self.operators = operators
-        self.seed = _check_seed(seed)
+        self.seed = check_seed(seed)
         self._rng = np.random.default_rng(self.seed)
 
         if not isinstance(chat, bool):

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Callable, Iterable
 
 import numpy as np
 
-__all__ = ["Task", "BUNDLED_DATA", "fresh_samples"]
+__all__ = ["Task", "BUNDLED_DATA", "fresh_samples", "check_seed", "int_range"]
 
 BUNDLED_DATA = {"preference_pairs": ("preference pairs", "--pairs FILE.jsonl with prompt/chosen/rejected"),
                 "step_labels": ("step labels", "--step-labels FILE.jsonl with prompt/steps/labels")}
@@ -134,3 +135,30 @@ def fresh_samples(task: Task, n: int, rng: np.random.Generator, exclude: set[str
         if len(out) >= n:
             return out
     raise RuntimeError("could not draw enough prompts outside exclude_prompts: the task's prompt space is too small")
+
+
+def int_range(name: str, value: Any, minimum: int, maximum: int | None = None) -> tuple[int, int]:
+    """Validate an int or an inclusive ``(lo, hi)`` range and return ``(lo, hi)``."""
+
+    def is_int(x: Any) -> bool:
+        return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+    bounds = f">= {minimum}" + ("" if maximum is None else f" and <= {maximum}")
+    if is_int(value):
+        lo = hi = int(value)
+    elif isinstance(value, (tuple, list)) and len(value) == 2 and all(is_int(x) for x in value):
+        lo, hi = int(value[0]), int(value[1])
+        if lo > hi:
+            raise ValueError(f"{name} range must have min <= max, got {value!r}")
+    else:
+        raise ValueError(f"{name} must be an int or an inclusive (min, max) pair of ints, got {value!r}")
+    if lo < minimum or (maximum is not None and hi > maximum):
+        raise ValueError(f"{name} must be {bounds}, got {value!r}")
+    return lo, hi
+
+
+def check_seed(seed: Any) -> int | None:
+    """A task's ``seed`` argument as an int (``None`` stays ``None``); ValueError for a bool, a non-int or a negative."""
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0):
+        raise ValueError(f"seed must be None or an int >= 0, got {seed!r}")
+    return None if seed is None else int(seed)

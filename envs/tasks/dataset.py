@@ -14,8 +14,7 @@ import numpy as np
 from tokengym.rewards import answer_match
 
 from ..chat import check_roles, is_messages, prompt_chars
-from .arithmetic import _check_seed
-from .base import Task
+from .base import Task, check_seed
 from .registry import register_task
 
 __all__ = ["DatasetTask", "read_jsonl"]
@@ -182,7 +181,7 @@ class DatasetTask(Task):
         self.max_prompt_chars = max(prompt_chars(p) for p in prompts)
         self.default_max_new_tokens = int(max_new_tokens)
         self.name = name
-        self.seed = _check_seed(seed)
+        self.seed = check_seed(seed)
         self._rng = np.random.default_rng(self.seed)
         self._streams: OrderedDict[int, _Stream] = OrderedDict()
 

@@ -8,8 +8,7 @@ import numpy as np
 
 from tokengym.rewards import char_accuracy, exact_match
 
-from .arithmetic import _check_seed, _int_range
-from .base import Task
+from .base import Task, check_seed, int_range
 from .registry import register_task
 
 __all__ = ["ReverseTask"]
@@ -42,7 +41,7 @@ class ReverseTask(Task):
     step_delimiter = None
 
     def __init__(self, length: int | tuple[int, int] = (3, 8), alphabet: str = "abcdefghij", partial_credit: bool = False, seed: int | None = None):
-        self.length = _int_range("length", length, 1, 4096)
+        self.length = int_range("length", length, 1, 4096)
         if not isinstance(alphabet, str) or not alphabet:
             raise ValueError(f"alphabet must be a non-empty string, got {alphabet!r}")
         if len(set(alphabet)) != len(alphabet):
@@ -53,7 +52,7 @@ class ReverseTask(Task):
             raise ValueError(f"partial_credit must be a bool, got {partial_credit!r}")
         self.alphabet = alphabet
         self.partial_credit = partial_credit
-        self.seed = _check_seed(seed)
+        self.seed = check_seed(seed)
         self._rng = np.random.default_rng(self.seed)
         self.max_prompt_chars = self.length[1] + 1
         self.default_max_new_tokens = self.length[1] + 4

@@ -53,11 +53,11 @@ def assert_outcome_is_the_return(env, returns, solved):
     from tokengym.agents import functional as F
     from tokengym.agents.algorithms.grpo import grpo_advantages
     from tokengym.agents.engine.models import build_preset
-    from tokengym.agents.engine.rollout import _snapshot
+    from tokengym.agents.engine.rollout_data import snapshot_rollout
 
     assert env.outcome.tolist() == [0.0] * env.num_envs  # at the env, the rewards are turn rewards only
     assert env.turn_rewards.sum(1).tolist() == pytest.approx(returns)
-    ro = _snapshot(env, torch.zeros(env.num_envs, env.max_new_tokens))
+    ro = snapshot_rollout(env, torch.zeros(env.num_envs, env.max_new_tokens))
     assert ro.outcome.tolist() == pytest.approx(returns) and torch.equal(ro.returns, ro.outcome)
     agent = GRPOAgent(Policy(*build_preset("tiny"), seed=0), GRPOConfig(steps=1))
     for i, won in enumerate(solved):
