@@ -140,7 +140,7 @@ def test_passes_skip_columns_past_every_rows_end_without_changing_the_update(mon
     float32 rounding. The full-width run steps on the trimmed run's gradients (``numerics.Lockstep``), so both
     compute each update at the same weights; their weights after AdamW steps are not compared, as AdamW
     turns a rounding-level difference in a near-zero gradient entry into an O(lr) weight difference."""
-    import tokengym.agents.algorithms.onpolicy as skeleton
+    import tokengym.agents.algorithms.onpolicy_update as skeleton  # where the update looks the slicers up
 
     def run(full_width: bool, lockstep):
         if full_width:
