@@ -1,9 +1,11 @@
 """DPO (Rafailov et al. 2023) and its IPO / hinge (SLiC) / robust variants: an offline preference learner.
 
-Reads top to bottom: config -> learner (reference model, optimiser) -> sequence log-probs (one
-concatenated forward of chosen + rejected per batch) -> reference log-probs (live frozen model, or
-precomputed once over the dataset) -> ``fit`` (epochs of shuffled minibatches, log, evaluate). Online
-pairs, made from the policy's own samples round after round, live in :mod:`tokengym.agents.algorithms.online_dpo`.
+Here: the config and the learner (optimiser, checkpoint state, loss, evaluation). Beside it: the sequence log-probs
+(one concatenated forward of chosen + rejected per batch, :mod:`~tokengym.agents.algorithms.dpo_logps`), the reference
+side (live frozen model, or log-probs precomputed once over the dataset; the batch layout,
+:mod:`~tokengym.agents.algorithms.dpo_reference`) and ``fit`` (epochs of shuffled minibatches, log, evaluate; its run
+folder, :mod:`~tokengym.agents.algorithms.dpo_fit`). Online pairs, made from the policy's own samples round after
+round, live in :mod:`tokengym.agents.algorithms.online_dpo`.
 
 The loss math is :func:`tokengym.agents.functional.dpo_loss`; this file only feeds it:
 
@@ -46,12 +48,8 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import math
-import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Iterable
 
 import torch
 
@@ -59,11 +57,12 @@ from tokengym.agents import functional as F
 from tokengym.agents.runtime.logger import RunLogger
 from tokengym.agents.runtime.config import check_learner_args
 from tokengym.agents.runtime.distributed import LOCAL
-from tokengym.agents.engine.models import frozen_copy
 from tokengym.agents.runtime.optim import OptimizerStep, ScheduledOptimConfig, TrainLoopConfig
-from tokengym.agents.engine.policy import AdapterDisabledReference, make_reference
 from tokengym.agents.data.pairs import PairBatch, PairData, SharedPrefixBatch
 from tokengym.agents.engine.rollout import evaluate
+from tokengym.agents.algorithms.dpo_fit import DPOFit
+from tokengym.agents.algorithms.dpo_logps import shared_prefix_logps  # noqa: F401 (its home before the split)
+from tokengym.agents.algorithms.dpo_reference import DPOReference
 from tokengym.agents.algorithms.registry import register
 from tokengym.rewards.common import Renamed
 
@@ -138,38 +137,7 @@ class DPOConfig(TrainLoopConfig, ScheduledOptimConfig, Renamed, renames={"schedu
         return self.loss_type == "ipo"
 
 
-
-
-def _wrap_policy(model: Any, like: Any) -> Any:
-    """A frozen ``Policy`` around ``model`` with ``like``'s tokenizer and temperature (``model`` may already be one)."""
-    if not (hasattr(model, "prefill") and hasattr(model, "model")):
-        model = type(like)(model, like.tokenizer, temperature=like.temperature, fast_decode=False, packing=getattr(like, "packing", "off"))
-    return model.eval().requires_grad_(False)
-
-
-@contextlib.contextmanager
-def _frozen(module: torch.nn.Module) -> Iterator[None]:
-    """``module`` in eval mode without autograd, its training mode restored on exit."""
-    was_training = module.training
-    module.eval()
-    try:
-        with torch.no_grad():
-            yield
-    finally:
-        module.train(was_training)
-
-
-def _fingerprint(data: PairData) -> str:
-    """A digest of the tokenized pairs: a resumed ``fit`` checks it is given the pairs it was interrupted on."""
-    h = hashlib.blake2b(digest_size=16)
-    extra = () if data.completion_agent is None else (data.agent_mask,)  # multi-turn pairs: which tokens are scored
-    for t in (data.prompts, data.prompt_mask, data.completions, data.completion_lens, *extra):
-        h.update(str(tuple(t.shape)).encode())
-        h.update(t.contiguous().numpy().tobytes())
-    return h.hexdigest()
-
-
-class DPOLearner:
+class DPOLearner(DPOFit, DPOReference):
     """Offline preference optimisation of a :class:`~tokengym.agents.Policy` on (prompt, chosen, rejected) pairs.
 
     Args:
@@ -200,14 +168,7 @@ class DPOLearner:
         self.optim = OptimizerStep.adamw(policy.parameters(), cfg.lr, cfg.weight_decay, schedule=cfg.lr_scheduler_type,
                                          warmup=cfg.warmup_steps, max_grad_norm=cfg.max_grad_norm,
                                          sync=lambda params: self.dp.sync_gradients(params))
-        if isinstance(ref, AdapterDisabledReference):
-            self.ref = ref
-        elif ref is not None:
-            self.ref = _wrap_policy(ref, policy)
-        elif cfg.precompute_ref:
-            self.ref = None  # reference log-probs come from the policy before each fit's first update
-        else:
-            self.ref = make_reference(policy)
+        self.ref = self._initial_reference(ref)  # None with precompute_ref (see DPOReference)
         self.global_step = 0
         self.epoch = 0
         self._shuffle = torch.Generator().manual_seed(cfg.seed)
@@ -264,93 +225,6 @@ class DPOLearner:
             raise ValueError("no preference pairs to train or evaluate on (e.g. every mined group had the same reward)")
         return data
 
-    @property
-    def share_prefix(self) -> bool:
-        """Whether batches are prefix-shared and packed: ``config.share_prefix``, or when that is ``None``
-        the result of a one-time check (:meth:`_packing_matches`, run on first use)."""
-        if self._share_prefix is None:
-            self._share_prefix = self._packing_matches()
-        return self._share_prefix
-
-    def _packing_matches(self) -> bool:
-        """Whether the packed path gives the plain stack's log-probs here: three synthetic pairs (left padding,
-        a shared prefix, none, a rejected completion extending the chosen one) scored both ways by the
-        policy and by a reference model of its own. A model that rejects or ignores the 4D mask fails."""
-        g = torch.Generator().manual_seed(0)
-        vocab = self.policy.model.get_input_embeddings().num_embeddings
-
-        def ids(n: int) -> list[int]:
-            return torch.randint(vocab, (n,), generator=g).tolist()
-
-        common = ids(3)
-        chosen = [common + ids(4), ids(5), common]
-        data = PairData.from_token_ids([ids(3), ids(6), ids(4)], chosen, [common + ids(2), ids(3), common + ids(3)],
-                                       pad_id=int(self.policy.tokenizer.pad_token_id or 0))
-        idx = torch.arange(len(data))
-        scorers = [(self.policy, _frozen(self.policy))]
-        if isinstance(self.ref, torch.nn.Module):
-            scorers.append((self.ref, torch.no_grad()))
-        for model, ctx in scorers:
-            try:
-                with ctx:
-                    plain = self.sequence_logps(model, data.batch(idx, self.policy.device)).float()
-                    packed = self.sequence_logps(model, data.shared_batch(idx, self.policy.device)).float()
-            except (TypeError, ValueError, RuntimeError, NotImplementedError):
-                return False
-            tol = 1e-3 if next(model.parameters()).dtype == torch.float32 else 3e-2  # per scored token
-            lens = data.completion_lens.reshape(-1).to(plain.device)
-            if not bool(((plain - packed).abs() <= tol * (lens + 1)).all()):
-                return False
-        return True
-
-    # ------------------------------------------------------------------ log-probs
-    def _batch(self, data: PairData, idx: torch.Tensor) -> PairBatch | SharedPrefixBatch:
-        if self.share_prefix:
-            return data.shared_batch(idx, self.policy.device)
-        return data.batch(idx, self.policy.device)
-
-    @staticmethod
-    def sequence_logps(policy: Any, batch: PairBatch | SharedPrefixBatch) -> torch.Tensor:
-        """Summed completion log-probs ``[2B]`` of a batch (chosen first, then rejected): one forward pass.
-
-        ``policy(tokens, mask, P)`` gives per-token log-probs of ``tokens[:, P:]``; prompt columns are
-        not part of it and padding columns are masked out of the sum. A :class:`SharedPrefixBatch` gets
-        the same numbers from its packed rows (see :func:`shared_prefix_logps`).
-        """
-        if isinstance(batch, SharedPrefixBatch):
-            return shared_prefix_logps(policy, batch)
-        logp = policy(batch.tokens, batch.mask, batch.prompt_len)
-        return logp.masked_fill(~batch.completion_mask, 0.0).sum(1)
-
-    def _reference(self) -> tuple[Any, contextlib.AbstractContextManager]:
-        """The policy that scores reference log-probs and the context to score in (no autograd, no dropout)."""
-        if self.ref is None:  # precompute_ref: the policy itself, before the fit's first update
-            return self.policy, _frozen(self.policy)
-        if isinstance(self.ref, AdapterDisabledReference):
-            return self.ref.policy, self.ref.disabled()
-        return self.ref, torch.no_grad()  # a frozen Policy
-
-    def reference_logps(self, data: PairData, batch_size: int | None = None) -> torch.Tensor:
-        """Reference log-probs ``[2, N]`` (summed over completion tokens; ``[0]`` chosen, ``[1]`` rejected) of every pair.
-
-        Uses the reference model, or the policy itself when the learner keeps none (``precompute_ref``).
-        """
-        bs = batch_size or self.config.ref_batch_size or 4 * self.config.batch_size
-        out = torch.empty(2, len(data), dtype=torch.float32)
-        self.share_prefix  # resolve the packing check outside the reference's context
-        model, ctx = self._reference()
-        with ctx:
-            for idx in torch.arange(len(data)).split(bs):
-                out[:, idx] = self.sequence_logps(model, self._batch(data, idx)).float().cpu().view(2, -1)
-        return out
-
-    def _ref_batch(self, batch: PairBatch | SharedPrefixBatch, cached: torch.Tensor | None) -> torch.Tensor:
-        if cached is not None:
-            return cached[:, batch.index].reshape(-1).to(self.policy.device)
-        model, ctx = self._reference()
-        with ctx:
-            return self.sequence_logps(model, batch)
-
     # ------------------------------------------------------------------ loss
     def _loss(self, batch: PairBatch | SharedPrefixBatch, ref_seq: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """DPO loss of one batch and its detached statistics."""
@@ -382,148 +256,9 @@ class DPOLearner:
             stats["nll"] = nll.detach()
         return loss, stats
 
-    # ------------------------------------------------------------------ loop
-    def _start_fit(self, data: PairData, eval_data: PairData | None) -> dict[str, Any]:
-        """The position of a new fit over ``data``, or of the interrupted one that ``load_state_dict`` restored."""
-        cfg = self.config
-        resume, self._resume_fit = self._resume_fit, None
-        per_epoch = math.ceil(len(data) / cfg.batch_size)
-        total = self.fit_steps(data)
-        digest = _fingerprint(data)
-        if resume is not None and resume["pairs"] == digest:
-            if resume["total"] != total:
-                raise ValueError(f"the restored fit ran {resume['total']} steps but this config gives {total}: "
-                                 "resume with the config it was saved with")
-            return resume
-        if resume is not None and resume["step"] < resume["total"]:
-            raise ValueError(f"fit() was interrupted after {resume['step']} of {resume['total']} steps on other pairs "
-                             f"({resume['n']} pairs, got {len(data)}): pass the same pairs to resume it")
-        precompute = self.ref is None or cfg.precompute_ref
-        return {
-            "pairs": digest, "n": len(data), "step": 0, "total": total, "pos": per_epoch, "order": None,
-            "window": {}, "count": 0,
-            "ref_cache": self.reference_logps(data) if precompute else None,
-            "eval_ref": self.reference_logps(eval_data, cfg.eval_batch_size) if precompute and eval_data is not None else None,
-        }
-
-    def fit_steps(self, data: PairData) -> int:
-        """Optimiser steps of one fit over ``data``: ``config.steps``, else ``epochs`` passes of ``batch_size`` pairs."""
-        cfg = self.config
-        return cfg.steps if cfg.steps is not None else cfg.epochs * math.ceil(len(data) / cfg.batch_size)
-
-    def fit(
-        self,
-        pairs: Any,
-        eval_pairs: Any = None,
-        eval_env: Any = None,
-        eval_samples: list | None = None,
-        callback: Callable[[dict[str, float]], Any] | None = None,
-        *,
-        run_dir: str | None = None,
-        resume: bool = False,
-        save_every: int = 10,
-    ) -> list[dict[str, float]]:
-        """Train on ``pairs``; return the records logged during this call.
-
-        After :meth:`load_state_dict` of a state saved during a ``fit`` on the same pairs, this call runs
-        only that fit's remaining steps (the same batches, learning rates and records as one
-        uninterrupted call; pass the same ``eval_*`` arguments too).
-
-        Args:
-            pairs: a :class:`PairData`, or text pairs / a JSONL path / a ``datasets.Dataset``
-                (see :func:`tokengym.agents.data.pairs.load_pairs`).
-            eval_pairs: held-out pairs; their preference accuracy, margins and loss are logged under
-                ``eval/`` every ``eval_every`` steps and after the last step.
-            eval_env, eval_samples: a ``group_size=1`` env and prompts (e.g.
-                :func:`~tokengym.agents.engine.rollout.heldout_samples`) for greedy accuracy, logged with the evals.
-            callback: called with every training record, after the evaluation due at that step;
-                returning ``False`` stops right there (a checkpoint saved in it resumes exactly).
-            run_dir: write the folder ``tokengym train dpo`` writes (``config.json`` recording ``eval_env``'s env,
-                ``metrics.jsonl`` with held-out metrics at step 0 too, checkpoints every ``save_every`` steps,
-                ``model/``), so that ``tokengym eval/plot/sample --run`` work on it. A folder that is not empty is
-                refused unless ``resume=True``, which continues it from its newest checkpoint as ``--resume`` does
-                (on the same pairs and config; a missing or empty folder starts the run).
-        """
-        if run_dir is not None:
-            from tokengym.agents.runtime.run_config import RunConfig
-            from tokengym.agents.runtime.session import jsonable, python_run, run_in_folder
-
-            data = self.prepare(pairs)
-            settings = RunConfig(save_every=save_every, progress=False)  # no progress bar from Python
-            config = {"algorithm": "dpo", "preset": None, "config": jsonable(asdict(self.config)),
-                      "run": python_run(eval_env, self.policy, eval_samples, settings, rollout=False)}
-            return run_in_folder(run_dir, resume, config, self, None, self.fit_steps(data), settings=settings,
-                                 body=lambda trainer: self.fit_in_folder(trainer, data, eval_pairs, eval_env, eval_samples, callback))
-        cfg = self.config
-        data = self.prepare(pairs)
-        eval_data = self.prepare(eval_pairs) if eval_pairs is not None else None
-        evaluates = eval_data is not None or (eval_env is not None and bool(eval_samples))
-        self.share_prefix  # resolve the packing check before any reference context is entered
-        self._fit = run = self._start_fit(data, eval_data)
-        n, bs, total = len(data), cfg.batch_size, run["total"]
-        per_epoch = math.ceil(n / bs)
-        history_start = len(self.logger.history)
-        if total == 0 and evaluates:
-            self.logger.log(self.global_step, self._evaluate_all(eval_data, run["eval_ref"], eval_env, eval_samples))
-        self.policy.train()
-        t_window, tok_window, pairs_window = 0.0, 0, 0
-        while run["step"] < total:
-            if run["pos"] >= per_epoch:  # new epoch
-                run["order"] = torch.randperm(n, generator=self._shuffle) if cfg.shuffle else torch.arange(n)
-                run["pos"] = 0
-                self.epoch += 1
-            t0 = time.perf_counter()
-            idx, share = self.dp.shard(run["order"][run["pos"] * bs:(run["pos"] + 1) * bs])  # share = 1 in one process
-            batch = self._batch(data, idx)
-            self.optim.set_lr(run["step"], total)
-            ref_seq = self._ref_batch(batch, run["ref_cache"])
-            loss, stats = self._loss(batch, ref_seq)
-            self.optim.zero_grad()
-            (loss * share).backward()
-            norm = self.optim.step()["grad_norm"]  # summed over ranks, clipped, stepped
-            stats = self.dp.weighted(stats, share)  # global means of the batch's statistics
-            run["pos"] += 1
-            run["step"] += 1
-            self.global_step += 1
-            stats["grad_norm"] = norm
-            window = run["window"]
-            for k, v in stats.items():
-                window[k] = window.get(k, 0.0) + float(v)
-            run["count"] += 1
-            t_window += time.perf_counter() - t0
-            tok_window += batch.num_tokens
-            pairs_window += batch.num_pairs
-            record = None
-            if run["count"] == cfg.log_every or run["step"] == total:
-                count = run["count"]
-                metrics = {(k if "/" in k else f"train/{k}"): v / count for k, v in window.items()}
-                metrics.update({"train/lr": self.optim.lr, "epoch": self.epoch - 1 + run["pos"] / per_epoch,
-                                "perf/tokens_per_s": tok_window / max(t_window, 1e-9),
-                                "perf/pairs_per_s": pairs_window / max(t_window, 1e-9)})
-                run["window"], run["count"] = {}, 0
-                t_window, tok_window, pairs_window = 0.0, 0, 0
-                record = self.logger.log(self.global_step, metrics)
-            if evaluates and (run["step"] == total or (cfg.eval_every and self.global_step % cfg.eval_every == 0)):
-                self.logger.log(self.global_step, self._evaluate_all(eval_data, run["eval_ref"], eval_env, eval_samples))
-                self.policy.train()
-            if record is not None and callback is not None and callback(record) is False:
-                break
-        self.policy.eval()
-        return self.logger.history[history_start:]
-
-    def fit_in_folder(self, trainer: Any, pairs: Any, eval_pairs: Any = None, eval_env: Any = None,
-                      eval_samples: list | None = None, callback: Callable[[dict[str, float]], Any] | None = None) -> None:
-        """The fit in its run folder (``tokengym train dpo`` and ``fit(run_dir=...)``): held-out greedy metrics at
-        step 0 of a new run, :meth:`fit` with the trainer's checkpoints, then the final checkpoint and ``model/``."""
-        from tokengym.agents.algorithms.onpolicy import both
-        from tokengym.agents.runtime.session import initial_eval
-
-        initial_eval(trainer, self, eval_env, eval_samples, evaluate)
-        self.fit(pairs, eval_pairs, eval_env, eval_samples, callback=both(trainer.callback, callback))
-        trainer.finish()
-
     # ------------------------------------------------------------------ evaluation
     def _evaluate_all(self, eval_data, eval_ref, eval_env, eval_samples) -> dict[str, float]:
+        """The held-out metrics ``fit`` logs: pair metrics of ``eval_data``, greedy ones of ``eval_env``."""
         out: dict[str, float] = {}
         if eval_data is not None:
             out.update(self.evaluate_pairs(eval_data, eval_ref))
@@ -555,41 +290,8 @@ class DPOLearner:
         self.policy.train(was_training)
         return {f"eval/{k}": v / len(data) for k, v in sums.items()}
 
-    # ------------------------------------------------------------------ reference
-    def reset_reference(self) -> None:
-        """Make the current policy the reference: a fresh frozen copy (also for a LoRA policy, whose
-        adapter-disabled base is only its *initial* policy); nothing to do with ``precompute_ref`` and no
-        reference model (every ``fit`` then takes its reference from the policy at its start)."""
-        if self.ref is None:
-            return
-        self.ref = _wrap_policy(frozen_copy(self.policy.model), self.policy)
-
     def config_dict(self) -> dict[str, Any]:
         return asdict(self.config)
-
-
-def shared_prefix_logps(policy: Any, b: SharedPrefixBatch) -> torch.Tensor:
-    """Summed completion log-probs ``[2B]`` (chosen, then rejected) of a prefix-shared, packed batch: one forward.
-
-    The model gets the batch's 4D additive attention mask and explicit position ids; a token is scored
-    from the output of the column before it, except each rejected suffix's first token, predicted from
-    its pair's last shared column. Logits are divided by the policy's temperature, as in
-    :meth:`Policy.forward`.
-    """
-    model = policy.model
-    out = model(input_ids=b.tokens, attention_mask=b.attention_bias(next(model.parameters()).dtype), position_ids=b.position_ids)
-    logits = out.logits
-    if policy.temperature != 1.0:
-        logits = logits / policy.temperature
-    lp = F.token_logprobs(logits[:, :-1], b.tokens[:, 1:])  # lp[:, j]: the token at column j + 1
-    B = b.num_pairs
-    pair = b.pair[:, 1:].reshape(-1).clamp(min=0)
-    zero = lp.new_zeros(())
-    chosen = lp.new_zeros(B).index_add(0, pair, torch.where(b.score_chosen[:, 1:], lp, zero).reshape(-1))
-    rejected = lp.new_zeros(B).index_add(0, pair, torch.where(b.score_rejected[:, 1:], lp, zero).reshape(-1))
-    head = logits[b.first_rejected_at[:, 0], b.first_rejected_at[:, 1]][:, None]  # [B, 1, V]
-    first = F.token_logprobs(head, b.first_rejected[:, None])[:, 0]
-    return torch.cat([chosen, rejected + torch.where(b.has_rejected_suffix, first, zero)])
 
 
 register("dpo", DPOConfig, "DPO and its IPO/hinge/robust variants on preference pairs",

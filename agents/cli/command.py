@@ -279,7 +279,12 @@ def _add_import_flag(parser: Any, **kw: Any) -> None:
                         "env is made, e.g. one that registers env ids or tasks (repeatable)", **kw)
 
 
-def _train_parser(sub: Any) -> None:
+def _train_parser(sub: Any, full: bool = True) -> None:
+    """``tokengym train`` with a subcommand per registered algorithm (importing every algorithm); with ``full`` False
+    (another command runs) just its name, for the usage line, so that e.g. a rollout worker loads no algorithm."""
+    if not full:
+        sub.add_parser("train", help="train a model; writes runs/<name>/")
+        return
     from tokengym.agents.cli.runner import RunConfig, algorithms, run_fields
 
     specs = algorithms()
@@ -328,16 +333,21 @@ def _unknown_flag(flag: str, args: argparse.Namespace) -> str:
     return f"unknown option {flag!r}{hint}"
 
 
+_NOT_TRAIN = frozenset({"eval", "plot", "convert", "worker", "envs", "sample"})
+"""The commands besides ``train`` (the subparsers below): one of them as the first argument builds ``train``'s parser
+without its algorithms (see :func:`_train_parser`); anything else builds it in full, as ``tokengym --help`` shows it."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    from tokengym.agents.algorithms.onpolicy import NonFiniteLoss
     from tokengym.agents.engine.workers import WorkerError
     from tokengym.agents.runtime.distributed import RankTimeout
     from tokengym.agents.runtime.runs import UsageError
     from tokengym.rewards.common import TokengymDeprecationWarning
 
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="tokengym", description="RL post-training of language models as Gymnasium envs")
     sub = parser.add_subparsers(dest="command", required=True)
-    _train_parser(sub)
+    _train_parser(sub, full=not argv or argv[0] not in _NOT_TRAIN)
     p = sub.add_parser("eval", help="greedy and sampled held-out accuracy and mean reward of a run or model")
     p.add_argument("--run", help="a run folder (its final model, else its latest checkpoint; env from its config)")
     p.add_argument("--model", help="preset, shipped checkpoint or local folder (instead of --run)")
@@ -390,6 +400,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra and args.fn is not _cmd_train:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    failures: tuple[type[BaseException], ...] = (WorkerError, RankTimeout)
+    if args.fn is _cmd_train:  # only training meets a non-finite loss (and only it loads the algorithms)
+        from tokengym.agents.algorithms.onpolicy import NonFiniteLoss
+
+        failures += (NonFiniteLoss,)
     with warnings.catch_warnings():
         warnings.showwarning = _show_warning
         warnings.simplefilter("default", TokengymDeprecationWarning)  # old setting names: one line each
@@ -398,8 +413,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except UsageError as e:
             print(f"tokengym: error: {e}", file=sys.stderr)
             return 2
-        except (WorkerError, NonFiniteLoss, RankTimeout) as e:  # a worker died, a weight sync or a rank timed out, a
-            # loss went NaN: one line
+        except failures as e:  # a worker died, a weight sync or a rank timed out, a loss went NaN: one line
             print(f"tokengym: error: {e}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback (a run's checkpoints stay as they were)

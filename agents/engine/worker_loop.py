@@ -57,7 +57,7 @@ class WorkerLoop:
                 buf = self.free.pop()
                 if buf.numel() == n:
                     return buf
-        return torch.empty(n, dtype=torch.uint8, device=self.sync._comm_device if self.sync is not None else "cpu")
+        return torch.empty(n, dtype=torch.uint8, device=self.sync.comm_device if self.sync is not None else "cpu")
 
     def _receive(self) -> None:
         try:

@@ -141,7 +141,9 @@ class WeightSync:
         return dist.TCPStore(host, port, workers + 1, False, timeout=delta)
 
     @property
-    def _comm_device(self) -> torch.device:
+    def comm_device(self) -> torch.device:
+        """Where the group's broadcasts run: the sync's CUDA device, else the CPU (gloo); a worker's receive buffers
+        live there."""
         return self.device if self.device.type == "cuda" else torch.device("cpu")
 
     def _broadcast(self, t: torch.Tensor):
@@ -186,7 +188,7 @@ class WeightSync:
         buffer of that size); return ``(version, buffer)``, or ``(STOP, None)``. Then :meth:`answer` it.
         ``arrived(buffer, n)`` is called while each region is in flight with the bytes before it (and at the end with
         all of them), so the worker can check the tensors that have arrived while the rest comes."""
-        header = torch.zeros(3, dtype=torch.int64, device=self._comm_device)
+        header = torch.zeros(3, dtype=torch.int64, device=self.comm_device)
         self._broadcast(header).wait()
         version, total, bucket = (int(x) for x in header.tolist())
         if version == STOP:
@@ -216,7 +218,7 @@ def send(syncs: Sequence[WeightSync], version: int, named: Iterable[tuple[str, t
     ``named`` yields each tensor in ``manifest`` order, when it is needed (a sharded learner gathers it then); only
     one bucket and one tensor are held. Raises :class:`WeightSyncError` naming the workers that did not take it."""
     t0 = time.perf_counter()
-    dev = syncs[0]._comm_device if syncs else torch.device("cpu")
+    dev = syncs[0].comm_device if syncs else torch.device("cpu")
     offsets, total = layout(manifest)
     current = {"sync": None}
 
