@@ -75,7 +75,7 @@ class OnPolicyAgent(RunMixin, RolloutMixin, UpdateMixin):
         self._resume_step: int | None = None  # set by load_state_dict: learn() continues its schedule from here
         self._shuffle = torch.Generator().manual_seed(cfg.seed)
         self.dp = LOCAL  # data parallel: set by distributed.prepare under torchrun
-        self._engines = EngineSlot()  # sampler='vllm': the inference engine that samples rollouts (rollout_sampler)
+        self._engines = EngineSlot()  # an engine backend's inference engine (rollout_backend)
         self._source: RolloutSource | None = None  # where rollouts come from, while learn() runs (make_source)
         self._async_state: dict[str, Any] | None = None  # async: the workers' checkpointed state, until learn() starts them
         self._async_metrics: dict[str, float] = {}
@@ -151,7 +151,7 @@ class OnPolicyAgent(RunMixin, RolloutMixin, UpdateMixin):
         ro, old_logp, ref_logp = self.dp.gather(ro, old_logp, ref_logp)  # data parallel: the global batch
         old_logp = ro.logprobs if old_logp is None else old_logp
         batch, stats = self.frozen_batch(ro, old_logp, ref_logp, correct=not from_update)
-        if recompute and not from_update:  # the sampler's log-probs against the trainer's pi_old, over the whole batch
+        if recompute and not from_update:  # the backend's log-probs against the trainer's pi_old, over the whole batch
             stats.update({f"mismatch/{k}": v for k, v in V.logprob_mismatch(ro.logprobs, old_logp, ro.action_mask).items()})
         t_up = time.perf_counter()
         lr = self.optim.set_lr(self.global_step, self.total_steps)  # from global_step: a resumed run continues it
