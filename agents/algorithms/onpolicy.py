@@ -35,6 +35,7 @@ from tokengym.agents.engine.policy import make_reference
 from tokengym.agents.engine.rollout import Rollout
 from tokengym.agents.engine.sources import RolloutSource
 from tokengym.envs.masks import mask_metrics
+from tokengym.rewards.packing import set_packing
 
 __all__ = ["NonFiniteLoss", "OnPolicyAgent", "OnPolicyConfig", "Minibatch", "both"]
 
@@ -63,7 +64,7 @@ class OnPolicyAgent(RunMixin, RolloutMixin, UpdateMixin):
         check_learner_args(type(self).__name__, policy, config, self.config_cls)
         self.policy = policy
         self.config = cfg = config if config is not None else self.config_cls()
-        policy.packing = cfg.packing  # the update's forwards, and the reference's (make_reference copies it)
+        set_packing(cfg.packing, policy)  # the update's forwards, and the reference's (make_reference copies it)
         self.logger = RunLogger(run_dir)
         self.optim = OptimizerStep(self.make_optimizers(), cfg.lr, schedule=cfg.lr_scheduler_type, warmup=cfg.warmup_steps,
                                    max_grad_norm=cfg.max_grad_norm, sync=lambda params: self.dp.sync_gradients(params),
