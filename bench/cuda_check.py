@@ -27,7 +27,7 @@ ATOL = 2e-3
 
 def sampler_checks(device: str) -> dict:
     from tokengym.agents import Policy, heldout_samples
-    from tokengym.agents.engine.sampler import check_sampler
+    from tokengym.agents.engine.backend_check import check_sampler
     from tokengym.envs import TokenVectorEnv
 
     out = {}

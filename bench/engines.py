@@ -69,9 +69,9 @@ def _autocast(dtype: str):
 
 
 def _engine(policy, dtype, rows, row_len):
-    from tokengym.agents import VLLMSampler
+    from tokengym.agents import VLLMGenerator
 
-    return VLLMSampler(policy, bf16=dtype == "bf16", max_rows=rows, row_len=row_len)
+    return VLLMGenerator(policy, bf16=dtype == "bf16", max_rows=rows, row_len=row_len)
 
 
 def _vllm_raw(engine, prompts, lengths, seed):

@@ -65,7 +65,7 @@ def _batch(policy, model: str, shape: str, rows: int, seed: int = 0):
 
 def run_one(model: str, dtype: str, shape: str, packing: str, rows: int, minibatch: int, repeats: int) -> dict:
     from tokengym.agents import Policy
-    from tokengym.agents.engine import packing as PK
+    from tokengym.rewards import packing as PK
 
     name = MODELS[model]
     if model == "smollm2":

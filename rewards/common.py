@@ -15,7 +15,7 @@ __all__ = ["PACKING", "F32_MAX", "TokengymWarning", "finite32", "TokengymDepreca
            "FieldChecks", "Rename", "Renamed", "renamed_keys"]
 
 PACKING = ("off", "bins", "auto")
-"""The values of every trainer's ``packing`` setting (``tokengym.agents.engine.packing``): padded forwards, forwards
+"""The values of every trainer's ``packing`` setting (``tokengym.rewards.packing``): padded forwards, forwards
 over the real tokens packed into bins, or bins where they save enough tokens."""
 
 

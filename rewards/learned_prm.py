@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from .packing import classifier_at
+from .packing import classifier_at, set_packing
 from .reward_model import fit, load_folder, load_rows, model_device, pad_id_of, pad_right, save_folder, split_rows
 from .training import OptimConfig, TrainLoopConfig
 
@@ -237,7 +237,7 @@ def train_prm(model: torch.nn.Module, tokenizer: Any, examples: Any, config: PRM
         held = []
     _check_examples(rows + held, "PRM example")
     prm = LearnedPRM(model, tokenizer, delimiter=cfg.delimiter, batch_size=cfg.batch_size)
-    prm.packing = cfg.packing
+    set_packing(cfg.packing, prm)
     loss_fn = HEADS[prm.num_labels][1]
 
     def encode(rs: list[dict]) -> tuple[list, list[torch.Tensor]]:

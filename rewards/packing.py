@@ -7,14 +7,15 @@ to the keys of its own segment at or before it, so a packed forward sees exactly
 only the order of float sums changes. On a CPU, attention over one long packed row would still compute the whole
 square; bins of bounded width keep it to ``R * W**2``. The models' outputs are then read only where they are used:
 :func:`head_logits` runs the LM head on the positions that predict a real token (the agents'
-``tokengym.agents.engine.packing.lm_logprobs`` turns them into log-probs), :func:`hidden_at` gathers a trunk's hidden
+``tokengym.agents.engine.policy.lm_logprobs`` turns them into log-probs), :func:`hidden_at` gathers a trunk's hidden
 states and :func:`classifier_at` a classifier's head outputs, so padding costs neither the trunk nor the head. The
-packer lives here, beside the reward models that use it, because ``tokengym.rewards`` never imports the agents.
+packer lives here, beside the reward models that use it, because ``tokengym.rewards`` never imports the agents; this
+module is its one home (the agents import it from here).
 
 ``packing`` (a setting of every trainer): ``off`` (the padded batch), ``bins`` (always pack) or ``auto`` (pack when the
 bins hold at most :data:`AUTO_FILL` of the padded batch's tokens: measured in ``bench/packing.py``). The first packed
 forward of a model checks that the model honours the 4D mask (:func:`honours_mask`); a model that does not is refused
-under ``bins`` and runs padded under ``auto``.
+under ``bins`` and runs padded under ``auto``. Every trainer sets its models' mode with :func:`set_packing`.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ from torch import nn
 
 from .common import PACKING, TokengymWarning
 
-__all__ = ["PACKING", "AUTO_FILL", "Bins", "check_packing", "pack", "place", "plan", "honours_mask", "head_logits",
-           "hidden_at", "classifier_at"]
+__all__ = ["PACKING", "AUTO_FILL", "Bins", "check_packing", "set_packing", "pack", "place", "plan", "honours_mask",
+           "head_logits", "hidden_at", "classifier_at"]
 
 AUTO_FILL = 0.8
 """``auto`` packs when the bins' tokens ``R * W`` are at most this fraction of the padded ``N * L`` (the gather, the
@@ -42,6 +43,16 @@ def check_packing(mode: str) -> str:
     """``mode`` if it is a :data:`PACKING` value, else ``ValueError`` naming the choices."""
     if mode not in PACKING:
         raise ValueError(f"packing must be one of {list(PACKING)}, got {mode!r}")
+    return mode
+
+
+def set_packing(mode: str, *models: Any) -> str:
+    """A trainer's ``packing`` setting onto each of ``models`` that packs (has a ``packing`` attribute: a policy, a
+    critic, a reward model); any other (None, a user's own value model) is left alone. Returns ``mode``."""
+    check_packing(mode)
+    for model in models:
+        if model is not None and hasattr(model, "packing"):
+            model.packing = mode
     return mode
 
 

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from .common import quiet_transformers
-from .packing import classifier_at, head_logits, place, plan
+from .packing import classifier_at, head_logits, place, plan, set_packing
 from .training import OptimConfig, OptimizerStep, TrainLoopConfig
 
 __all__ = ["RewardModel", "LikelihoodRewardModel", "RewardModelConfig", "train_reward_model", "load_rows", "split_rows"]
@@ -476,7 +476,7 @@ def train_reward_model(model: torch.nn.Module, tokenizer: Any, pairs: Any, confi
         rm = model
     else:
         rm = RewardModel(model, tokenizer, batch_size=2 * cfg.batch_size, max_length=cfg.max_length)
-    rm.packing = cfg.packing
+    set_packing(cfg.packing, rm)
 
     def encode(rs: list[dict]) -> tuple[list[list[int]], list[list[int]]]:
         prompts = [r["prompt"] for r in rs]

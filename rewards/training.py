@@ -111,7 +111,7 @@ class TrainLoopConfig(SeedConfig):
     packing: str = "auto"
     """Forwards over the real tokens packed into bins of the longest row's width instead of the padded batch: off,
     bins, or auto (bins when they hold at most 80% of the padded tokens); results are equal up to float rounding
-    (tokengym.agents.engine.packing). On-policy agents pack pi_old, the reference, the update and PPO's critic;
+    (tokengym.rewards.packing). On-policy agents pack pi_old, the reference, the update and PPO's critic;
     DPO its plain (not prefix-shared) stacks."""
 
     def checks(self) -> dict[str, bool]:

@@ -7,12 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+from tokengym.agents.algorithms.losses import LOSSES, policy_loss
 from tokengym.agents.algorithms.onpolicy_config import OnPolicyConfig
 
 __all__ = ["CriticFreeConfig", "LOSSES"]
-
-LOSSES = ("clip", "gspo", "kl-cov", "clip-cov")
-"""Policy losses of the critic-free agents (:attr:`CriticFreeConfig.loss`)."""
 
 
 @dataclass
@@ -25,9 +23,9 @@ class CriticFreeConfig(OnPolicyConfig):
     equal rewards) through the update's forward without autograd and leave them out of the backward: exact, as
     they add nothing to the loss or its gradient; the logged statistics still cover every row."""
     loss: str = "clip"
-    """Policy loss: clip (the clipped token-level surrogate of PPO/GRPO), gspo (a sequence-level ratio, clipped per
-    sequence; use clip ranges near 3e-4/4e-4), kl-cov or clip-cov (unclipped, with the highest-covariance tokens
-    held by a KL term or detached, keeping entropy up)."""
+    """Policy loss (any registered one: tokengym.agents.algorithms.losses): clip (the clipped token-level surrogate of
+    PPO/GRPO), gspo (a sequence-level ratio, clipped per sequence; use clip ranges near 3e-4/4e-4), kl-cov or
+    clip-cov (unclipped, with the highest-covariance tokens held by a KL term or detached, keeping entropy up)."""
     cov_select_ratio: float = 2e-3
     """kl-cov / clip-cov: fraction of the batch's tokens selected by covariance."""
     cov_kl_coef: float = 1.0
@@ -51,15 +49,15 @@ class CriticFreeConfig(OnPolicyConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        name = type(self).__name__
-        if self.loss == "gspo" and self.aggregation != "seq-mean-token-mean":
-            raise ValueError(f"{name}: loss='gspo' averages a sequence-level ratio over sequences; aggregation="
-                             f"{self.aggregation!r} does not apply to it (use aggregation='seq-mean-token-mean')")
+        name, loss = type(self).__name__, policy_loss(self.loss)
+        if loss.aggregation is not None and self.aggregation != loss.aggregation:
+            raise ValueError(f"{name}: loss={self.loss!r} takes aggregation={loss.aggregation!r}; aggregation="
+                             f"{self.aggregation!r} does not apply to it (use aggregation={loss.aggregation!r})")
         if self.dynamic_sampling and self.async_mode != "off":
             raise ValueError(f"{name}: dynamic_sampling draws extra rollouts within a step, which the async workers' "
                              "one-rollout-per-step schedule does not serve; use async_mode='off' or drop dynamic_sampling")
-        if self.correction not in ("none", "auto") and self.loss != "clip":
-            raise ValueError(f"{name}: correction={self.correction!r} weights the token-level clip loss; it does not "
+        if self.correction not in ("none", "auto") and not loss.takes_weights:
+            raise ValueError(f"{name}: correction={self.correction!r} weights a loss's tokens (clip's); it does not "
                              f"combine with loss={self.loss!r}")
 
     def checks(self) -> dict[str, bool]:
@@ -68,9 +66,10 @@ class CriticFreeConfig(OnPolicyConfig):
                 "overlong_penalty": self.overlong_penalty >= 0}
 
     def choices(self) -> dict[str, Iterable[Any]]:
-        return {"loss": LOSSES}
+        return {"loss": LOSSES}  # a live view: a loss registered later is a choice
 
     @property
     def correction_mode(self) -> str:
-        """The correction in force: ``auto`` is tis in async modes with the clip loss (the only one it weights)."""
-        return "none" if self.correction == "auto" and self.loss != "clip" else super().correction_mode
+        """The correction in force: ``auto`` is tis in async modes with a loss that takes its weights (clip)."""
+        auto_off = self.correction == "auto" and not policy_loss(self.loss).takes_weights
+        return "none" if auto_off else super().correction_mode

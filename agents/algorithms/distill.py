@@ -20,7 +20,9 @@ from typing import Any, Iterable
 import torch
 
 from tokengym.agents import functional as F
+from tokengym.agents.algorithms.advantages import advantage_estimator
 from tokengym.agents.algorithms.grpo import GRPOAgent, GRPOConfig
+from tokengym.agents.algorithms.losses import LOSSES, policy_loss
 from tokengym.agents.algorithms.onpolicy import Minibatch
 from tokengym.agents.algorithms.registry import register
 from tokengym.agents.engine.resources import check_fits
@@ -49,8 +51,8 @@ class DistillConfig(GRPOConfig):
     distill_coef: float = 1.0
     """Weight of the teacher's per-token reward (sampled) or KL term (topk, full)."""
     outcome_coef: float = 0.0
-    """Weight of GRPO's group-relative advantages of the env's own rewards (outcome, or process with
-    advantage='process') added to the teacher's per-token ones; 0 = distillation alone, with no group baseline."""
+    """Weight of GRPO's group-relative advantages of the env's own rewards (those of the advantage estimator: outcome,
+    process, ...) added to the teacher's per-token ones; 0 = distillation alone, with no group baseline."""
     length_penalty: float = 0.0
     """Subtracted from the advantage of every agent token past length_penalty_after tokens, except the token that
     ends a terminated episode (0 = off; the env's token budget stops every episode in any case)."""
@@ -59,9 +61,10 @@ class DistillConfig(GRPOConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.loss == "gspo":
-            raise ValueError("DistillConfig: loss='gspo' takes one advantage per sequence; the teacher's are per token "
-                             "(use loss='clip', 'kl-cov' or 'clip-cov')")
+        if policy_loss(self.loss).sequence_level:
+            per_token = [n for n in LOSSES if not policy_loss(n).sequence_level]
+            raise ValueError(f"DistillConfig: loss={self.loss!r} takes one advantage per sequence; the teacher's are "
+                             f"per token (use loss={' or '.join(map(repr, per_token))})")
 
     def checks(self) -> dict[str, bool]:
         finite = math.isfinite
@@ -154,7 +157,7 @@ class DistillAgent(GRPOAgent):
 
     @staticmethod
     def needs_process_reward(config) -> bool:
-        return config.advantage == "process" and config.outcome_coef > 0
+        return advantage_estimator(config.advantage).needs_process_reward and config.outcome_coef > 0
 
     def why_groups(self) -> str | None:
         if self.config.outcome_coef > 0 and self.config.scale_rewards != "batch":

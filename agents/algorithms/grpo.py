@@ -15,7 +15,9 @@ import torch
 
 from tokengym.agents import functional as F
 from tokengym.agents import variants as V
+from tokengym.agents.algorithms.advantages import ADVANTAGES, advantage_estimator, token_advantages
 from tokengym.agents.algorithms.critic_free import LOSSES, CriticFreeConfig
+from tokengym.agents.algorithms.losses import LossInputs, policy_loss
 from tokengym.agents.algorithms.onpolicy import Minibatch, OnPolicyAgent
 from tokengym.agents.algorithms.registry import register
 from tokengym.agents.engine.rollout import Rollout, concat_rollouts, turn_metrics
@@ -28,29 +30,27 @@ class GRPOConfig(CriticFreeConfig):
     """Hyper-parameters of :class:`GRPOAgent` (defaults: a quick, stable run on the tiny preset)."""
 
     advantage: str = "outcome"
-    """outcome (group-normalised final reward on every token) or process (PRM step rewards)."""
+    """Advantage estimator (any registered one: tokengym.agents.algorithms.advantages): outcome (group-normalised
+    final reward on every token), process (PRM step rewards) or rloo (leave-one-out baseline)."""
     scale_rewards: str = "group"
     """Advantage scaling for outcome supervision: group, batch or none."""
 
     def choices(self) -> dict[str, Iterable[Any]]:
-        return {**super().choices(), "advantage": ("outcome", "process"), "scale_rewards": F.GROUP_SCALES}
+        return {**super().choices(), "advantage": ADVANTAGES, "scale_rewards": F.GROUP_SCALES}
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.advantage == "process" and (self.overlong_buffer > 0 or self.loss == "gspo"):
-            bad = "overlong_buffer" if self.overlong_buffer > 0 else "loss='gspo'"
-            raise ValueError(f"GRPOConfig: {bad} needs one outcome per episode; it does not combine with advantage='process'")
+        if not advantage_estimator(self.advantage).per_episode and (self.overlong_buffer > 0
+                                                                    or policy_loss(self.loss).sequence_level):
+            bad = "overlong_buffer" if self.overlong_buffer > 0 else f"loss={self.loss!r}"
+            raise ValueError(f"GRPOConfig: {bad} needs one outcome per episode; it does not combine with "
+                             f"advantage={self.advantage!r}")
 
 
 def grpo_advantages(ro: Rollout, advantage: str, scale_rewards: str) -> torch.Tensor:
-    """Per-token advantages ``[N, M]`` of a rollout (0 off the action mask)."""
-    m = ro.action_mask.shape[1]
-    if advantage == "outcome":
-        adv = F.group_advantages(ro.returns, ro.group_size, scale=scale_rewards)[:, None].expand(-1, m)
-    else:
-        step_rewards, step_ends = ro.step_rewards()
-        adv = F.process_advantages(step_rewards, step_ends, ro.group_size, m)
-    return adv * ro.action_mask
+    """Per-token advantages ``[N, M]`` of a rollout (0 off the action mask) by estimator ``advantage`` of the
+    unshaped returns."""
+    return token_advantages(advantage, ro, ro.returns, GRPOConfig(advantage=advantage, scale_rewards=scale_rewards))
 
 
 class GRPOAgent(OnPolicyAgent):
@@ -76,7 +76,7 @@ class GRPOAgent(OnPolicyAgent):
 
     @staticmethod
     def needs_process_reward(config) -> bool:
-        return config.advantage == "process"
+        return advantage_estimator(config.advantage).needs_process_reward
 
     def uses_reference(self) -> bool:
         return self.config.beta > 0
@@ -95,12 +95,9 @@ class GRPOAgent(OnPolicyAgent):
         return ro.returns + V.overlong_penalty(ro.episode_lengths, budget, buffer, cfg.overlong_penalty).to(ro.returns.dtype)
 
     def advantages(self, ro: Rollout, ref_logp: torch.Tensor | None = None) -> torch.Tensor:
-        """Per-token advantages ``[N, M]`` of a rollout (0 off the action mask)."""
-        cfg = self.config
-        if cfg.advantage == "process":
-            return grpo_advantages(ro, "process", cfg.scale_rewards)
-        adv = F.group_advantages(self.shaped_returns(ro), ro.group_size, scale=cfg.scale_rewards)
-        return adv[:, None].expand(-1, ro.action_mask.shape[1]) * ro.action_mask
+        """Per-token advantages ``[N, M]`` of a rollout (0 off the action mask): the configured estimator's, of the
+        shaped returns."""
+        return token_advantages(self.config.advantage, ro, self.shaped_returns(ro), self.config, ref_logp)
 
     def prepare(self, ro: Rollout, old_logp: torch.Tensor, ref_logp: torch.Tensor | None):
         cfg = self.config
@@ -114,24 +111,21 @@ class GRPOAgent(OnPolicyAgent):
 
     def inert_rows(self, batch: dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor | None:
         """With ``skip_zero_advantage``, no KL term in the loss, no entropy bonus and a loss whose gradient is
-        proportional to the advantage (clip, gspo), a row whose advantage is 0 on every token (a group whose
-        rewards are all equal) adds exactly nothing to the loss or its gradient."""
+        proportional to the advantage (clip, gspo: its registered metadata), a row whose advantage is 0 on every token
+        (a group whose rewards are all equal) adds exactly nothing to the loss or its gradient."""
         cfg = self.config
-        if not (cfg.skip_zero_advantage and "ref_logp" not in batch and cfg.entropy_coef == 0 and cfg.loss in ("clip", "gspo")):
+        if not (cfg.skip_zero_advantage and "ref_logp" not in batch and cfg.entropy_coef == 0
+                and policy_loss(cfg.loss).proportional_to_advantage):
             return None
         return ~(batch["adv"][rows] != 0).any(1)
 
     def policy_terms(self, mb: Minibatch, batch: dict[str, torch.Tensor], am: torch.Tensor):
-        """The policy loss of the configured kind and its statistics."""
-        cfg, old, adv = self.config, mb.take(batch["old_logp"]), mb.take(batch["adv"])
-        if cfg.loss == "gspo":
-            seq_adv = adv.sum(1) / am.sum(1).clamp(min=1)  # outcome advantages are the same on every token of a row
-            return V.gspo_loss(mb.logp, old, seq_adv, am, cfg.clip_eps, cfg.clip_eps_high)
-        if cfg.loss in ("kl-cov", "clip-cov"):
-            return V.cov_policy_loss(mb.logp, old, adv, am, cfg.loss, cfg.cov_select_ratio, cfg.cov_kl_coef,
-                                     (cfg.cov_low, cfg.cov_high), cfg.aggregation, self._shuffle)
-        weights = mb.take(batch["weights"]) if "weights" in batch else None
-        return F.policy_loss(mb.logp, old, adv, am, cfg.clip_eps, cfg.clip_eps_high, cfg.aggregation, weights)
+        """The policy loss the config names (looked up in :mod:`~tokengym.agents.algorithms.losses`) and its
+        statistics."""
+        loss = policy_loss(self.config.loss)
+        weights = mb.take(batch["weights"]) if loss.takes_weights and "weights" in batch else None
+        return loss.fn(LossInputs(mb.logp, mb.take(batch["old_logp"]), mb.take(batch["adv"]), am, self.config, weights,
+                                  self._shuffle))
 
     def loss(self, mb: Minibatch, batch: dict[str, torch.Tensor]):
         cfg, agg = self.config, self.config.aggregation
@@ -180,7 +174,8 @@ class GRPOAgent(OnPolicyAgent):
         if why and env.group_size < 2:
             raise ValueError(f"{why}: create the env with group_size >= 2 (got {env.group_size})")
         if self.needs_process_reward(self.config) and env.process_reward_fn is None:
-            raise ValueError("advantage='process' needs an env with a process reward (process_reward=True or a PRM)")
+            raise ValueError(f"advantage={self.config.advantage!r} needs an env with a process reward (process_reward=True "
+                             "or a PRM)")
         super().check_env(env)
 
     def why_groups(self) -> str | None:

@@ -35,6 +35,7 @@ from tokengym.agents.engine.policy import make_reference
 from tokengym.agents.engine.rollout import Rollout
 from tokengym.agents.engine.sources import RolloutSource
 from tokengym.envs.masks import mask_metrics
+from tokengym.rewards.packing import set_packing
 
 __all__ = ["NonFiniteLoss", "OnPolicyAgent", "OnPolicyConfig", "Minibatch", "both"]
 
@@ -63,7 +64,7 @@ class OnPolicyAgent(RunMixin, RolloutMixin, UpdateMixin):
         check_learner_args(type(self).__name__, policy, config, self.config_cls)
         self.policy = policy
         self.config = cfg = config if config is not None else self.config_cls()
-        policy.packing = cfg.packing  # the update's forwards, and the reference's (make_reference copies it)
+        set_packing(cfg.packing, policy)  # the update's forwards, and the reference's (make_reference copies it)
         self.logger = RunLogger(run_dir)
         self.optim = OptimizerStep(self.make_optimizers(), cfg.lr, schedule=cfg.lr_scheduler_type, warmup=cfg.warmup_steps,
                                    max_grad_norm=cfg.max_grad_norm, sync=lambda params: self.dp.sync_gradients(params),
@@ -75,7 +76,7 @@ class OnPolicyAgent(RunMixin, RolloutMixin, UpdateMixin):
         self._resume_step: int | None = None  # set by load_state_dict: learn() continues its schedule from here
         self._shuffle = torch.Generator().manual_seed(cfg.seed)
         self.dp = LOCAL  # data parallel: set by distributed.prepare under torchrun
-        self._engines = EngineSlot()  # sampler='vllm': the inference engine that samples rollouts (rollout_sampler)
+        self._engines = EngineSlot()  # an engine backend's inference engine (rollout_backend)
         self._source: RolloutSource | None = None  # where rollouts come from, while learn() runs (make_source)
         self._async_state: dict[str, Any] | None = None  # async: the workers' checkpointed state, until learn() starts them
         self._async_metrics: dict[str, float] = {}
@@ -151,7 +152,7 @@ class OnPolicyAgent(RunMixin, RolloutMixin, UpdateMixin):
         ro, old_logp, ref_logp = self.dp.gather(ro, old_logp, ref_logp)  # data parallel: the global batch
         old_logp = ro.logprobs if old_logp is None else old_logp
         batch, stats = self.frozen_batch(ro, old_logp, ref_logp, correct=not from_update)
-        if recompute and not from_update:  # the sampler's log-probs against the trainer's pi_old, over the whole batch
+        if recompute and not from_update:  # the backend's log-probs against the trainer's pi_old, over the whole batch
             stats.update({f"mismatch/{k}": v for k, v in V.logprob_mismatch(ro.logprobs, old_logp, ro.action_mask).items()})
         t_up = time.perf_counter()
         lr = self.optim.set_lr(self.global_step, self.total_steps)  # from global_step: a resumed run continues it

@@ -1,16 +1,17 @@
 """The rollout half of :class:`~tokengym.agents.algorithms.onpolicy.OnPolicyAgent`: where a step's rollout comes
-from (the policy, an inference engine, or during :meth:`learn` its rollout source, async workers included).
+from (its rollout backend: the policy or an inference engine; or during :meth:`learn` its rollout source, async
+workers included).
 
-:class:`EngineSlot` is owned by the agent: the ``sampler='vllm'`` engine, started on first use, its weight loads
-and its shutdown. :class:`RolloutMixin` is mixed into ``OnPolicyAgent``, since ``collect``, ``check_env`` and
-``make_source`` are hooks that subclasses extend (``super().collect(env)``) and tests replace on an instance.
+:class:`EngineSlot` is owned by the agent: the engine of an engine backend (``sampler='vllm'``), started on
+first use, its weight loads and its shutdown. :class:`RolloutMixin` is mixed into ``OnPolicyAgent``, since
+``collect``, ``check_env`` and ``make_source`` are hooks that subclasses extend (``super().collect(env)``) and tests replace on an instance.
 """
 
 from __future__ import annotations
 
 import time
 
-from tokengym.agents.engine.generation import make_sampler
+from tokengym.agents.engine.backends import backend, make_backend
 from tokengym.agents.engine.resources import check_fits
 from tokengym.agents.engine.rollout import Rollout, collect
 from tokengym.agents.engine.sources import RolloutSource, check_source, make_source
@@ -19,8 +20,8 @@ __all__ = ["EngineSlot", "RolloutMixin"]
 
 
 class EngineSlot:
-    """An agent's inference engine (``sampler='vllm'``; none until first used) and the time spent loading weights
-    into it."""
+    """An agent's inference engine (an engine backend such as ``sampler='vllm'``; none until first used) and the time
+    spent loading weights into it."""
 
     def __init__(self) -> None:
         self.engine = None
@@ -29,10 +30,10 @@ class EngineSlot:
         self.stale = False
         """Its weights may not be the policy's although their version matches (after a restore)."""
 
-    def sampler(self, cfg, policy, env, version: int):
+    def backend(self, cfg, policy, env, version: int):
         """The engine, started for ``env``'s rows if none runs, holding ``policy``'s weights as ``version``."""
         if self.engine is None:
-            self.engine = make_sampler(cfg.sampler, policy, rows=env.num_envs, row_len=env.seq_len, bf16=cfg.bf16,
+            self.engine = make_backend(cfg.sampler, policy, rows=env.num_envs, row_len=env.seq_len, bf16=cfg.bf16,
                                        version=version)
         if self.stale or self.engine.version != version:
             t0 = time.perf_counter()
@@ -53,7 +54,7 @@ class RolloutMixin:
 
     @property
     def _engine(self):
-        """The running inference engine (``sampler='vllm'``), or None."""
+        """The running inference engine (an engine backend's, such as ``sampler='vllm'``), or None."""
         return self._engines.engine
 
     def collect(self, env) -> Rollout:
@@ -62,16 +63,21 @@ class RolloutMixin:
         if self._source is not None:
             ro, self._async_metrics = self._source.take(self.global_step)
             return ro
-        return collect(env, self.rollout_sampler(env), seed=self.config.seed if self.global_step == 0 else None)
+        return collect(env, self.rollout_backend(env), seed=self.config.seed if self.global_step == 0 else None)
 
-    def rollout_sampler(self, env):
-        """What samples this agent's rollouts and evaluations: the policy itself (``sampler='tokengym'``) or an
-        inference engine (``sampler='vllm'``), started on first use with the policy's weights as version
-        ``global_step`` and sized for ``env``'s rows. Before it samples after an update, the new weights are loaded
-        into it by name as version ``global_step`` (``time/weight_sync``), and it checks that it holds them."""
-        if self.config.sampler == "tokengym":
-            return self.policy
-        return self._engines.sampler(self.config, self.policy, env, self.global_step)
+    def rollout_backend(self, env):
+        """What samples this agent's rollouts and evaluations, the backend the ``sampler`` setting names: the policy
+        itself (``sampler='tokengym'``) or an inference engine (an engine backend such as ``sampler='vllm'``), started
+        on first use with the policy's weights as version ``global_step`` and sized for ``env``'s rows. Before it
+        samples after an update, the new weights are loaded into it by name as version ``global_step``
+        (``time/weight_sync``), and it checks that it holds them."""
+        if not backend(self.config.sampler).engine:
+            return make_backend(self.config.sampler, self.policy, rows=env.num_envs, row_len=env.seq_len,
+                                bf16=self.config.bf16, version=self.global_step)
+        return self._engines.backend(self.config, self.policy, env, self.global_step)
+
+    rollout_sampler = rollout_backend
+    """The old name of :meth:`rollout_backend`."""
 
     def check_env(self, env) -> None:
         """Raise ``ValueError`` if ``env`` cannot feed this agent (an inference engine that cannot start: its one-line
@@ -81,20 +87,20 @@ class RolloutMixin:
             raise ValueError(f"minibatches={self.config.minibatches} is more than the {env.num_envs} episodes of a rollout "
                              "batch: every minibatch needs at least one; use fewer minibatches or more prompts")
         check_source(self.config, env, self.policy, self.dp)
-        if self.config.sampler != "tokengym":
+        if backend(self.config.sampler).engine:
             if self.dp.distributed:
                 raise ValueError(f"sampler={self.config.sampler!r} runs one engine in one learner process; data-parallel "
                                  "learners (torchrun) sample with sampler='tokengym'")
-            self.rollout_sampler(env)
+            self.rollout_backend(env)
 
     def make_source(self, env) -> RolloutSource:
         """Where this run's rollouts come from (:func:`~tokengym.agents.engine.sources.make_source`), continuing the
         checkpointed async state after a resume."""
         return make_source(self.config, env, self.policy, dp=self.dp, version=self.global_step, total=self.total_steps,
-                           state=self._async_state, sampler=self.rollout_sampler)
+                           state=self._async_state, backend=self.rollout_backend)
 
     def close(self) -> None:
-        """Shut down the agent's inference engine (``sampler='vllm'``; a later rollout starts a new one). One engine
+        """Shut down the agent's inference engine (an engine backend's; a later rollout starts a new one). One engine
         runs in a process at a time, so close an agent's before starting another."""
         self._engines.close()
 

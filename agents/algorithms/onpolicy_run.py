@@ -27,7 +27,7 @@ def both(first: Callable, then: Callable | None) -> Callable:
 class RunMixin:
     """Training runs and checkpoint state of an ``OnPolicyAgent`` (which supplies ``config``, ``policy``, ``ref``,
     ``optim``, ``logger``, ``global_step``, ``_shuffle``, ``_engines``, ``_source``, ``_async_state``,
-    ``_resume_step``, ``step``, ``check_env``, ``make_source``, ``rollout_sampler`` and ``train_mode``)."""
+    ``_resume_step``, ``step``, ``check_env``, ``make_source``, ``rollout_backend`` and ``train_mode``)."""
 
     @property
     def total_steps(self) -> int:
@@ -143,11 +143,11 @@ class RunMixin:
         from tokengym.agents.runtime.session import initial_eval
 
         initial_eval(trainer, self, eval_env, eval_samples,
-                     lambda policy, env, samples, greedy: evaluate(self.rollout_sampler(env), env, samples, greedy=greedy))
+                     lambda policy, env, samples, greedy: evaluate(self.rollout_backend(env), env, samples, greedy=greedy))
         self.learn(env, eval_env, eval_samples, callback=both(trainer.callback, callback))
         trainer.finish()
 
     def evaluate(self, eval_env, samples: list) -> dict[str, float]:
         """Greedy held-out metrics of ``samples`` (``eval/accuracy``, ...)."""
         self.train_mode(False)
-        return {f"eval/{k}": v for k, v in evaluate(self.rollout_sampler(eval_env), eval_env, samples, greedy=True).items()}
+        return {f"eval/{k}": v for k, v in evaluate(self.rollout_backend(eval_env), eval_env, samples, greedy=True).items()}

@@ -33,6 +33,7 @@ from tokengym.agents.algorithms.onpolicy_config import OnPolicyConfig
 from tokengym.agents.runtime.optim import adamw
 from tokengym.agents.algorithms.registry import register
 from tokengym.agents.engine.rollout import Rollout, attach_values, turn_metrics
+from tokengym.rewards.packing import set_packing
 
 __all__ = ["PPOConfig", "PPOAgent", "AdaptiveKLController", "ppo_rewards"]
 
@@ -137,8 +138,7 @@ class PPOAgent(OnPolicyAgent):
         check_learner_args(type(self).__name__, policy, config, PPOConfig)
         cfg = config or PPOConfig()
         self.critic = critic if critic is not None else Critic.from_policy(policy, share_trunk=cfg.share_trunk, seed=cfg.seed)
-        if hasattr(self.critic, "packing"):  # a Critic (a user's own value model packs or not as it likes)
-            self.critic.packing = cfg.packing
+        set_packing(cfg.packing, self.critic)  # a Critic (a user's own value model packs or not as it likes)
         self.kl_ctl = AdaptiveKLController(cfg.beta, cfg.kl_target, cfg.kl_horizon)
         super().__init__(policy, cfg, run_dir)
         self.policy_opt, self.critic_opt = self.optimizers

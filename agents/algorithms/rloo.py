@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokengym.agents import variants as V
+from tokengym.agents.algorithms.advantages import token_advantages
 from tokengym.agents.algorithms.critic_free import CriticFreeConfig
 from tokengym.agents.algorithms.grpo import GRPOAgent
 from tokengym.agents.algorithms.registry import register
@@ -47,9 +47,9 @@ class RLOOAgent(GRPOAgent):
         return False
 
     def advantages(self, ro: Rollout, ref_logp: torch.Tensor | None = None) -> torch.Tensor:
-        """The leave-one-out advantage of each episode's (shaped) return on every one of its action tokens."""
-        adv = V.rloo_advantages(self.shaped_returns(ro), ro.group_size)
-        return adv[:, None].expand(-1, ro.action_mask.shape[1]) * ro.action_mask
+        """The leave-one-out advantage of each episode's (shaped) return on every one of its action tokens (the
+        ``rloo`` estimator, whatever ``advantage`` a subclass's config names)."""
+        return token_advantages("rloo", ro, self.shaped_returns(ro), self.config, ref_logp)
 
     def why_groups(self) -> str | None:
         return "RLOO's baseline is the other completions of a prompt"

@@ -44,7 +44,7 @@ from tokengym.agents.runtime.distributed import LOCAL
 from tokengym.agents.runtime.logger import RunLogger
 from tokengym.agents.runtime.optim import (LR_SCHEDULES, OptimizerStep, ScheduledOptimConfig, TrainLoopConfig,
                                           lr_factor as schedule_factor)
-from tokengym.agents.engine.packing import PACKING
+from tokengym.rewards.packing import PACKING, set_packing
 from tokengym.agents.engine.rollout import evaluate, heldout_samples
 from tokengym.envs.chat import encode_prompts
 from tokengym.envs.tasks.base import fresh_samples
@@ -262,7 +262,7 @@ class SFTLearner:
 
         self.policy, self.task = policy, task
         self.config = cfg = config or SFTConfig()
-        policy.packing = cfg.packing
+        set_packing(cfg.packing, policy)
         self.heldout = heldout_samples(task, cfg.eval_prompts)
         self.eval_env = TokenVectorEnv(min(cfg.eval_batch_size, max(cfg.eval_prompts, 1)), task, tokenizer=policy.tokenizer,
                                        device=policy.device, max_prompt_len=prompt_len)

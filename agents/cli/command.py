@@ -29,7 +29,7 @@ from typing import Any, Sequence
 
 import torch
 
-from tokengym.agents.engine.generation import SAMPLERS
+from tokengym.agents.engine.backends import SAMPLERS
 
 __all__ = ["main"]
 
@@ -132,7 +132,7 @@ def _load_newest_checkpoint(model: Any, run_dir: str) -> str:
 def _cmd_eval(args: argparse.Namespace) -> int:
     from tokengym.agents.runtime import runs as R
     from tokengym.agents.engine.resources import check_device
-    from tokengym.agents.engine.generation import make_sampler
+    from tokengym.agents.engine.backends import make_backend
     from tokengym.agents.engine.rollout import evaluate, heldout_samples
     from tokengym.agents.cli.runner import RunConfig, checked_env, load_policy, resolve_env_id
 
@@ -173,7 +173,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     samples = heldout_samples(env.task, args.prompts)
     policy.eval()
     try:
-        sampler = make_sampler(args.sampler, policy, rows=env.num_envs, row_len=env.seq_len)
+        sampler = make_backend(args.sampler, policy, rows=env.num_envs, row_len=env.seq_len)
     except (ValueError, ImportError) as e:
         raise R.UsageError(str(e)) from None
     rows = [("greedy", evaluate(sampler, env, samples, greedy=True))]
@@ -358,8 +358,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=4, help="sampled completions per prompt for sampled accuracy (0 = skip)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--sampler", choices=SAMPLERS, default="tokengym", help="rollout backend: tokengym (the fast decoder) "
-                   "or vllm (an in-process vLLM engine: pip install 'tokengym[vllm]')")
+    p.add_argument("--sampler", choices=tuple(SAMPLERS), default="tokengym", help="rollout backend: tokengym (the fast "
+                   "decoder), vllm (an in-process vLLM engine: pip install 'tokengym[vllm]') or another registered one")
     p.set_defaults(fn=_cmd_eval)
     p = sub.add_parser("plot", help="write PNG learning curves (reward, accuracy, KL, loss) of a run")
     p.add_argument("run", help="the run folder")

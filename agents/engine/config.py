@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from tokengym.agents.engine.generation import SAMPLERS
+from tokengym.agents.engine.backends import SAMPLERS
 from tokengym.agents.runtime.config import resumable
 from tokengym.agents.runtime.weight_sync import WeightSync
 from tokengym.rewards.training import SeedConfig
@@ -30,7 +30,7 @@ class EngineConfig(SeedConfig):
     declared :func:`~tokengym.agents.runtime.config.resumable`."""
 
     sampler: str = "tokengym"
-    """Rollout backend: tokengym (the policy's own fast decoder, in process) or vllm (an in-process vLLM engine,
+    """Rollout backend (any registered one: tokengym.agents.engine.backends): tokengym (the policy's own fast decoder, in process) or vllm (an in-process vLLM engine,
     pip install 'tokengym[vllm]': the policy's weights are loaded into it by name after every update, its log-probs
     are the behaviour log-probs, and correction=auto is tis)."""
     bf16: bool = False
@@ -106,4 +106,4 @@ class EngineConfig(SeedConfig):
                 "sync_port": 0 <= self.sync_port <= 65535, "sync_bucket_mb": self.sync_bucket_mb > 0}
 
     def choices(self) -> dict[str, Iterable[Any]]:
-        return {"async_mode": ASYNC_MODES, "sampler": SAMPLERS}
+        return {"async_mode": ASYNC_MODES, "sampler": SAMPLERS}  # a live view: a backend registered later is a choice

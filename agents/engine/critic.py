@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from tokengym.agents.engine.models import use_tokengym_attention
-from tokengym.agents.engine.packing import check_packing, hidden_at, place, plan
+from tokengym.rewards.packing import check_packing, hidden_at, place, plan
 from tokengym.agents.engine.policy import position_ids
 from tokengym.rewards.common import quiet_transformers
 

@@ -24,7 +24,7 @@ The contract every generator keeps:
   do not depend on its batch (the in-process :class:`PolicyGenerator` draws exactly what the token-level sampler
   draws); an engine with per-request seeds derives one from ``(seed, step)``.
 
-:func:`~tokengym.agents.engine.conformance.check_generator` is the conformance check against the token-level path.
+:func:`~tokengym.agents.engine.backend_check.check_generator` is the conformance check against the token-level path.
 
 **Scoring** (optional): ``gen.score(sequences, starts)`` returns, for each token sequence, the log-probabilities at
 temperature 1 of its tokens from ``starts[i]`` on, each given every token before it (an engine's prompt log-probs).
@@ -39,30 +39,12 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from tokengym.agents.engine.backends import SAMPLERS  # the backends' names, importable here as before
 from tokengym.agents.engine.seam import (FINISH_REASONS, Generation, GenerationRequest, Generator, SamplingSettings,
                                         check_requests, check_scoring, request_seed, signed64, stream_seed)
 
 __all__ = ["FINISH_REASONS", "SAMPLERS", "Generation", "GenerationRequest", "Generator", "PolicyGenerator", "SamplingSettings",
-           "is_generation_backend", "make_sampler", "policy_generate", "policy_score", "request_seed", "stream_seed"]
-
-SAMPLERS = ("tokengym", "vllm")
-"""Rollout backends by name (``sampler=`` in the on-policy configs, ``--sampler``): ``tokengym``, the policy's own
-fast decoder in process (the token-level seam); ``vllm``, an in-process vLLM engine
-(:class:`~tokengym.agents.engine.vllm_backend.VLLMSampler`)."""
-
-
-def make_sampler(name: str, policy: Any, *, rows: int = 64, row_len: int = 512, bf16: bool = False,
-                 version: int | None = None) -> Any:
-    """The rollout backend ``name`` (one of :data:`SAMPLERS`) for ``policy``: the policy itself, or a new engine
-    holding its current weights as ``version``, with KV cache room for ``rows`` rows of ``row_len`` tokens."""
-    if name == "tokengym":
-        return policy
-    if name == "vllm":
-        from tokengym.agents.engine.vllm_backend import VLLMSampler
-
-        return VLLMSampler(policy, bf16=bf16, max_rows=rows, row_len=row_len, version=version)
-    raise ValueError(f"unknown sampler {name!r}; choose one of {SAMPLERS}")
-
+           "is_generation_backend", "policy_generate", "policy_score", "request_seed", "stream_seed"]
 
 def is_generation_backend(obj: Any) -> bool:
     """Whether ``obj`` serves only the generation seam (a token-level ``Sampler`` such as ``Policy`` runs the

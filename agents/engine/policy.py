@@ -41,11 +41,12 @@ from torch import nn
 import tokengym.agents.functional as Fn
 from tokengym.agents.engine.fast_decode import StaticDecoder, unsupported_reason
 from tokengym.agents.engine.models import load_model, use_tokengym_attention
-from tokengym.agents.engine.packing import check_packing, lm_logprobs, plan
 from tokengym.agents.engine.sampler import SamplerCapabilities
 from tokengym.rewards.common import quiet_transformers
+from tokengym.rewards.packing import Bins, check_packing, head_logits, place, plan
 
-__all__ = ["Policy", "AdapterDisabledReference", "make_reference", "position_ids", "row_uniforms", "sample_logits"]
+__all__ = ["Policy", "AdapterDisabledReference", "make_reference", "position_ids", "row_uniforms", "sample_logits",
+           "lm_logprobs"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -133,6 +134,26 @@ def sample_logits(
     return tok, logp.gather(-1, tok[:, None])[:, 0]
 
 
+def lm_logprobs(model: nn.Module, bins: Bins, tokens: torch.Tensor, mask: torch.Tensor, prompt_len: int,
+                temperature: float = 1.0, return_entropy: bool = False, return_logits: bool = False, allowed=None):
+    """:meth:`~tokengym.agents.Policy.forward` on bins: log-probs ``[N, M]`` of ``tokens[:, P:]`` (0 where there is
+    no real token to score), and with ``return_entropy`` the per-token entropy, with ``return_logits`` the logits
+    ``[N, M, V]`` (0 where there is no real token); the LM head runs on the scored positions only."""
+    N, M = tokens.shape[0], tokens.shape[1] - prompt_len
+    logits, dst = head_logits(model, bins, mask, prompt_len)
+    if temperature != 1.0:
+        logits = logits / temperature
+    labels = tokens[:, prompt_len:].reshape(-1)[dst][None]
+    if allowed is not None:  # the scored tokens' allowed sets (``(index[N, M], table)``, see ``Policy.forward``)
+        allowed = (allowed[0].reshape(-1)[dst][None], allowed[1])
+    out = [place(Fn.token_logprobs(logits, labels, allowed=allowed)[0], dst, N, M)]  # float32 (float64 for a float64 model)
+    if return_entropy:
+        out.append(place(Fn.entropy(logits, allowed=allowed)[0], dst, N, M))
+    if return_logits:
+        out.append(logits.new_zeros(N * M, logits.shape[-1]).index_copy(0, dst, logits[0]).view(N, M, -1))
+    return out[0] if len(out) == 1 else tuple(out)
+
+
 class Policy(nn.Module):
     """A ``transformers`` causal LM + tokenizer that acts on token environments.
 
@@ -149,7 +170,7 @@ class Policy(nn.Module):
             generic ``transformers`` path.
         packing: how :meth:`forward` lays out a batch: ``"off"`` (padded), ``"bins"`` (the real tokens packed
             into bins) or ``"auto"`` (bins where they save a fifth of the tokens); trainers set it from their
-            config (:mod:`tokengym.agents.engine.packing`).
+            config (:mod:`tokengym.rewards.packing`).
 
     Example:
         >>> import torch
@@ -411,7 +432,7 @@ class Policy(nn.Module):
         multiply by the action mask ``mask[:, P:]``. With ``return_entropy`` also the per-token entropy, with
         ``return_logits`` also those logits ``[N, M, V]`` (after the entropy; distillation's ``topk`` and ``full``).
         ``self.packing`` (``off``, ``bins``, ``auto``) runs the real tokens packed into bins instead (equal up to
-        float rounding, 0 at padding: :mod:`~tokengym.agents.engine.packing`). ``allowed`` (a rollout's
+        float rounding, 0 at padding: :mod:`~tokengym.rewards.packing`). ``allowed`` (a rollout's
         :class:`~tokengym.envs.masks.TokenMasks` for these columns, or ``(index[N, M], table[U, V])``): the log-probs and
         entropies are of the masked distribution each token was sampled from (the logits stay unmasked).
         """

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from tokengym.rewards.common import TokengymWarning
+from tokengym.agents.engine.backends import BACKENDS
 from tokengym.agents.engine.messages import MessageError, check_manifest, encode_rollout
 from tokengym.agents.engine.worker_pool import WorkerError, WorkerPool, full_named, stream_from_state, stream_state
 from tokengym.agents.engine.worker_loop import WorkerLoop, weight_manifest
@@ -226,8 +227,9 @@ class WorkerServer:
         if body["protocol"] != PROTOCOL:
             raise MessageError(f"the learner speaks protocol {body['protocol']}, this worker {PROTOCOL}: install the "
                                "same tokengym on both")
-        if body["sampler"] not in ("tokengym", "vllm"):
-            raise MessageError(f"unknown sampler {body['sampler']!r}")
+        if body["sampler"] not in BACKENDS:
+            raise MessageError(f"unknown rollout backend sampler={body['sampler']!r}; this worker has: "
+                               f"{', '.join(BACKENDS.names())}")
         with self.lock:
             if self.session is not None:  # a new learner (or the same one, re-planned) replaces the last session
                 self.session.stop()

@@ -100,7 +100,7 @@ def collect(env, policy, critic=None, *, greedy: bool = False, seed: int | None 
         env: a :class:`~tokengym.envs.TokenVectorEnv` in ``DISABLED`` autoreset mode.
         policy: a :class:`~tokengym.agents.Policy` or any other :class:`~tokengym.agents.engine.sampler.Sampler`, or
             an inference engine that serves only the generation seam (:class:`~tokengym.agents.engine.generation.Generator`,
-            e.g. :class:`~tokengym.agents.engine.vllm_backend.VLLMSampler`), whose generations
+            e.g. :class:`~tokengym.agents.engine.vllm_backend.VLLMGenerator`), whose generations
             :func:`~tokengym.agents.engine.replay.collect_generated` replays through the env.
         critic: optional :class:`~tokengym.agents.Critic`; its values are computed in one pass at the end.
         greedy: argmax decoding (evaluation).

@@ -44,7 +44,7 @@ Optional capabilities, and what the rollout does without them:
 - ``refill``: :meth:`Sampler.refill` starts new episodes in some rows while the others go on. Without it
   ``collect_episodes`` (continuous batching) is refused; ``collect`` works.
 
-:func:`~tokengym.agents.engine.conformance.check_sampler` is the conformance check a new backend runs against a
+:func:`~tokengym.agents.engine.backend_check.check_sampler` is the conformance check a new backend runs against a
 trusted one. Engines that serve whole generations rather than one token at a time implement the generation seam
 instead (:mod:`tokengym.agents.engine.generation`).
 """

@@ -1,7 +1,7 @@
 """Where an on-policy agent's rollouts come from: the agent asks its source for rollout ``j`` and tells it each new
 policy version; it does not know which source it has.
 
-* :class:`InProcess`: the agent's own sampler (the policy, or an in-process engine), synchronous training.
+* :class:`InProcess`: the agent's own rollout backend (the policy, or an in-process engine), synchronous training.
 * :class:`WorkerPool` (shared by :class:`~tokengym.agents.engine.workers.RolloutWorkers`, local worker processes, and
   :class:`~tokengym.agents.engine.remote.RemoteWorkers`, ``tokengym worker`` servers anywhere): rollouts sampled by
   older versions while the learner updates (async modes), with the version schedule, the staleness check, the
@@ -46,14 +46,15 @@ class RolloutSource(Protocol):
 
 
 class InProcess:
-    """Rollouts of the current policy, sampled in the learner's process by ``sampler(env)`` when asked."""
+    """Rollouts of the current policy, sampled in the learner's process by the rollout backend ``backend(env)``
+    returns, when asked."""
 
-    def __init__(self, env: Any, sampler: Callable[[Any], Any], seed: int | None):
-        self.env, self.sampler, self.seed = env, sampler, seed
+    def __init__(self, env: Any, backend: Callable[[Any], Any], seed: int | None):
+        self.env, self.backend, self.seed = env, backend, seed
 
     def take(self, step: int) -> tuple[Rollout, dict[str, float]]:
         seed, self.seed = self.seed if step == 0 else None, None
-        return collect(self.env, self.sampler(self.env), seed=seed), {}
+        return collect(self.env, self.backend(self.env), seed=seed), {}
 
     def publish(self, version: int, wait: bool = True) -> None:
         pass
@@ -159,13 +160,13 @@ def check_source(cfg: EngineConfig, env: Any, policy: Any, dp: Any) -> None:
 
 
 def make_source(cfg: EngineConfig, env: Any, policy: Any, *, dp: Any, version: int, total: int,
-                state: dict[str, Any] | None, sampler: Callable[[Any], Any]) -> RolloutSource:
-    """The rollout source of the engine settings ``cfg`` (an on-policy agent's config extends them): ``sampler(env)``
+                state: dict[str, Any] | None, backend: Callable[[Any], Any]) -> RolloutSource:
+    """The rollout source of the engine settings ``cfg`` (an on-policy agent's config extends them): ``backend(env)``
     in process (``async_mode="off"``), else local worker processes or remote ``tokengym worker`` servers sampling the
     global batch, from the checkpointed ``state``, published ``version`` at once; under torchrun rank 0 holds them
     (:class:`DataParallelSource`). ``total``: the run's rollouts (a staleness bound beyond it is capped there)."""
     if cfg.async_mode == "off":
-        return InProcess(env, sampler, cfg.seed if version == 0 else None)
+        return InProcess(env, backend, cfg.seed if version == 0 else None)
     pool, failure = None, None
     if dp.is_main:
         try:

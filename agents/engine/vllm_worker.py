@@ -1,7 +1,7 @@
 """What tokengym adds to vLLM's worker (``worker_extension_cls``): in-place weight loads by name, with a version.
 
 vLLM imports this module inside its worker, so it imports nothing from tokengym. The backend
-(:class:`~tokengym.agents.engine.vllm_backend.VLLMSampler`) calls these methods through ``LLM.collective_rpc``.
+(:class:`~tokengym.agents.engine.vllm_backend.VLLMGenerator`) calls these methods through ``LLM.collective_rpc``.
 """
 
 from __future__ import annotations

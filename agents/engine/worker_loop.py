@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from tokengym.agents.engine.generation import make_sampler
+from tokengym.agents.engine.backends import make_backend
 from tokengym.agents.engine.messages import check_weights, manifest
 from tokengym.agents.engine.rollout import collect
 from tokengym.agents.runtime.weight_sync import STOP, WeightSync, views
@@ -119,7 +119,7 @@ class WorkerLoop:
         spec, env, policy = self.spec, self.env, self.policy
         w, i, k, exact = spec["workers"], spec["worker"], spec["k"], spec["exact"]
         policy.train(False)
-        sampler = make_sampler(spec["sampler"], policy, rows=env.num_envs, row_len=env.seq_len, bf16=spec["bf16"])
+        backend = make_backend(spec["sampler"], policy, rows=env.num_envs, row_len=env.seq_len, bf16=spec["bf16"])
         if self.sync is not None:  # (else versions come as files: offer_file)
             threading.Thread(target=self._receive, name="weight-sync", daemon=True).start()
         j = spec["start"] + (i - spec["start"]) % w  # this worker's first rollout
@@ -147,14 +147,14 @@ class WorkerLoop:
                     self.free.append(self.versions.pop(old))
             if slot is not None:
                 self._load(slot)
-                if sampler is not policy:  # the worker's engine takes them by name
-                    sampler.load_weights(None, v)
+                if backend is not policy:  # the worker's engine takes them by name
+                    backend.load_weights(None, v)
                 loaded = v
                 with self.cond:
                     self.free.append(slot)
             t0 = time.perf_counter()
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=spec["bf16"]):
-                ro = collect(env, sampler, seed=seed)
+                ro = collect(env, backend, seed=seed)
             ro.policy_version = v
             seed = None
             stream = {"env": env.state_dict(), "rng": policy.generator.get_state()}

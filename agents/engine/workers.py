@@ -72,7 +72,7 @@ class RolloutWorkers(WorkerPool):
         state: :meth:`state_dict` of a checkpoint (resume), else ``None`` (a fresh run from rollout 0).
         seed: the run's seed (worker ``i`` seeds its env and sampler with ``seed + i``).
         threads: torch threads of each worker; ``bf16``: the rollout's autocast; ``timeout``: a weight sync's limit.
-        sampler: each worker's rollout backend (:data:`~tokengym.agents.engine.generation.SAMPLERS`): its copy of the
+        sampler: each worker's rollout backend (:data:`~tokengym.agents.engine.backends.BACKENDS`): its copy of the
             policy, or an inference engine of its own that each received version is loaded into.
         total: the run's number of rollouts (``None``: open-ended); a bounded run's checkpoint keeps none past it.
         rollout_timeout: seconds the learner waits for a rollout it needs before stopping with a :class:`WorkerError`.

@@ -276,5 +276,5 @@ def test_the_engine_settings_are_their_own_config_and_the_source_reads_only_them
         EngineConfig(async_mode="one-step", max_staleness=2)
     assert EngineConfig(remote_workers="a:1, b:2").worker_count == 2
     source = make_source(EngineConfig(seed=3), object(), None, dp=LOCAL, version=0, total=1, state=None,
-                         sampler=lambda env: None)
+                         backend=lambda env: None)
     assert isinstance(source, InProcess)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tokengym.agents import Policy, collect
-from tokengym.agents.engine.conformance import check_generator
+from tokengym.agents.engine.backend_check import check_generator
 from tokengym.agents.engine.generation import (Generation, GenerationRequest, PolicyGenerator, SamplingSettings,
                                                is_generation_backend, request_seed, stream_seed)
 from tokengym.agents.engine.policy import row_uniforms

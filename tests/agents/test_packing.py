@@ -1,4 +1,4 @@
-"""Packing (``rewards/packing.py``, used through ``agents/engine/packing.py``): the real tokens of a padded batch laid into bins, positions restarting per
+"""Packing (``rewards/packing.py``; the policy's packed forward is ``engine/policy.py``'s ``lm_logprobs``): the real tokens of a padded batch laid into bins, positions restarting per
 segment and a 4D mask confining attention to each segment, give the padded forward's log-probs, entropies, values and
 gradients up to float32 rounding; ``packing="off"`` is the pre-packing code path exactly; the agents' ``packing``
 settings reach their forwards.
@@ -31,12 +31,12 @@ from tokengym.agents.algorithms.ppo import PPOAgent, PPOConfig
 from tokengym.agents.algorithms.sft import SFTConfig, SFTLearner
 from tokengym.agents.data.pairs import PairData, arithmetic_pairs
 from tokengym.agents.engine import critic as critic_module
-from tokengym.agents.engine import packing
+from tokengym.rewards import packing
 from tokengym.rewards import packing as packing_core
 from tokengym.agents.engine import policy as policy_module
 from tokengym.agents.engine.critic import Critic
 from tokengym.agents.engine.models import build_preset, load_model
-from tokengym.agents.engine.packing import AUTO_FILL, Bins, pack, plan
+from tokengym.rewards.packing import AUTO_FILL, Bins, pack, plan
 from tokengym.agents.engine.policy import Policy, position_ids
 from tokengym.envs.tasks import ArithmeticTask
 from tokengym.rewards.common import TokengymWarning
@@ -343,10 +343,11 @@ def spy(monkeypatch):
     """Counts the packed forwards of Policy (``lm_logprobs``) and Critic (``hidden_at``) and records how many rows
     each packed into how many bins."""
     seen = {"lm_logprobs": [], "hidden_at": []}
+    packed_forward = policy_module.lm_logprobs
 
     def lm_logprobs(model, bins, tokens, mask, *args, **kwargs):
         seen["lm_logprobs"].append((tokens.shape[0], bins.tokens.shape[0], tokens.numel()))
-        return packing.lm_logprobs(model, bins, tokens, mask, *args, **kwargs)
+        return packed_forward(model, bins, tokens, mask, *args, **kwargs)
 
     def hidden_at(trunk, bins, mask, first):
         seen["hidden_at"].append((mask.shape[0], bins.tokens.shape[0], mask.numel()))
@@ -521,6 +522,16 @@ def test_bad_packing_values_are_refused_naming_the_choices():
         with pytest.raises(ValueError, match=r"packing.*'yes'") as err:
             make()
         assert all(f"'{c}'" in str(err.value) for c in ("off", "bins", "auto"))
+
+
+def test_set_packing_sets_the_models_that_pack_and_leaves_the_others():
+    model, tok = build_preset("tiny", seed=0)
+    policy, own = Policy(model, tok), torch.nn.Linear(2, 1)  # a user's own value model has no packing setting
+    assert packing.set_packing("bins", policy, own, None) == "bins"
+    assert policy.packing == "bins" and not hasattr(own, "packing")
+    with pytest.raises(ValueError, match=r"packing.*'yes'"):
+        packing.set_packing("yes", policy)
+    assert policy.packing == "bins"
 
 
 class IgnoresMask(nn.Module):

@@ -8,7 +8,7 @@ import torch
 from tokengym.agents import Sampler
 from tokengym.agents.engine.policy import Policy, position_ids, right_aligned, row_uniforms, sample_logits
 from tokengym.agents.engine.rollout import collect, collect_episodes, heldout_samples
-from tokengym.agents.engine.conformance import check_sampler
+from tokengym.agents.engine.backend_check import check_sampler
 from tokengym.agents.engine.sampler import SamplerCapabilities, capabilities_of
 from tokengym.envs import TokenVectorEnv
 from tokengym.envs.tasks import ReverseTask

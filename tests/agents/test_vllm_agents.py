@@ -46,7 +46,7 @@ def test_grpo_samples_from_the_engine_which_holds_every_update_weights():
         assert all(ro.generation_counts for ro in seen)
         assert all("time/weight_sync" in r for r in history[1:]) and all("mismatch/abs_gap_max" in r for r in history)
         assert max(r["mismatch/abs_gap_max"] for r in history) < LP_TOL  # fp32 engine vs fp32 trainer
-        ro = collect(env, agent.rollout_sampler(env), seed=3)  # after the last update: loaded before it samples
+        ro = collect(env, agent.rollout_backend(env), seed=3)  # after the last update: loaded before it samples
         assert engine.version == agent.global_step == 3 and ro.policy_version == 3
         assert _gap(policy, ro) < LP_TOL
         assert _gap(start, ro) > 10 * LP_TOL  # the updates moved the log-probs: the check above can fail
@@ -96,10 +96,10 @@ def test_a_lora_policy_is_served_with_its_adapters_merged():
             if "lora_B" in name:
                 p.normal_(0, 0.5)  # non-zero deltas, so a lost adapter shows
     policy = Policy(lora, tok, seed=0)
-    from tokengym.agents.engine.vllm_backend import VLLMSampler
+    from tokengym.agents.engine.vllm_backend import VLLMGenerator
 
     env = TokenVectorEnv(8, "arithmetic")
-    with VLLMSampler(policy, max_model_len=256) as engine:
+    with VLLMGenerator(policy, max_model_len=256) as engine:
         ro = collect(env, engine, seed=0)
         assert _gap(policy, ro) < LP_TOL
         with policy.model.disable_adapter():
@@ -149,18 +149,18 @@ def test_without_vllm_the_command_names_the_extra_and_writes_nothing(tmp_path):
 
 def test_what_vllm_cannot_load_or_update_is_one_line(monkeypatch):
     from tokengym.agents.engine import vllm_worker
-    from tokengym.agents.engine.vllm_backend import VLLMSampler
+    from tokengym.agents.engine.vllm_backend import VLLMGenerator
 
     policy = Policy.from_pretrained("tiny-arithmetic")
     with pytest.raises(ValueError, match=r"^vLLM cannot load model .*(memory|cache)") as e:
-        VLLMSampler(policy, engine_kwargs={"kv_cache_memory_bytes": 1 << 16})
+        VLLMGenerator(policy, engine_kwargs={"kv_cache_memory_bytes": 1 << 16})
     assert "\n" not in str(e.value) and not torch.distributed.is_initialized()  # nothing of the failed start is left
     monkeypatch.setattr(vllm_worker.WeightLoader, "tokengym_check", lambda self: "its worker has no reload_weights()")
     with pytest.raises(ValueError, match="cannot take new weights in place .its worker has no reload_weights"):
-        VLLMSampler(policy, max_model_len=256)
+        VLLMGenerator(policy, max_model_len=256)
     assert not torch.distributed.is_initialized()
     with pytest.raises(ValueError, match="is more than the 512 positions"):
-        VLLMSampler(policy, max_model_len=4096)
+        VLLMGenerator(policy, max_model_len=4096)
 
 
 def test_a_restored_agent_reloads_its_engine_and_continues_exactly():
@@ -214,10 +214,10 @@ def test_a_batch_longer_than_an_engine_step_samples_with_its_seeds():
     prefill would roll each seeded request's generator back, which its CPU generators cannot do (a RuntimeError); the
     engine prefills whole prompts instead, and the same seeds give the same tokens."""
     from tokengym.agents.engine.generation import GenerationRequest
-    from tokengym.agents.engine.vllm_backend import VLLMSampler
+    from tokengym.agents.engine.vllm_backend import VLLMGenerator
 
     requests = [GenerationRequest(prompt_ids=[1] + [5 + (i + j) % 90 for j in range(300)], max_tokens=8, seed=i)
                 for i in range(64)]
-    with VLLMSampler(Policy.from_pretrained("tiny-calculator"), max_model_len=512, max_rows=64, row_len=512) as engine:
+    with VLLMGenerator(Policy.from_pretrained("tiny-calculator"), max_model_len=512, max_rows=64, row_len=512) as engine:
         first, again = engine.generate(requests), engine.generate(requests)
     assert [g.token_ids for g in first] == [g.token_ids for g in again] and all(len(g.token_ids) == 8 for g in first)

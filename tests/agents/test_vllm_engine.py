@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tokengym.agents import Policy, collect
-from tokengym.agents.engine.conformance import agent_turns, check_generator
+from tokengym.agents.engine.backend_check import agent_turns, check_generator
 from tokengym.agents.engine.generation import GenerationRequest
 from tokengym.envs import ENV_IDS, TokenVectorEnv
 
@@ -26,10 +26,10 @@ LP_TOL = 1e-4
 
 @pytest.fixture(scope="module")
 def calc():
-    from tokengym.agents.engine.vllm_backend import VLLMSampler
+    from tokengym.agents.engine.vllm_backend import VLLMGenerator
 
     policy = Policy.from_pretrained("tiny-calculator", seed=4)
-    engine = VLLMSampler(policy, max_model_len=512, max_rows=16, row_len=128)
+    engine = VLLMGenerator(policy, max_model_len=512, max_rows=16, row_len=128)
     yield policy, engine
     engine.close()
 
@@ -85,10 +85,10 @@ def test_the_engine_refuses_in_one_line_what_it_cannot_serve(calc):
         engine.generate([GenerationRequest(prompt_ids=prompt, max_tokens=4, stop_sequences=((5, 6),))])
     with pytest.raises(ValueError, match="outside the vocabulary"):
         engine.generate([GenerationRequest(prompt_ids=[10**6], max_tokens=4)])
-    with pytest.raises(ValueError, match="another VLLMSampler is open"):
-        from tokengym.agents.engine.vllm_backend import VLLMSampler
+    with pytest.raises(ValueError, match="another VLLMGenerator is open"):
+        from tokengym.agents.engine.vllm_backend import VLLMGenerator
 
-        VLLMSampler(policy)
+        VLLMGenerator(policy)
 
 
 def test_the_engine_samples_only_with_the_version_it_was_given(calc):

@@ -31,10 +31,10 @@ LP_TOL = 5e-4
 
 @pytest.fixture(scope="module")
 def smol():
-    from tokengym.agents.engine.vllm_backend import VLLMSampler
+    from tokengym.agents.engine.vllm_backend import VLLMGenerator
 
     policy = Policy.from_pretrained(NAME, seed=0)
-    engine = VLLMSampler(policy, max_rows=16, row_len=128, version=0)
+    engine = VLLMGenerator(policy, max_rows=16, row_len=128, version=0)
     yield policy, engine
     engine.close()
 

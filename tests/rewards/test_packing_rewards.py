@@ -10,7 +10,7 @@ import pathlib
 import pytest
 import torch
 
-from tokengym.agents.engine import packing
+from tokengym.rewards import packing
 from tokengym.agents.engine.models import load_classifier, load_model
 from tokengym.rewards import LearnedPRM, PRMConfig, RewardModel, RewardModelConfig, train_prm, train_reward_model
 from tokengym.rewards.reward_model import LikelihoodRewardModel
