@@ -104,10 +104,19 @@ def cached_folder(folder: str, write: Any) -> str:
 
 
 def is_complete(folder: str) -> bool:
-    """Whether ``folder`` holds a config, a tokenizer and a ``model.safetensors`` whose header and size agree."""
+    """Whether ``folder`` holds a config naming its architecture, a tokenizer and a ``model.safetensors`` whose
+    header and size agree (an entry an older conversion wrote without ``architectures`` is written again)."""
+    import json
+
     from safetensors import SafetensorError, safe_open
 
     if not all(os.path.isfile(os.path.join(folder, f)) for f in ("config.json", "tokenizer_config.json")):
+        return False
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            if not json.load(f).get("architectures"):
+                return False
+    except (OSError, ValueError, AttributeError):
         return False
     try:
         with safe_open(os.path.join(folder, "model.safetensors"), "pt") as f:
@@ -162,6 +171,7 @@ def convert_gguf(path: str, out_dir: str) -> None:
     if tok.pad_token is None:  # the envs pad their buffers (and mask the padding)
         tok.pad_token = "<|endoftext|>" if "<|endoftext|>" in tok.get_vocab() else tok.eos_token
     model.config.pad_token_id = tok.pad_token_id
+    model.config.architectures = [type(model).__name__]  # what save_pretrained records; config.save_pretrained does not
     # the weights written here, not by save_pretrained: under torch.distributed it writes them on rank 0 only, and a
     # conversion on another rank would be an entry without weights
     model.config.save_pretrained(out_dir)

@@ -24,9 +24,9 @@ WRITER = textwrap.dedent('''
             with open(log, "a") as f:
                 f.write(f"{os.getpid()}\\n")
         time.sleep(pause)
-        for name in ("config.json", "tokenizer_config.json"):
+        for name, content in (("config.json", {"architectures": ["LlamaForCausalLM"]}), ("tokenizer_config.json", {})):
             with open(os.path.join(tmp, name), "w") as f:
-                json.dump({}, f)
+                json.dump(content, f)
         save_file({"w": torch.ones(1000)}, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
 ''')
 
@@ -85,6 +85,10 @@ def test_an_incomplete_entry_is_written_again(tmp_path, writer):
     assert not is_complete(str(folder))
     cached_folder(str(folder), writer.write)
     assert is_complete(str(folder))
+    (folder / "config.json").write_text('{"model_type": "llama"}')  # what conversions before the fix wrote
+    assert not is_complete(str(folder))
+    cached_folder(str(folder), writer.write)
+    assert json.loads((folder / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
 
 
 def test_a_cache_path_that_is_a_file_is_one_line(tmp_path, writer):
@@ -123,4 +127,5 @@ def test_the_conversion_writes_the_weights_on_a_rank_other_than_0(tmp_path, monk
     out = tmp_path / "converted"
     out.mkdir()
     convert_gguf(find_gguf("smollm2-135m-instruct"), str(out))
-    assert is_complete(str(out)) and json.loads((out / "config.json").read_text())["tie_word_embeddings"]
+    config = json.loads((out / "config.json").read_text())
+    assert is_complete(str(out)) and config["tie_word_embeddings"] and config["architectures"] == ["LlamaForCausalLM"]
