@@ -65,6 +65,7 @@ from tokengym.agents.algorithms.dpo_logps import shared_prefix_logps  # noqa: F4
 from tokengym.agents.algorithms.dpo_reference import DPOReference
 from tokengym.agents.algorithms.registry import register
 from tokengym.rewards.common import Renamed
+from tokengym.rewards.packing import set_packing
 
 __all__ = ["DPOConfig", "DPOLearner"]
 
@@ -163,7 +164,7 @@ class DPOLearner(DPOFit, DPOReference):
         check_learner_args(type(self).__name__, policy, config, DPOConfig)
         self.policy = policy
         self.config = cfg = config or DPOConfig()
-        policy.packing = cfg.packing  # the reference's forwards pack as the policy's do
+        set_packing(cfg.packing, policy)  # the reference's forwards pack as the policy's do
         self.logger = RunLogger(run_dir)
         self.optim = OptimizerStep.adamw(policy.parameters(), cfg.lr, cfg.weight_decay, schedule=cfg.lr_scheduler_type,
                                          warmup=cfg.warmup_steps, max_grad_norm=cfg.max_grad_norm,
