@@ -269,7 +269,7 @@ class LikelihoodRewardModel(RewardModel):
     as :class:`RewardModel`), so a Bradley-Terry fit (:func:`train_reward_model` accepts this object in
     place of a classifier) starts from what the LM already knows: how likely each next token is. A
     sequence head on the same trunk has to learn that from scratch, and on Arithmetic it ranks the
-    policy's own right and wrong samples far worse (``bench/RESULTS.md``, ``tests/agents/test_rlhf_pipeline.py``).
+    policy's own right and wrong samples far worse (``bench/RESULTS.md``, ``tests/agents/data/test_rlhf_pipeline.py``).
 
     With ``reference`` (a frozen copy of the starting LM, e.g. ``frozen_copy(model)``), the score is
     ``beta * (log p - log p_ref)``: DPO's implicit reward (Rafailov et al. 2023; as a reward model for RL,

@@ -33,7 +33,7 @@ The loss math is :func:`tokengym.agents.functional.dpo_loss`; this file only fee
   chosen log-prob below the reference's; ``nll_coef`` adds an NLL term on the chosen completion (RPO,
   Pang et al. 2024). On arithmetic pairs, plain DPO gains greedy accuracy only at a smaller learning
   rate, or with ``dpop_lambda``; with the model's own wrong answers as rejected completions it needs a
-  smaller one still (measurements: ``bench/RESULTS.md``, ``tests/agents/test_dpo_learner.py``).
+  smaller one still (measurements: ``bench/RESULTS.md``, ``tests/agents/algorithms/test_dpo_learner.py``).
 
 Example:
     >>> from tokengym.agents.engine.policy import Policy

@@ -40,7 +40,7 @@ def preference_pairs(run: RunConfig, task: Any, exclude: set[str]) -> list[dict[
 
 ON_POLICY = "on-policy"
 LIKELIHOOD_RM_BETA = 0.5
-"""Scale of the likelihood reward model's log-likelihood (the recipe of ``tests/agents/test_rlhf_pipeline.py``)."""
+"""Scale of the likelihood reward model's log-likelihood (the recipe of ``tests/agents/data/test_rlhf_pipeline.py``)."""
 
 
 def on_policy(run: RunConfig, task: Any, exclude: set[str]) -> list[dict[str, Any]]:

@@ -100,7 +100,7 @@ def on_policy_pairs(policy: Any, task: Any, n_prompts: int, group_size: int = 8,
     the policy always solves give none. Both sides of most pairs are then what a reward model meets
     during RL from this policy, and they differ where the policy really slips (on Arithmetic: a carry),
     unlike bundled corruptions (random digits) or "reference vs wrong sample" pairs, which the tiny
-    warm start's RM could not turn into a ranking of its samples (see ``tests/agents/test_rlhf_pipeline.py``).
+    warm start's RM could not turn into a ranking of its samples (see ``tests/agents/data/test_rlhf_pipeline.py``).
 
     Sampling uses the policy's own settings, is seeded by ``seed`` (which also draws the prompts) and
     restores the policy's generator state afterwards. ``progress(done, n_prompts)`` is called after each rollout

@@ -26,3 +26,14 @@ def test_no_class_in_agents_algorithms_is_over_the_limit():
     over = {key: n for key, n in class_sizes().items() if n > LIMIT}
     assert not over, f"classes over {LIMIT} lines (split them along their seams): {over}"
 
+
+
+def test_the_tests_mirror_the_agents_subpackages():
+    """``tests/agents/<sub>/`` for each subpackage ``agents/<sub>/`` and no other folder (the pure math's tests,
+    ``functional.py`` and ``variants.py``, and the house checks stay in ``tests/agents/``)."""
+    tests = pathlib.Path(__file__).resolve().parent
+    subpackages = {p.parent.name for p in ALGORITHMS.parent.glob("*/__init__.py")}
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert subpackages == {"algorithms", "cli", "data", "engine", "runtime"}
+    assert folders == subpackages, f"test folders {sorted(folders)} vs subpackages {sorted(subpackages)}"
+    assert all(any((tests / sub).glob("test_*.py")) for sub in subpackages)

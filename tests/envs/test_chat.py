@@ -1,6 +1,6 @@
 """Chat prompts (TRL's conversational format) in token envs, with a small chat tokenizer: the bundled char tokenizer
 plus ChatML's ``<|im_start|>`` / ``<|im_end|>`` and a ChatML template, whose pad token is its end-of-turn token (as
-SmolLM2's is). The real chat model's own checks are in ``tests/agents/test_real_model.py``."""
+SmolLM2's is). The real chat model's own checks are in ``tests/agents/engine/test_real_model.py``."""
 
 import gymnasium as gym
 import numpy as np

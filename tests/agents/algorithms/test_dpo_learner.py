@@ -21,12 +21,12 @@ from tokengym.agents.engine.rollout import collect, evaluate, heldout_samples
 from tokengym.envs import TokenVectorEnv
 from tokengym.envs.tasks import ArithmeticTask
 
-_spec = importlib.util.spec_from_file_location("_numerics", pathlib.Path(__file__).with_name("_numerics.py"))
+_spec = importlib.util.spec_from_file_location("_numerics", pathlib.Path(__file__).parents[1] / "_numerics.py")
 numerics = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(numerics)
 WIDEST = 352  # the tiny preset's widest layer (intermediate_size): the longest sum over features in a backward
 
-CHECKPOINT = os.path.join(os.path.dirname(__file__), "..", "..", "agents", "checkpoints", "tiny-arithmetic")
+CHECKPOINT = os.path.join(os.path.dirname(__file__), "..", "..", "..", "agents", "checkpoints", "tiny-arithmetic")
 TASK = ArithmeticTask(n_operands=(2, 3), digits=2, operators="+")
 
 

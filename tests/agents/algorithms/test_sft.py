@@ -19,7 +19,7 @@ from tokengym.agents.cli import main as tokengym
 from tokengym.envs import TokenVectorEnv
 from tokengym.envs.tasks import ArithmeticTask
 
-CHECKPOINT = os.path.join(os.path.dirname(__file__), "..", "..", "agents", "checkpoints", "tiny-arithmetic")
+CHECKPOINT = os.path.join(os.path.dirname(__file__), "..", "..", "..", "agents", "checkpoints", "tiny-arithmetic")
 
 
 @pytest.fixture(scope="module")
@@ -214,7 +214,7 @@ def test_stopped_and_restored_fit_equals_an_uninterrupted_one(one_thread, k):
     def learner(seed):
         return SFTLearner(Policy(*build_preset("tiny", seed=seed)), task, cfg)
 
-    def records(*learners):  # the run folder's metrics.jsonl: tests/agents/test_fit_run_dir.py
+    def records(*learners):  # the run folder's metrics.jsonl: tests/agents/runtime/test_fit_run_dir.py
         return [{k: v for k, v in r.items() if k != "time"} for one in learners for r in one.logger.history]
 
     def same(h):

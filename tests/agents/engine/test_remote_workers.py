@@ -285,7 +285,7 @@ def test_a_torchrun_fsdp2_learner_with_two_tokengym_workers_equals_local_workers
     same: every rollout statistic equal)."""
     from tokengym.agents.cli import main
 
-    worker = os.path.join(os.path.dirname(__file__), "dist_worker.py")
+    worker = os.path.join(os.path.dirname(os.path.dirname(__file__)), "dist_worker.py")
     common = ["train", "grpo", "--steps", "3", "--prompts", "2", "--group-size", "4", "--eval-prompts", "0",
               "--threads", "1", "--progress", "false", "--save-every", "0", "--lr", "1e-3", "--sharding", "fsdp2",
               "--runs-dir", str(tmp_path), "--sync-bucket-mb", "0.05"]

@@ -13,7 +13,7 @@ from tokengym.agents.algorithms.grpo import GRPOAgent, GRPOConfig, grpo_advantag
 from tokengym.agents.engine.policy import Policy
 from tokengym.agents.engine.rollout import collect
 
-_spec = importlib.util.spec_from_file_location("_numerics", pathlib.Path(__file__).with_name("_numerics.py"))
+_spec = importlib.util.spec_from_file_location("_numerics", pathlib.Path(__file__).parents[1] / "_numerics.py")
 numerics = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(numerics)
 WIDEST = 352  # the tiny preset's widest layer (intermediate_size): the longest sum over features in a backward

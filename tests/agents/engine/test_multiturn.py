@@ -156,7 +156,7 @@ def test_shipped_calculator_warm_start_scores_what_its_card_says():
     from tokengym.agents.engine.rollout import evaluate, heldout_samples
     from tokengym.envs.tasks import CalculatorTask
 
-    folder = os.path.join(os.path.dirname(__file__), "..", "..", "agents", "checkpoints", "tiny-calculator")
+    folder = os.path.join(os.path.dirname(__file__), "..", "..", "..", "agents", "checkpoints", "tiny-calculator")
     meta = json.load(open(os.path.join(folder, "warmstart.json")))["after"]
     policy = Policy.from_pretrained("tiny-calculator")
     task = CalculatorTask()

@@ -22,7 +22,7 @@ from tokengym.agents.cli import main
 from tokengym.agents.runtime import runs as R
 from tokengym.agents.runtime import sharding as S
 
-NUMERICS = pathlib.Path(__file__).with_name("_numerics.py")
+NUMERICS = pathlib.Path(__file__).parents[1] / "_numerics.py"
 _spec = importlib.util.spec_from_file_location("_numerics", NUMERICS)
 numerics = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(numerics)
@@ -66,7 +66,7 @@ def sharded(tmp_path_factory):
     (``--packing bins``: the sharded ranks still run the same passes), and unsharded and padded in 1 process in
     lockstep with it."""
     root = tmp_path_factory.mktemp("fsdp2")
-    worker = os.path.join(os.path.dirname(__file__), "dist_worker.py")
+    worker = os.path.join(os.path.dirname(os.path.dirname(__file__)), "dist_worker.py")
     diffs = numerics.two_against_one(root, worker, _commands(root / "two", [*FSDP2, "--packing", "bins"]),
                                      _commands(root / "one", ["--packing", "off"]), main)
     return root / "two", root / "one", dict(zip(RUNS, diffs))

@@ -28,7 +28,7 @@ from tokengym.agents.cli import main
 from tokengym.agents.engine.policy import sample_logits
 from tokengym.envs.tasks import ArithmeticTask
 
-NUMERICS = pathlib.Path(__file__).with_name("_numerics.py")
+NUMERICS = pathlib.Path(__file__).parents[1] / "_numerics.py"
 _spec = importlib.util.spec_from_file_location("_numerics", NUMERICS)
 numerics = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(numerics)
@@ -78,7 +78,7 @@ def runs(tmp_path_factory):
     saves each optimizer step's gradients) and 1 rank (in-process, in lockstep with them; ``gradient_diffs[name]``
     holds, per optimizer step of that run, how its gradients differed, see ``_numerics.Lockstep``)."""
     root = tmp_path_factory.mktemp("dist")
-    worker = os.path.join(os.path.dirname(__file__), "dist_worker.py")
+    worker = os.path.join(os.path.dirname(os.path.dirname(__file__)), "dist_worker.py")
     diffs = numerics.two_against_one(root, worker, _commands(str(root / "two")), _commands(str(root / "one")), main)
     return root / "two", root / "one", dict(zip(RUNS, diffs))
 

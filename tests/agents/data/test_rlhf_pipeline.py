@@ -153,7 +153,7 @@ def test_ppo_against_the_learned_rm_raises_verifier_accuracy(on_policy_rm):
     reward ``0.5 * log(pi_rm / pi_sft)`` (2 epochs, lr 1e-4); PPO scores with ``0.5 * log pi_rm`` (the
     reference dropped), normalised on the warm start's samples: PPO's defaults, 30 steps.
 
-    Measured by this test with ``python -m pytest -s -m slow tests/agents/test_rlhf_pipeline.py`` (one torch
+    Measured by this test with ``python -m pytest -s -m slow tests/agents/data/test_rlhf_pipeline.py`` (one torch
     thread, 6.2 min; at 2 threads the floats differ and seed 1 gave 0.695, hence the pinned thread count
     and the assertion on the mean gain of the two seeds, each also > +2 points):
     RM held-out pairwise accuracy 0.830, within-prompt 0.834; RM score -0.48 -> 0.09 and -0.08 -> 0.28;
