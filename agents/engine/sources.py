@@ -2,7 +2,8 @@
 policy version; it does not know which source it has.
 
 * :class:`InProcess`: the agent's own rollout backend (the policy, or an in-process engine), synchronous training.
-* :class:`~tokengym.agents.engine.worker_pool.WorkerPool` (in ``worker_pool.py``, re-exported here; shared by :class:`~tokengym.agents.engine.workers.RolloutWorkers`, local worker processes, and
+* :class:`~tokengym.agents.engine.worker_pool.WorkerPool` (re-exported here; shared by
+  :class:`~tokengym.agents.engine.workers.RolloutWorkers`, local worker processes, and
   :class:`~tokengym.agents.engine.remote.RemoteWorkers`, ``tokengym worker`` servers anywhere): rollouts sampled by
   older versions while the learner updates (async modes), with the version schedule, the staleness check, the
   weight publication and the checkpointed queue.
