@@ -162,13 +162,23 @@ class WeightSync:
         return (f"weight sync of policy version {version} failed: {who} did not take it within {self.timeout:g} s "
                 f"(sync_timeout) ({why})")
 
+    def _broke(self, version: int, why: str, ranks: Sequence[int] = ()) -> WeightSyncError:
+        """The error for workers that are gone (not late; ``ranks``, else every worker of the group): ``lost`` says
+        why, so a pool may go on without them."""
+        who = ", ".join(self.names.get(r, f"rollout worker {r - 1}") for r in ranks or range(1, self.workers + 1))
+        err = WeightSyncError(f"weight sync of policy version {version} failed: the connection to {who} broke ({why})")
+        err.lost = why
+        return err
+
     def _answers(self, version: int) -> None:
         keys = [f"ack/{r}/{version}" for r in range(1, self.workers + 1)]
         deadline, pause = time.monotonic() + self.timeout, 0.001
         try:
             while not self.store.check(keys):  # polled: a worker known to be gone ends the wait at once
-                if (why := self.gone()) is not None or time.monotonic() > deadline:
-                    raise WeightSyncError(self._lagging(version, why or "no acknowledgement"))
+                if (why := self.gone()) is not None:
+                    raise self._broke(version, why, [r for r, k in enumerate(keys, 1) if not self.store.check([k])])
+                if time.monotonic() > deadline:
+                    raise WeightSyncError(self._lagging(version, "no acknowledgement"))
                 time.sleep(pause)
                 pause = min(2 * pause, 0.05)
         except (RuntimeError, dist.DistStoreError) as e:
@@ -261,9 +271,7 @@ def send(syncs: Sequence[WeightSync], version: int, named: Iterable[tuple[str, t
         if "timed out" in why.lower():
             err = WeightSyncError(s._lagging(version, why))
         else:  # the connection broke: the worker is gone, not late
-            who = ", ".join(s.names.get(r, f"rollout worker {r - 1}") for r in range(1, s.workers + 1))
-            err = WeightSyncError(f"weight sync of policy version {version} failed: the connection to {who} broke ({why})")
-            err.lost = why
+            err = s._broke(version, why)
         err.sync = s  # which group failed: a pool of remote workers may go on without it
         raise err from None
     return time.perf_counter() - t0

@@ -24,7 +24,7 @@ from tokengym.agents.engine.remote import call
 from tokengym.agents.engine.rollout import collect
 from tokengym.agents.engine.sources import WorkerError
 from tokengym.agents.engine.worker_loop import weight_manifest
-from tokengym.agents.runtime.weight_sync import WeightSync, layout, send, views
+from tokengym.agents.runtime.weight_sync import WeightSync, WeightSyncError, layout, send, views
 from tokengym.envs import TokenVectorEnv
 
 SECRET = "loopback-test-secret"
@@ -148,6 +148,33 @@ def test_the_bucketed_stream_reassembles_every_tensor_exactly(bucket):
     assert sync._bucket.numel() == min(bucket, total)  # the one buffer the sender held
     for (_, want), have in zip(named, got["tensors"]):
         assert have.dtype == want.dtype and torch.equal(have, want)
+
+
+def test_a_worker_known_gone_during_a_sync_is_lost_at_once_not_late():
+    """The worker took the bytes but will never answer, and the learner already knows it is gone (its fetcher's
+    connection closed): the sync ends at once, as a lost worker (``lost`` set, so a pool stops in its one line or goes
+    on without it), not as a sync that waited out its timeout."""
+    manifest = M.manifest([("a", torch.ones(3))])
+    store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
+    took = threading.Event()
+
+    def worker():  # receives version 1, never answers
+        sync = WeightSync(WeightSync.connect(store.port, 1), 1, 1, 30, "cpu")
+        sync.receive(lambda n: torch.empty(n, dtype=torch.uint8), manifest)
+        took.set()
+
+    t = threading.Thread(target=worker, daemon=True)
+    t.start()
+    sync = WeightSync(store, 0, 1, 300, "cpu")
+    sync.names = {1: "rollout worker w:1"}
+    sync.gone = lambda: "RemoteDisconnected: closed" if took.is_set() else None
+    t0 = time.monotonic()
+    with pytest.raises(WeightSyncError) as caught:
+        send([sync], 1, iter([("a", torch.ones(3))]), manifest)
+    assert time.monotonic() - t0 < 60 and caught.value.lost == "RemoteDisconnected: closed" and caught.value.sync is sync
+    assert str(caught.value) == ("weight sync of policy version 1 failed: the connection to rollout worker w:1 broke "
+                                 "(RemoteDisconnected: closed)")
+    t.join(30)
 
 
 # ---------------------------------------------------------------------------------------------- the worker's door
