@@ -1,0 +1,185 @@
+"""The OpenAI chat-completions wire format, shared by agent envs (:mod:`tokengym.envs.agent_env`) and ``tokengym serve``.
+
+Requests are checked here (one :class:`APIError` line naming the problem, as the OpenAI API answers it), tool calls are
+written and parsed in a model's tool format (:class:`HermesTools`: ``<tool_call>{"name": ..., "arguments": ...}
+</tool_call>``, the form SmolLM2 and Qwen use), and responses are built as the plain JSON the ``openai`` client reads.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from typing import Any, Mapping, Sequence
+
+__all__ = ["APIError", "HermesTools", "ToolFormat", "check_chat_request", "check_tools", "chat_completion",
+           "text_completion", "model_list", "error_body", "same_message"]
+
+
+class APIError(Exception):
+    """A request refused: ``status`` (400, 401, 404, ...), OpenAI's error ``type`` and ``code``, and one line."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.status, self.type, self.code = status, type, code
+
+
+def error_body(e: APIError) -> dict[str, Any]:
+    return {"error": {"message": str(e), "type": e.type, "code": e.code, "param": None}}
+
+
+def check_tools(tools: Any) -> list[dict[str, Any]]:
+    """``tools`` as OpenAI function tools (``[{"type": "function", "function": {"name", "parameters"}}]``), or an
+    :class:`APIError` naming the first bad one. A parameters schema must be a JSON-schema object."""
+    if tools is None:
+        return []
+    if not isinstance(tools, list):
+        raise APIError(400, f"tools must be a list, got {type(tools).__name__}")
+    names = set()
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, Mapping) and t.get("type") == "function" else None
+        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise APIError(400, f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': "
+                                f"...}}}}, got {t!r:.120}")
+        if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", fn["name"]):
+            raise APIError(400, f"tools[{i}]: function name {fn['name']!r} must be 1-64 letters, digits, _ or -")
+        if fn["name"] in names:
+            raise APIError(400, f"tools[{i}]: function name {fn['name']!r} is declared twice")
+        names.add(fn["name"])
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, Mapping) or params.get("type", "object") != "object":
+            raise APIError(400, f"tools[{i}] ({fn['name']}): parameters must be a JSON schema of type 'object', got "
+                                f"{params!r:.120}")
+        props = params.get("properties", {})
+        if not isinstance(props, Mapping) or not all(isinstance(v, Mapping) for v in props.values()):
+            raise APIError(400, f"tools[{i}] ({fn['name']}): parameters.properties must map names to schemas")
+    return [dict(t) for t in tools]
+
+
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def check_chat_request(body: Any) -> dict[str, Any]:
+    """A ``/v1/chat/completions`` body, checked: messages of known roles, tools, no streaming, ``n`` of 1."""
+    if not isinstance(body, Mapping):
+        raise APIError(400, "the request body must be a JSON object")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, "messages must be a non-empty list")
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or m.get("role") not in _ROLES:
+            raise APIError(400, f"messages[{i}] must have a role among {', '.join(_ROLES)}, got {m!r:.120}")
+    if body.get("stream"):
+        raise APIError(400, "streaming is not supported here: call without stream=True")
+    if body.get("n", 1) not in (1, None):
+        raise APIError(400, f"n={body['n']!r} is not supported: ask for one choice per call (n=1)")
+    check_tools(body.get("tools"))
+    return dict(body)
+
+
+def text_of(content: Any) -> str:
+    """A message's content as text (a string, or the text parts of a content list)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, Mapping))
+    raise APIError(400, f"message content must be a string or a list of text parts, got {type(content).__name__}")
+
+
+def _calls(m: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    out = []
+    for c in m.get("tool_calls") or []:
+        fn = c.get("function", {}) if isinstance(c, Mapping) else {}
+        args = fn.get("arguments", "{}")
+        try:
+            args = json.loads(args) if isinstance(args, str) else args
+        except ValueError:
+            pass
+        out.append((fn.get("name"), args))
+    return out
+
+
+def same_message(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Whether two chat messages say the same: role, text and tool calls (arguments compared as parsed JSON, so an
+    agent that re-serialises them, or sends ``content: None`` for ``""``, still matches)."""
+    return (a.get("role") == b.get("role") and text_of(a.get("content")).strip() == text_of(b.get("content")).strip()
+            and _calls(a) == _calls(b) and a.get("tool_call_id") == b.get("tool_call_id"))
+
+
+class ToolFormat:
+    """How a model writes tool calls: the text of a call, and the calls parsed back out of a turn's text."""
+
+    name = "none"
+
+    def parse(self, text: str, call_id: str) -> tuple[str, list[dict[str, Any]]]:
+        """``(content, tool_calls)`` of a turn's text; ``call_id`` prefixes the calls' ids (``{call_id}_{i}``)."""
+        return text, []
+
+    def system_text(self, tools: Sequence[Mapping[str, Any]]) -> str:
+        """The system text that declares ``tools`` to a model whose chat template ignores ``tools=``."""
+        return ""
+
+
+class HermesTools(ToolFormat):
+    """``<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>``, once per call (Hermes; SmolLM2, Qwen)."""
+
+    name = "hermes"
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+
+    def parse(self, text: str, call_id: str) -> tuple[str, list[dict[str, Any]]]:
+        calls, spans = [], []
+        for m in self._CALL.finditer(text):
+            try:
+                obj = json.loads(m.group(1))
+            except ValueError:
+                continue  # not a call: it stays in the content, as the model wrote it
+            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+                continue
+            args = obj.get("arguments", {})
+            calls.append({"id": f"{call_id}_{len(calls)}", "type": "function",
+                          "function": {"name": obj["name"], "arguments": json.dumps(args)}})
+            spans.append(m.span())
+        if not calls:
+            return text, []
+        content, at = [], 0
+        for a, b in spans:
+            content.append(text[at:a])
+            at = b
+        content.append(text[at:])
+        return "".join(content).strip(), calls
+
+    def system_text(self, tools: Sequence[Mapping[str, Any]]) -> str:
+        listed = "\n".join(json.dumps(t["function"]) for t in tools)
+        return ("You may call one or more functions to assist with the user query. The functions are listed within "
+                f"<tools></tools>:\n<tools>\n{listed}\n</tools>\nFor each function call, write a JSON object with the "
+                'function name and arguments within <tool_call></tool_call> tags:\n<tool_call>\n{"name": '
+                '<function-name>, "arguments": <args-json-object>}\n</tool_call>')
+
+
+def chat_completion(*, id: str, model: str, content: str, tool_calls: list[dict[str, Any]], finish_reason: str,
+                    prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    """A ``chat.completion`` object with one choice."""
+    message: dict[str, Any] = {"role": "assistant", "content": content if content or not tool_calls else None}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"id": id, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens}}
+
+
+def text_completion(*, id: str, model: str, text: str, finish_reason: str, prompt_tokens: int,
+                    completion_tokens: int) -> dict[str, Any]:
+    """A ``text_completion`` object with one choice (``/v1/completions``)."""
+    return {"id": id, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens}}
+
+
+def model_list(names: Sequence[str]) -> dict[str, Any]:
+    """The ``/v1/models`` list."""
+    return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "tokengym"} for n in names]}
