@@ -120,11 +120,12 @@ class WorkerPool:
     def _raise_failed(self) -> None:
         failed, self._failed = self._failed, None
         if failed is not None:
-            self._check_alive()
+            # a broken connection is a worker dying: give its exit a moment to be seen, so the line names it
+            self._check_alive(wait=5.0 if getattr(failed, "lost", None) else 0.0)
             raise WorkerError(str(failed)) from None
 
-    def _check_alive(self) -> None:
-        """Raise a :class:`WorkerError` naming a worker known to be gone."""
+    def _check_alive(self, wait: float = 0.0) -> None:
+        """Raise a :class:`WorkerError` naming a worker known to be gone (within ``wait`` seconds)."""
 
     def _pending_failed(self) -> None:
         """Called while waiting for a message: a sync that failed meanwhile means its worker will send nothing."""

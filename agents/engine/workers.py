@@ -160,7 +160,10 @@ class RolloutWorkers(WorkerPool):
         dead = next((p for p in self.procs if p.exitcode is not None), None)
         return None if dead is None else f"{dead.name} (pid {dead.pid}) exited with {dead.exitcode}"
 
-    def _check_alive(self) -> None:
+    def _check_alive(self, wait: float = 0.0) -> None:
+        deadline = time.monotonic() + wait
+        while wait and all(p.exitcode is None for p in self.procs) and time.monotonic() < deadline:
+            time.sleep(0.05)
         for i, p in enumerate(self.procs):
             if p.exitcode is not None:
                 how = f"signal {-p.exitcode}" if p.exitcode < 0 else f"exit code {p.exitcode}"

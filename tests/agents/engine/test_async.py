@@ -476,3 +476,22 @@ def test_a_rollout_that_never_comes_stops_the_run_naming_its_worker(tmp_path, mo
         agent.learn(env)
     with pytest.raises(ValueError, match="rollout_timeout"):
         GRPOConfig(rollout_timeout=0.5)
+
+
+def test_a_sync_broken_by_a_dying_worker_names_the_worker_once_its_exit_shows():
+    """The weight sync can see a killed worker's connection reset before its exit is reaped: the learner gives the
+    exit a moment to show, so the one line says which worker died and how (not the socket error)."""
+    import multiprocessing as mp
+    import types
+
+    from tokengym.agents.engine.workers import RolloutWorkers
+    from tokengym.agents.runtime.weight_sync import WeightSyncError
+
+    proc = mp.get_context("spawn").Process(target=time.sleep, args=(0.5,))
+    proc.start()
+    pool = types.SimpleNamespace(procs=[proc], next=3, _failed=WeightSyncError("the connection broke (reset by peer)"))
+    pool._failed.lost = "RuntimeError: reset by peer"
+    pool._check_alive = lambda wait=0.0: RolloutWorkers._check_alive(pool, wait)
+    with pytest.raises(WorkerError, match=r"^rollout worker 0 \(pid \d+\) died \(exit code 0\) before rollout 3"):
+        RolloutWorkers._raise_failed(pool)
+    proc.join()
