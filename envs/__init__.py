@@ -19,7 +19,21 @@ from tokengym.envs.vector_env import TokenVectorEnv, resolve_task
 
 register_envs()
 
+_LAZY = {"AgentTask": "tokengym.envs.adapters.agent", "agent_env": "tokengym.envs.adapters.agent"}
+"""Names loaded on first use (an agent env needs the ``openai`` client: ``pip install 'tokengym[agents]'``)."""
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_LAZY[name]), name)
+
+
 __all__ = [
+    "AgentTask",
+    "agent_env",
     "ENV_GUIDE",
     "ENV_IDS",
     "Reply",

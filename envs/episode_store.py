@@ -39,7 +39,8 @@ class EpisodeStore:
         self.last_action = torch.zeros(N, dtype=torch.long, device=dev)  # generation column of the newest action
         self.turn_start = torch.zeros(N, dtype=torch.long, device=dev)  # where the current agent turn began
         self.reply_len = torch.zeros(N, dtype=torch.long, device=dev)  # reply tokens appended by the last step
-        self.turn_counts = {k: torch.zeros(N, dtype=torch.long, device=dev) for k in TURN_EVENTS}
+        self.turn_counts = {k: torch.zeros(N, dtype=torch.long, device=dev)
+                            for k in (*TURN_EVENTS, *self.task.turn_events)}
         """Each row's multi-turn events in its current episode (see :data:`TURN_EVENTS`)."""
         self.turn_rewards = torch.zeros((N, M), dtype=torch.float32, device=dev)
         self.history: list[list[str]] = [[] for _ in range(N)]
@@ -84,7 +85,10 @@ class EpisodeStore:
             if not (isinstance(s.get("prompt"), str) or is_messages(s.get("prompt"))):
                 raise ValueError(f"each sample needs a 'prompt' string or list of chat messages, got {s!r:.80}")
             check_roles(s["prompt"], "a sample's prompt")
-        enc = encode_prompts(self.tokenizer, [s["prompt"] for s in samples])
+        own = [s.get("prompt_ids") for s in samples]  # a task that renders its own prompts gives their ids
+        rest = iter(encode_prompts(self.tokenizer, [s["prompt"] for s, o in zip(samples, own) if o is None])
+                    if None in own else [])
+        enc = [list(o) if o is not None else next(rest) for o in own]
         longest = max(len(ids) for ids in enc)
         if longest > P:
             i = max(range(len(enc)), key=lambda k: len(enc[k]))

@@ -48,12 +48,14 @@ class Reply:
         ids: token ids to append instead of ``text`` (already tokenized by the env's tokenizer).
         done: the episode ends after this turn (terminated); the outcome reward is scored then.
         reward: a reward for the turn just ended, placed on the agent token that ended it.
+        event: a count this reply adds to the row (one of the task's ``turn_events``, or a :data:`TURN_EVENTS` name).
     """
 
     text: str | None = None
     ids: Sequence[int] | None = None
     done: bool = False
     reward: float = 0.0
+    event: str | None = None
 
 
 def _is_int(i: Any) -> bool:
@@ -86,6 +88,9 @@ def check_reply(task: Any, rep: Reply) -> Reply:
         raise bad(f"Reply(reward={rep.reward!r}): the turn reward must be finite in float32 (|reward| <= {F32_MAX:.3g})")
     if not isinstance(rep.done, bool):
         raise bad(f"Reply(done={rep.done!r}): done must be a bool")
+    events = (*TURN_EVENTS, *getattr(task, "turn_events", ()))
+    if rep.event is not None and rep.event not in events:
+        raise bad(f"Reply(event={rep.event!r}): event must be one of {', '.join(events)}")
     return rep
 
 
@@ -244,6 +249,8 @@ class MultiTurnMixin:
             end, last = ends[s], lasts[s]
             if err:
                 count[err][s] += 1
+            if rep.event:
+                count[rep.event][s] += 1
             if rep.reward:
                 self.turn_rewards[s, last] += float(rep.reward)
                 self.rewards[s, last] += float(rep.reward)

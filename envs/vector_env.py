@@ -130,6 +130,7 @@ class TokenVectorEnv(EpisodeStore, ScoringMixin, MultiTurnMixin, VectorEnv):
             check_reward(process_reward, "process_reward")
         self.task = resolve_task(task, **task_kwargs)
         self.tokenizer = load_tokenizer(tokenizer)
+        self.task.bind(self.tokenizer)
         if self.task.chat:
             check_chat_template(self.tokenizer)
         self.reward_fn = reward if reward is not None else self.task.reward()
@@ -163,6 +164,7 @@ class TokenVectorEnv(EpisodeStore, ScoringMixin, MultiTurnMixin, VectorEnv):
         self.observation_space = batch_space(self.single_observation_space, num_envs)
 
         self.multi_turn = self.task.multi_turn
+        self._ends_episodes = self.multi_turn and type(self.task).episode_over is not Task.episode_over
         stops = list(stop_strings if stop_strings is not None else self.task.stop_strings)
         self._markers = [*stops, *self.task.turn_stop_strings] if self.multi_turn else stops
         self._stops = StopMatcher(self.tokenizer, self._markers, self.vocab_size, self.max_prompt_len, self.device)
@@ -336,6 +338,8 @@ class TokenVectorEnv(EpisodeStore, ScoringMixin, MultiTurnMixin, VectorEnv):
             raise ValueError(f"the rewards of episode slot {slot} add up to {float(reward[slot])} in float32 this step "
                              f"(turn reward, step scores and outcome are each finite; their sum overflows): scale them down")
         self.ended = done_now.nonzero().flatten().tolist() if flags[2] else []
+        if self.ended and self._ends_episodes:
+            self._episodes_over(trunc_now)
         if resetting is not None:
             term_out, trunc_out = term_now, trunc_now
             self.restarted = resetting.nonzero().flatten().tolist() if flags[4] else []
@@ -359,6 +363,18 @@ class TokenVectorEnv(EpisodeStore, ScoringMixin, MultiTurnMixin, VectorEnv):
             term_out, trunc_out = self.terminated.clone(), self.truncated.clone()
         info.update(self._info())
         return self._obs(), reward, term_out, trunc_out, info
+
+    def _episodes_over(self, trunc_now: torch.Tensor) -> None:
+        """Tell the task which of the ended rows it did not end itself (truncated), with the unfinished agent turn
+        of a row whose budget ran out mid-turn."""
+        P = self.max_prompt_len
+        for s in [s for s in self.ended if bool(trunc_now[s])]:
+            history = list(self.history[s])
+            partial = None
+            if len(history) % 2 == 0:  # the agent was mid-turn (no turn of its own waits for a reply)
+                ids = self.tokens[s, P + int(self.turn_start[s]):P + int(self.gen_len[s])].tolist()
+                partial = self.tokenizer.decode(ids, skip_special_tokens=True)
+            self.task.episode_over(self.samples[s], history, partial)
 
     # ------------------------------------------------------------------ views
     @property

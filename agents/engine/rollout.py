@@ -53,7 +53,9 @@ def turn_metrics(ro: Rollout) -> dict[str, float]:
     st = ro.turn_stats
     return {"env/turns_per_episode": st["turns"] / n, "env/replies_per_episode": st["replies"] / n,
             "env/tool_errors": float(st["tool_errors"]), "env/tool_timeouts": float(st["tool_timeouts"]),
-            "env/reply_overflows": float(st["reply_overflows"]), "env/max_turns_truncations": float(st["max_turns"])}
+            "env/reply_overflows": float(st["reply_overflows"]), "env/max_turns_truncations": float(st["max_turns"]),
+            **({"agent/errors": float(st["agent_errors"]), "agent/timeouts": float(st["agent_timeouts"])}
+               if "agent_errors" in st else {})}  # an agent env's
 
 
 def used_columns(action_mask: torch.Tensor) -> int:
@@ -317,9 +319,12 @@ def _cache_rows(env, held: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 
 
 def heldout_samples(task, n: int, seed: int = 10_007) -> list[dict[str, Any]]:
-    """``n`` prompts from ``task`` drawn from a fixed seed kept apart from training seeds."""
+    """``n`` prompts from ``task`` drawn from a fixed seed kept apart from training seeds (a task with a held-out
+    split of its own, such as an agent env's ``eval_data``, gives them from it: ``heldout_batch``)."""
     import numpy as np
 
+    if hasattr(task, "heldout_batch"):
+        return task.heldout_batch(n, seed)
     return task.batch(np.random.default_rng(seed), n)
 
 

@@ -3,6 +3,7 @@
 ======================  ==========================  =====================================================
 name                    extra (``pip install``)     what
 ======================  ==========================  =====================================================
+:class:`AgentTask`      ``tokengym[agents]``        an agent written against the OpenAI client (its calls)
 :class:`VerifiersTask`  ``tokengym[verifiers]``     a verifiers environment (parser, rubric, env_response)
 :class:`OpenEnvTask`    ``tokengym[openenv]``       an OpenEnv environment, in-process or via its client
 :class:`GEMTask`        ``tokengym[gem]``           a GEM env id (games, reasoning-gym, ...)
@@ -24,6 +25,8 @@ from typing import Any
 
 _WHERE = {
     "EpisodeTask": "episodes", "Turn": "episodes",
+    "AgentTask": "agent", "agent_env": "agent",
+    "ChatFormat": "chat_format", "TemplateFormat": "chat_format", "PlainFormat": "chat_format", "TagTools": "chat_format",
     "VerifiersTask": "verifiers",
     "OpenEnvTask": "openenv",
     "GEMTask": "gem",

@@ -15,12 +15,11 @@ calls a judge model, or whose tools run in remote sandboxes, need those services
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures as cf
-import threading
 from typing import Any, Hashable
 
 import numpy as np
 
+from .bridge import Loop, Suspended
 from .episodes import EpisodeTask, Turn, require
 
 __all__ = ["VerifiersTask"]
@@ -51,23 +50,12 @@ def _as_dicts(messages: Any) -> list[dict[str, str]]:
     return out
 
 
-class _Loop:
-    """One event loop on a daemon thread, where every episode's rollout of a task runs."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, name="tokengym-verifiers", daemon=True).start()
-
-
 class _Rollout:
-    """One verifiers rollout, suspended whenever it asks its model for a turn."""
+    """One verifiers rollout, suspended whenever it asks its model for a turn (:class:`~.bridge.Suspended`)."""
 
     def __init__(self, task: "VerifiersTask", row: dict[str, Any]):
         vf = _legacy()
-        self.loop, self.timeout = task._loop.loop, task.reply_timeout
-        self._event: cf.Future = cf.Future()
-        self._answer: asyncio.Future | None = None
-        self.seen = 0
+        self.bridge, self.seen = Suspended(task.reply_timeout), 0
         rollout = self
 
         class TokenEpisodeClient(vf.Client):
@@ -84,7 +72,7 @@ class _Rollout:
 
             async def get_native_response(self, prompt: Any, model: str, sampling_args: Any, tools: Any = None,
                                           **kwargs: Any) -> str:
-                return await rollout._ask(prompt)
+                return await asyncio.wrap_future(rollout.bridge.ask(prompt))
 
             async def raise_from_native_response(self, response: Any) -> None:
                 return None
@@ -97,27 +85,24 @@ class _Rollout:
                 return None
 
         run = task.env.run_rollout(row, TokenEpisodeClient(None), "tokengym", {})
-        self._task = asyncio.run_coroutine_threadsafe(self._run(run), self.loop)
-
-    async def _ask(self, prompt: Any) -> str:
-        self._answer = self.loop.create_future()
-        self._event.set_result(("ask", prompt))
-        return await self._answer
+        self._task = asyncio.run_coroutine_threadsafe(self._run(run), task._loop.loop)
 
     async def _run(self, run: Any) -> None:
         try:
             out = await run
         except BaseException as e:  # noqa: BLE001 - handed to the thread that waits for this rollout
-            if not self._event.done():
-                self._event.set_exception(e)
+            self.bridge.fail(e)
             raise
-        self._event.set_result(("done", out))
+        self.bridge.finish(out)
 
     def _next(self) -> tuple[str, Any]:
         try:
-            return self._event.result(timeout=self.timeout)
-        except cf.TimeoutError:
-            raise TimeoutError(f"the verifiers rollout did not answer within {self.timeout} s") from None
+            kind, payload = self.bridge.next()
+        except TimeoutError as e:
+            raise TimeoutError(f"the verifiers rollout did not answer: {e}") from None
+        if kind == "error":
+            raise payload
+        return kind, payload
 
     def first(self) -> list[dict[str, str]]:
         kind, payload = self._next()
@@ -128,8 +113,7 @@ class _Rollout:
         return messages
 
     def step(self, action: str) -> Turn:
-        answer, self._event = self._answer, cf.Future()
-        self.loop.call_soon_threadsafe(answer.set_result, action)  # type: ignore[union-attr]
+        self.bridge.answer(action)
         kind, payload = self._next()
         if kind == "ask":
             messages = _as_dicts(payload)
@@ -142,8 +126,9 @@ class _Rollout:
         return Turn(final, float(payload.get("reward") or 0.0), True)
 
     def close(self) -> None:
+        self.bridge.close()
         if not self._task.done():
-            self.loop.call_soon_threadsafe(self._task.cancel)
+            self._task.cancel()
 
 
 class VerifiersTask(EpisodeTask):
@@ -172,7 +157,7 @@ class VerifiersTask(EpisodeTask):
         self.env, self.rows = env, [dict(r) for r in dataset]
         if not self.rows:
             raise ValueError(f"VerifiersTask: {type(env).__name__} has no {'eval ' if eval else ''}rows")
-        self._loop = _Loop()
+        self._loop = Loop("tokengym-verifiers")
         super().__init__(f"verifiers/{env.env_id or type(env).__name__}", chat=chat, **options)
 
     def draw(self, rng: np.random.Generator) -> Hashable:

@@ -82,6 +82,16 @@ class Task:
         :class:`~tokengym.envs.multiturn.Reply`. ``history`` alternates agent turns and earlier replies (text)."""
         return None
 
+    turn_events: tuple[str, ...] = ()
+    """Per-row counts a task's replies add to the env's :data:`~tokengym.envs.multiturn.TURN_EVENTS` (``Reply.event``)."""
+
+    def bind(self, tokenizer: Any) -> None:
+        """Hook the env calls with its tokenizer at construction (a task that renders its own token ids needs it)."""
+
+    def episode_over(self, sample: dict[str, Any], history: list[str], partial: str | None) -> None:
+        """Hook the env calls when it truncates a multi-turn episode (token budget, ``max_turns``), so a task that
+        keeps live state per episode can end it. ``partial``: the agent's unfinished turn, if the budget cut one."""
+
     @property
     def multi_turn(self) -> bool:
         """Whether the task answers the agent mid-episode (it overrides :meth:`respond`)."""

@@ -193,7 +193,17 @@ def _class_id(cls: type[Task]) -> str:
 
 
 def _register_class(cls: Any, spec: str) -> str:
-    """The id of Task class ``cls`` (named by ``spec``), registering it first if it is not in the table yet."""
+    """The id of Task class ``cls`` (named by ``spec``), registering it first if it is not in the table yet; an agent
+    function (``agent(client, sample)``) registers as the agent env that runs it."""
+    if callable(cls) and not isinstance(cls, type):
+        from tokengym.envs.adapters.agent import agent_task_class
+
+        known = next((s for s in _SPECS.values() if getattr(s.cls, "agent", None) is cls), None)
+        if known is not None:
+            return known.env_id
+        task_cls = agent_task_class(cls)
+        register_task(spec, task_cls, env_id=_class_id(task_cls), description=task_cls.__doc__.splitlines()[0])
+        return _class_id(task_cls)
     if not (isinstance(cls, type) and issubclass(cls, Task)):
         raise ValueError(f"{spec} is not a tokengym Task class (it is {type(cls).__name__} {cls!r:.60}); name a "
                          "subclass of tokengym.envs.Task, or an env id the module registers")
