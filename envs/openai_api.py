@@ -121,6 +121,11 @@ class ToolFormat:
         """The system text that declares ``tools`` to a model whose chat template ignores ``tools=``."""
         return ""
 
+    def grammar(self, tools: Sequence[Mapping[str, Any]]) -> str | None:
+        """A Lark grammar (llguidance's) of a turn: text without ``<``, or calls of ``tools`` that parse against
+        their schemas (``None``: this format cannot constrain its calls)."""
+        return None
+
 
 class HermesTools(ToolFormat):
     """``<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>``, once per call (Hermes; SmolLM2, Qwen)."""
@@ -150,6 +155,14 @@ class HermesTools(ToolFormat):
             at = b
         content.append(text[at:])
         return "".join(content).strip(), calls
+
+    def grammar(self, tools: Sequence[Mapping[str, Any]]) -> str | None:
+        calls = [{"type": "object", "properties": {
+            "name": {"const": t["function"]["name"]},
+            "arguments": t["function"].get("parameters", {"type": "object", "properties": {}})},
+            "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+        return ('start: free | calls\nfree: /[^<]*/\ncalls: call+\ncall: "<tool_call>\\n" body "\\n</tool_call>"\n'
+                f"body: %json {json.dumps({'oneOf': calls})}")
 
     def system_text(self, tools: Sequence[Mapping[str, Any]]) -> str:
         listed = "\n".join(json.dumps(t["function"]) for t in tools)

@@ -86,9 +86,10 @@ def agent_env(data: Any = None, **options: Any) -> Callable[[Callable], Callable
     return mark
 
 
-def agent_task_class(agent: Callable) -> type["AgentTask"]:
+def agent_task_class(agent: Callable, resolve: Callable[[str], Task] | None = None) -> type["AgentTask"]:
     """The :class:`AgentTask` class of an agent function, for ``--env module:function``: its ``@agent_env`` options
-    (``data`` ...) are the defaults of the class's keyword arguments (``--env-kwargs``)."""
+    (``data`` ...) are the defaults of the class's keyword arguments (``--env-kwargs``); ``resolve`` makes a task of a
+    ``data`` that names one (``"calculator"``)."""
     if inspect.isclass(agent) or not callable(agent):
         raise ValueError(f"an agent must be a function agent(client, sample), got {agent!r:.80}")
     defaults = dict(getattr(agent, "tokengym_agent", {}))
@@ -99,7 +100,10 @@ def agent_task_class(agent: Callable) -> type["AgentTask"]:
         if options.get("data") is None:
             raise ValueError(f"agent {where} has no data: mark it @agent_env(data=...) or pass --env-kwargs "
                              "'{\"data\": \"samples.jsonl\"}' (a JSONL file, a list of dicts or a task name)")
-        AgentTask.__init__(self, agent, options.pop("data"), **options)
+        data = options.pop("data")
+        if isinstance(data, str) and not data.endswith(".jsonl") and resolve is not None:
+            data = resolve(data)
+        AgentTask.__init__(self, agent, data, **options)
 
     name = getattr(agent, "__name__", "agent")
     return type(name, (AgentTask,), {"__init__": __init__, "agent": staticmethod(agent), "__module__": agent.__module__,
@@ -117,6 +121,9 @@ class AgentTask(EpisodeTask):
             ``sample(rng)`` draws them.
         eval_data: held-out samples (a list or JSONL) for ``heldout_samples``; a Task's are its own held-out draws.
         reward: ``reward(messages, sample) -> float`` for an agent that returns ``None``.
+        constrain_tools: sample each turn under a grammar (llguidance: ``tokengym[grammar]``): free text without
+            ``<``, or tool calls that parse against the schemas of the tools the first call declared; the trainer
+            scores the turn under the same masks.
         format: a :class:`ChatFormat` (default: the tokenizer's chat template with Hermes tool calls, or plain text
             for a tokenizer without one).
         model: the model name(s) the endpoint serves (a call naming another is refused: 404).
@@ -133,7 +140,7 @@ class AgentTask(EpisodeTask):
                  format: ChatFormat | None = None, model: str | Sequence[str] = "tokengym", transport: str = "http",
                  host: str = "127.0.0.1", port: int = 0, secret: str | None = None, turn_timeout: float = 60.0,
                  max_turns: int | None = None, max_new_tokens: int = 256, cache_size: int = 4096,
-                 name: str | None = None):
+                 constrain_tools: bool = False, name: str | None = None):
         if not callable(agent) or isinstance(agent, type):
             raise ValueError(f"agent must be a function agent(client, sample), got {agent!r:.80}")
         if transport not in ("http", "inproc"):
@@ -144,7 +151,12 @@ class AgentTask(EpisodeTask):
             raise ValueError(f"format must be a ChatFormat (TemplateFormat(), PlainFormat(...)), got {format!r:.80}")
         if isinstance(turn_timeout, bool) or not isinstance(turn_timeout, numbers.Real) or not turn_timeout > 0:
             raise ValueError(f"turn_timeout must be a number of seconds > 0, got {turn_timeout!r}")
+        if not isinstance(constrain_tools, bool):
+            raise ValueError(f"constrain_tools must be true or false, got {constrain_tools!r}")
         self.openai = require("openai", "agents", "AgentTask")
+        if constrain_tools:  # each turn sampled (and trained) under its tools' grammar: see grammar_for
+            self.grammar = {"lark": "start: /[^<]*/"}  # a turn with no tools declared
+            self.grammar_for = self._tool_grammar  # type: ignore[method-assign]
         self.agent, self.is_async = agent, inspect.iscoroutinefunction(agent)
         self.source = self._source(data)
         self.eval_rows = _load_rows(eval_data) if eval_data is not None else None
@@ -164,11 +176,12 @@ class AgentTask(EpisodeTask):
 
     @staticmethod
     def _source(data: Any) -> Any:
+        if isinstance(data, Task):
+            return data
         if isinstance(data, str) and not data.endswith(".jsonl"):
-            from tokengym.envs.vector_setup import resolve_task
-
-            return resolve_task(data)
-        return data if isinstance(data, Task) else _load_rows(data)
+            raise ValueError(f"agent env data {data!r}: a JSONL file must end in .jsonl; a task is passed as a Task "
+                             "(tokengym.envs.resolve_task(name)), or by name in --env-kwargs")
+        return _load_rows(data)
 
     # ------------------------------------------------------------------ set up by the env
     def bind(self, tokenizer: Any) -> None:
@@ -192,6 +205,13 @@ class AgentTask(EpisodeTask):
             break
         # tokens here (prompts come as ids): room for longer draws (512 if no probe called the model)
         self.max_prompt_chars = 2 * longest + 64 if longest else 512
+
+    def _tool_grammar(self, sample: dict[str, Any], turn: int) -> dict[str, Any] | None:
+        """The grammar of ``sample``'s turns (``constrain_tools``): free text without ``<``, or calls that parse
+        against the schemas of the tools its first call declared."""
+        tools = sample.get("tools")
+        text = self.format.tools.grammar(tools) if tools else None
+        return {"lark": text} if text else self.grammar
 
     def client(self, eid: str) -> Any:
         """An ``openai`` client whose ``base_url`` is episode ``eid`` (async for a coroutine agent)."""
@@ -241,7 +261,7 @@ class AgentTask(EpisodeTask):
             ids = self.format.prompt([{"role": "user", "content": "(the agent made no call)"}], [])
             return {"prompt": self.tokenizer.decode(ids), "prompt_ids": ids, "key": key, "failed": [e.event, str(e)]}
         self._park((key,), episode)
-        return {"prompt": self.tokenizer.decode(ids), "prompt_ids": ids, "key": key}
+        return {"prompt": self.tokenizer.decode(ids), "prompt_ids": ids, "key": key, "tools": episode.tools}
 
     def start(self, key: Hashable) -> tuple[list[int], "AgentEpisode"]:
         episode = AgentEpisode(self, key, self.row(key))

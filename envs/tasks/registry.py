@@ -201,7 +201,7 @@ def _register_class(cls: Any, spec: str) -> str:
         known = next((s for s in _SPECS.values() if getattr(s.cls, "agent", None) is cls), None)
         if known is not None:
             return known.env_id
-        task_cls = agent_task_class(cls)
+        task_cls = agent_task_class(cls, lambda name: _resolve_name(name))
         register_task(spec, task_cls, env_id=_class_id(task_cls), description=task_cls.__doc__.splitlines()[0])
         return _class_id(task_cls)
     if not (isinstance(cls, type) and issubclass(cls, Task)):
@@ -214,6 +214,13 @@ def _register_class(cls: Any, spec: str) -> str:
     register_task(f"{cls.__module__}:{cls.__qualname__}", cls, env_id=_class_id(cls),
                   description=doc[0] if doc else f"{cls.__qualname__} from {cls.__module__}")
     return _class_id(cls)
+
+
+def _resolve_name(name: str) -> Task:
+    """A registered task by name (an agent env's ``data``), with its defaults."""
+    if name not in _SPECS:
+        raise ValueError(f"unknown task {name!r}; choose one of {sorted(_SPECS)}, a JSONL file or a list of dicts")
+    return _SPECS[name].cls()
 
 
 def load_entry_points() -> None:

@@ -15,7 +15,7 @@ import torch
 
 from tokengym.agents import Policy
 from tokengym.agents.engine.rollout import collect, trimmed_logprobs, turn_metrics
-from tokengym.envs import AgentTask, TokenVectorEnv, char_tokenizer, check_vector_env
+from tokengym.envs import AgentTask, TokenVectorEnv, char_tokenizer, check_vector_env, resolve_task
 from tokengym.envs.adapters import PlainFormat, TagTools, TemplateFormat
 from tokengym.envs.openai_api import HermesTools
 
@@ -149,7 +149,7 @@ CALC_FORMAT = PlainFormat(TagTools("<calc>", "</calc>", "calculate", "expression
 
 def test_agent_rollout_logprobs_equal_a_trainer_forward_and_the_env_passes_the_checker():
     policy = Policy.from_pretrained("tiny-calculator", seed=0)
-    task = AgentTask(calculator_agent, "calculator", format=CALC_FORMAT, max_new_tokens=64)
+    task = AgentTask(calculator_agent, resolve_task("calculator"), format=CALC_FORMAT, max_new_tokens=64)
     env = TokenVectorEnv(8, task, tokenizer=policy.tokenizer, group_size=2)
     ro = collect(env, policy, seed=0)
     full = trimmed_logprobs(policy, ro).detach()
@@ -157,7 +157,7 @@ def test_agent_rollout_logprobs_equal_a_trainer_forward_and_the_env_passes_the_c
     assert bool((ro.logprobs[ro.action_mask == 0] == 0).all())
     m = turn_metrics(ro)
     assert m["agent/errors"] == 0.0 and m["agent/timeouts"] == 0.0
-    check_vector_env(TokenVectorEnv(2, AgentTask(calculator_agent, "calculator", format=CALC_FORMAT,
+    check_vector_env(TokenVectorEnv(2, AgentTask(calculator_agent, resolve_task("calculator"), format=CALC_FORMAT,
                                                  max_new_tokens=64), tokenizer=policy.tokenizer))
 
 
@@ -226,3 +226,38 @@ def test_settings_that_cannot_work_are_refused_in_one_line(tok):
     with pytest.raises(ValueError, match=r"^agent env 'agent/bad_tools': its first call was refused: tools\[0\] \(f\): "
                                          r"parameters must be a JSON schema of type 'object'"):
         TokenVectorEnv(1, AgentTask(bad_tools, [{}]), tokenizer=tok)
+
+
+def test_a_masked_tool_call_always_parses_against_its_schema():
+    """Under ``constrain_tools`` each turn is text without ``<`` or calls of ``add`` whose arguments are exactly the
+    schema's (two integers, nothing else): actions drawn at random from the env's masks (leaning to ``<`` and to the
+    end of turn, so that calls start and finish), 24 episodes. A rollout keeps the masks for the trainer."""
+    pytest.importorskip("llguidance")
+    policy = Policy.from_pretrained("tiny", seed=3)
+    tok = policy.tokenizer
+    calls = []
+
+    def agent(client, sample):
+        r = client.chat.completions.create(model="tokengym", messages=[{"role": "user", "content": "add"}], tools=[ADD])
+        calls.extend(r.choices[0].message.tool_calls or [])
+        return 0.0
+
+    task = AgentTask(agent, [{}], format=PlainFormat(HermesTools()), constrain_tools=True, max_new_tokens=160)
+    assert collect(TokenVectorEnv(2, task, tokenizer=tok), policy, seed=0).token_masks is not None
+    env = TokenVectorEnv(24, task, tokenizer=tok)
+    rng, lt, eos = np.random.default_rng(0), tok.convert_tokens_to_ids("<"), tok.eos_token_id
+    env.reset(seed=1)
+    while not bool((env.terminated | env.truncated).all()):
+        allowed = env.action_masks().numpy()
+        acts = []
+        for row in allowed:
+            ids = np.flatnonzero(row)
+            lean = [i for i in (lt, eos) if row[i]]
+            acts.append(int(rng.choice(lean)) if lean and rng.random() < 0.5 else int(rng.choice(ids)))
+        env.step(torch.tensor(acts))
+    texts = [tok.decode(env.tokens[i][env.action_mask[i]].tolist(), skip_special_tokens=True) for i in range(24)]
+    assert sum("<tool_call>" in t for t in texts) >= 4 and all("<" not in t for t in texts if "<tool_call>" not in t)
+    assert len(calls) >= 2  # finished calls (the others ran out of budget mid-call)
+    for c in calls:
+        args = json.loads(c.function.arguments)
+        assert c.function.name == "add" and set(args) == {"a", "b"} and all(type(v) is int for v in args.values())
