@@ -129,6 +129,29 @@ def _load_newest_checkpoint(model: Any, run_dir: str) -> str:
                        "they load?); try again")
 
 
+def _saved_run(run_dir: str) -> Any:
+    """The run settings a run folder's ``config.json`` recorded (a one-line UsageError when it cannot be read)."""
+    from tokengym.agents.runtime import runs as R
+    from tokengym.agents.runtime.run_config import RunConfig
+
+    run = RunConfig()
+    R.apply_overrides({"run": run}, R.read_run_config(run_dir)["run"], f"{run_dir}/config.json")
+    return run
+
+
+def _run_model(run_dir: str, run: Any) -> tuple[str, str | None]:
+    """``(model, checkpoint)`` of a run folder (``run``: its saved settings): its final ``model/`` folder, else its
+    base model and its newest checkpoint, whose weights go on top (:func:`_load_newest_checkpoint`)."""
+    from tokengym.agents.runtime import runs as R
+
+    if os.path.isdir(os.path.join(run_dir, "model")):
+        return os.path.join(run_dir, "model"), None
+    checkpoint = R.latest_checkpoint(run_dir)
+    if checkpoint is None:
+        raise R.UsageError(f"{run_dir} has neither a final model nor a checkpoint yet")
+    return run.model, checkpoint
+
+
 def _cmd_eval(args: argparse.Namespace) -> int:
     from tokengym.agents.runtime import runs as R
     from tokengym.agents.engine.resources import check_device
@@ -141,14 +164,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         raise R.UsageError("pass --run RUN_DIR or --model MODEL")
     checkpoint = None
     if args.run is not None:
-        R.apply_overrides({"run": run}, R.read_run_config(args.run)["run"], f"{args.run}/config.json")
-        if model is None and os.path.isdir(os.path.join(args.run, "model")):
-            model = os.path.join(args.run, "model")
-        elif model is None:
-            checkpoint = R.latest_checkpoint(args.run)
-            if checkpoint is None:
-                raise R.UsageError(f"{args.run} has neither a final model nor a checkpoint yet")
-            model = run.model
+        run = _saved_run(args.run)
+        if model is None:
+            model, checkpoint = _run_model(args.run, run)
     run.model, run.device = model, args.device
     try:
         check_device(args.device)
