@@ -1,4 +1,4 @@
-"""The OpenAI chat-completions wire format, shared by agent envs (:mod:`tokengym.envs.agent_env`) and ``tokengym serve``.
+"""The OpenAI chat-completions wire format, shared by agent envs (:mod:`tokengym.envs.adapters.agent`) and ``tokengym serve``.
 
 Requests are checked here (one :class:`APIError` line naming the problem, as the OpenAI API answers it), tool calls are
 written and parsed in a model's tool format (:class:`HermesTools`: ``<tool_call>{"name": ..., "arguments": ...}
@@ -12,8 +12,9 @@ import re
 import time
 from typing import Any, Mapping, Sequence
 
-__all__ = ["APIError", "HermesTools", "ToolFormat", "check_chat_request", "check_tools", "chat_completion",
-           "text_completion", "model_list", "error_body", "same_message"]
+__all__ = ["APIError", "HermesTools", "ToolFormat", "check_chat_request", "check_completion_request", "check_tools",
+           "chat_completion", "text_completion", "model_list", "error_body", "same_message", "message_calls",
+           "generation_settings", "text_of"]
 
 
 class APIError(Exception):
@@ -77,6 +78,73 @@ def check_chat_request(body: Any) -> dict[str, Any]:
     return dict(body)
 
 
+def check_completion_request(body: Any) -> dict[str, Any]:
+    """A ``/v1/completions`` body, checked: one prompt (a string, or token ids), no streaming, ``n`` of 1."""
+    if not isinstance(body, Mapping):
+        raise APIError(400, "the request body must be a JSON object")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    ids = isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    if not isinstance(prompt, str) and not (ids and prompt):
+        raise APIError(400, f"prompt must be one string or one non-empty list of token ids, got {prompt!r:.120}")
+    if body.get("stream"):
+        raise APIError(400, "streaming is not supported here: call without stream=True")
+    if body.get("n", 1) not in (1, None) or body.get("best_of", 1) not in (1, None):
+        raise APIError(400, "n and best_of other than 1 are not supported: ask for one completion per call")
+    return {**body, "prompt": prompt}
+
+
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "stop", "seed", "n", "stream", "user", "metadata", "store",
+           "service_tier"}
+_CHAT = _COMMON | {"messages", "tools", "tool_choice", "max_completion_tokens", "parallel_tool_calls"}
+_TEXT = _COMMON | {"prompt", "best_of"}
+_OFF = {"frequency_penalty": (0, None), "presence_penalty": (0, None), "logit_bias": ({}, None),
+        "logprobs": (False, None), "top_logprobs": (0, None), "echo": (False, None), "suffix": ("", None),
+        "stream_options": (None,), "response_format": ({"type": "text"}, None)}
+"""Parameters this server has no support for, accepted only at these values (which ask for nothing)."""
+
+
+def _number(body: Mapping[str, Any], key: str, default: float, low: float, high: float,
+            low_open: bool = False) -> float:
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (low < v if low_open else low <= v) or v > high:
+        raise APIError(400, f"{key}={v!r} must be a number in {'(' if low_open else '['}{low:g}, {high:g}]")
+    return float(v)
+
+
+def generation_settings(body: Mapping[str, Any], chat: bool) -> dict[str, Any]:
+    """What a chat or text completion asks of generation: ``max_tokens`` (``None``: as many as fit), ``temperature``
+    (0: greedy), ``top_p``, ``stop`` (a list of strings) and ``seed``; an :class:`APIError` for a parameter that
+    would be silently ignored here (an unknown one, or one asking for what this server does not do)."""
+    known = _CHAT if chat else _TEXT
+    for key, v in body.items():
+        if key in _OFF and v not in _OFF[key]:
+            raise APIError(400, f"{key}={v!r:.80} is not supported here (leave it out)")
+        if key not in known and key not in _OFF:
+            raise APIError(400, f"unknown parameter {key!r} (this server takes: {', '.join(sorted(known))})")
+    if chat and body.get("tool_choice") not in (None, "auto", "none"):
+        raise APIError(400, f"tool_choice={body['tool_choice']!r:.80} is not supported here: only 'auto' and 'none'")
+    limits = {k: body[k] for k in ("max_tokens", "max_completion_tokens") if body.get(k) is not None}
+    for key, v in limits.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise APIError(400, f"{key}={v!r} must be a whole number of at least 1")
+    if len(set(limits.values())) > 1:
+        raise APIError(400, "max_tokens and max_completion_tokens differ: give one of them")
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else stop or []
+    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
+        raise APIError(400, f"stop must be a string or a list of at most 4 non-empty strings, got {body['stop']!r:.80}")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise APIError(400, f"seed={seed!r} must be a whole number")
+    return {"max_tokens": next(iter(limits.values()), 16 if not chat else None),
+            "temperature": _number(body, "temperature", 1.0, 0.0, 2.0),
+            "top_p": _number(body, "top_p", 1.0, 0.0, 1.0, low_open=True), "stop": stop, "seed": seed}
+
+
 def text_of(content: Any) -> str:
     """A message's content as text (a string, or the text parts of a content list)."""
     if content is None:
@@ -88,7 +156,8 @@ def text_of(content: Any) -> str:
     raise APIError(400, f"message content must be a string or a list of text parts, got {type(content).__name__}")
 
 
-def _calls(m: Mapping[str, Any]) -> list[tuple[str, Any]]:
+def message_calls(m: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """A message's tool calls as ``(name, arguments)``, the arguments parsed from their JSON text where they are."""
     out = []
     for c in m.get("tool_calls") or []:
         fn = c.get("function", {}) if isinstance(c, Mapping) else {}
@@ -105,7 +174,7 @@ def same_message(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     """Whether two chat messages say the same: role, text and tool calls (arguments compared as parsed JSON, so an
     agent that re-serialises them, or sends ``content: None`` for ``""``, still matches)."""
     return (a.get("role") == b.get("role") and text_of(a.get("content")).strip() == text_of(b.get("content")).strip()
-            and _calls(a) == _calls(b) and a.get("tool_call_id") == b.get("tool_call_id"))
+            and message_calls(a) == message_calls(b) and a.get("tool_call_id") == b.get("tool_call_id"))
 
 
 class ToolFormat:
@@ -125,6 +194,11 @@ class ToolFormat:
         """A Lark grammar (llguidance's) of a turn: text without ``<``, or calls of ``tools`` that parse against
         their schemas (``None``: this format cannot constrain its calls)."""
         return None
+
+    def write(self, message: Mapping[str, Any]) -> str:
+        """The text in which the model writes ``message``'s tool calls (what a template that ignores ``tool_calls``
+        is given as the assistant turn's content)."""
+        return ""
 
 
 class HermesTools(ToolFormat):
@@ -170,6 +244,10 @@ class HermesTools(ToolFormat):
                 f"<tools></tools>:\n<tools>\n{listed}\n</tools>\nFor each function call, write a JSON object with the "
                 'function name and arguments within <tool_call></tool_call> tags:\n<tool_call>\n{"name": '
                 '<function-name>, "arguments": <args-json-object>}\n</tool_call>')
+
+    def write(self, message: Mapping[str, Any]) -> str:
+        return "\n".join(f"{self.OPEN}\n{json.dumps({'name': name, 'arguments': args})}\n{self.CLOSE}"
+                         for name, args in message_calls(message))
 
 
 def chat_completion(*, id: str, model: str, content: str, tool_calls: list[dict[str, Any]], finish_reason: str,

@@ -6,6 +6,7 @@
     tokengym plot runs/NAME                                 PNG learning curves from the run's metrics
     tokengym envs                                           list the registered environment ids
     tokengym convert FILE.gguf|smollm2-135m-instruct [--out DIR]   a GGUF model as a save_pretrained folder
+    tokengym serve --model M [--listen HOST:PORT] [--secret-file F]   the OpenAI HTTP API on a model
 
 ``--env`` takes a registered id, ``module:Class`` (a Task class of your own) or ``module:EnvId-v0``; ``--import
 MODULE`` (repeatable) imports modules first. A run records both, so ``--resume``, ``eval --run`` and ``sample --run``
@@ -129,6 +130,29 @@ def _load_newest_checkpoint(model: Any, run_dir: str) -> str:
                        "they load?); try again")
 
 
+def _saved_run(run_dir: str) -> Any:
+    """The run settings a run folder's ``config.json`` recorded (a one-line UsageError when it cannot be read)."""
+    from tokengym.agents.runtime import runs as R
+    from tokengym.agents.runtime.run_config import RunConfig
+
+    run = RunConfig()
+    R.apply_overrides({"run": run}, R.read_run_config(run_dir)["run"], f"{run_dir}/config.json")
+    return run
+
+
+def _run_model(run_dir: str, run: Any) -> tuple[str, str | None]:
+    """``(model, checkpoint)`` of a run folder (``run``: its saved settings): its final ``model/`` folder, else its
+    base model and its newest checkpoint, whose weights go on top (:func:`_load_newest_checkpoint`)."""
+    from tokengym.agents.runtime import runs as R
+
+    if os.path.isdir(os.path.join(run_dir, "model")):
+        return os.path.join(run_dir, "model"), None
+    checkpoint = R.latest_checkpoint(run_dir)
+    if checkpoint is None:
+        raise R.UsageError(f"{run_dir} has neither a final model nor a checkpoint yet")
+    return run.model, checkpoint
+
+
 def _cmd_eval(args: argparse.Namespace) -> int:
     from tokengym.agents.runtime import runs as R
     from tokengym.agents.engine.resources import check_device
@@ -141,14 +165,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         raise R.UsageError("pass --run RUN_DIR or --model MODEL")
     checkpoint = None
     if args.run is not None:
-        R.apply_overrides({"run": run}, R.read_run_config(args.run)["run"], f"{args.run}/config.json")
-        if model is None and os.path.isdir(os.path.join(args.run, "model")):
-            model = os.path.join(args.run, "model")
-        elif model is None:
-            checkpoint = R.latest_checkpoint(args.run)
-            if checkpoint is None:
-                raise R.UsageError(f"{args.run} has neither a final model nor a checkpoint yet")
-            model = run.model
+        run = _saved_run(args.run)
+        if model is None:
+            model, checkpoint = _run_model(args.run, run)
     run.model, run.device = model, args.device
     try:
         check_device(args.device)
@@ -210,6 +229,50 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         server.serve_forever()
     except KeyboardInterrupt:
         print("tokengym worker: stopped", file=sys.stderr, flush=True)
+    finally:
+        server.close()
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import signal
+
+    from tokengym.agents.runtime import runs as R
+    from tokengym.agents.engine.policy import Policy
+    from tokengym.agents.engine.remote import parse_address, read_secret
+    from tokengym.agents.engine.resources import check_device
+    from tokengym.agents.engine.serving import PolicyServer
+
+    try:
+        host, port = parse_address(args.listen)
+        secret = read_secret(args.secret_file, "the server needs a secret: --secret-file PATH")
+        check_device(args.device)
+    except ValueError as e:
+        raise R.UsageError(f"tokengym serve: {e}") from None
+    if args.threads is not None:
+        if args.threads < 1:
+            raise R.UsageError(f"--threads must be at least 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    model, checkpoint = args.model, None
+    if R.is_run_dir(args.model):  # a run folder: its final model, else its newest checkpoint (as eval --run)
+        model, checkpoint = _run_model(args.model, _saved_run(args.model))
+    try:
+        policy = Policy.from_pretrained(model, device=args.device, seed=args.seed)
+    except Exception as e:  # a missing folder, a damaged weights file, ...
+        raise R.UsageError(f"cannot load model {model!r}: {R.first_line(e)}") from None
+    if checkpoint is not None:
+        checkpoint = _load_newest_checkpoint(policy.model, args.model)
+    try:
+        server = PolicyServer(policy, args.name or args.model, host, port, secret=secret)
+    except OSError as e:
+        raise R.UsageError(f"tokengym serve: cannot listen on {args.listen}: {e.strerror or e}") from None
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    print(f"tokengym serve: {checkpoint or model} as model {server.name!r} on http://{server.address}/v1 (OpenAI API; "
+          "every request needs the secret as its bearer token)", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        print("tokengym serve: stopped", file=sys.stderr, flush=True)
     finally:
         server.close()
     return 0
@@ -333,7 +396,7 @@ def _unknown_flag(flag: str, args: argparse.Namespace) -> str:
     return f"unknown option {flag!r}{hint}"
 
 
-_NOT_TRAIN = frozenset({"eval", "plot", "convert", "worker", "envs", "sample"})
+_NOT_TRAIN = frozenset({"eval", "plot", "convert", "worker", "serve", "envs", "sample"})
 """The commands besides ``train`` (the subparsers below): one of them as the first argument builds ``train``'s parser
 without its algorithms (see :func:`_train_parser`); anything else builds it in full, as ``tokengym --help`` shows it."""
 
@@ -381,6 +444,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--model", help="the model folder or preset to build (default: the one the learner names)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads for sampling (default: torch's)")
     p.set_defaults(fn=_cmd_worker)
+    p = sub.add_parser("serve", help="serve a model over the OpenAI HTTP API (chat and text completions)",
+                       description="An OpenAI-compatible endpoint on a model: GET /v1/models, POST /v1/chat/completions "
+                       "(chat models; tool calls parsed) and POST /v1/completions, one request at a time. Every request "
+                       "must carry the secret as its bearer token (the openai client's api_key).")
+    p.add_argument("--model", required=True, help="preset, shipped checkpoint, local folder or run folder (runs/NAME: "
+                   "its final model, else its newest checkpoint)")
+    p.add_argument("--listen", default="127.0.0.1:8000", metavar="HOST:PORT", help="where to listen (default: "
+                   "127.0.0.1:8000, this machine only; 0.0.0.0:PORT for every interface; port 0: a free one, printed)")
+    p.add_argument("--secret-file", help="a file whose first line is the secret (default: $TOKENGYM_SECRET)")
+    p.add_argument("--name", help="the model name clients ask for (default: --model as given)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--seed", type=int, default=0, help="seeds sampling for requests without a seed of their own")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.set_defaults(fn=_cmd_serve)
     p = sub.add_parser("envs", help="list registered environment ids")
     p.set_defaults(fn=_cmd_envs)
     p = sub.add_parser("sample", help="roll out a scripted policy and print completions with their rewards")

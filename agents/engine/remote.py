@@ -63,9 +63,10 @@ def parse_address(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def read_secret(path: str | None) -> bytes:
+def read_secret(path: str | None, missing: str = "rollout workers need a shared secret: --secret-file PATH "
+                "(--worker-secret-file for a learner)") -> bytes:
     """The shared secret: the file's first line (``path``), else ``$TOKENGYM_SECRET``; ``ValueError`` when neither
-    gives one."""
+    gives one (``missing``, then ``or TOKENGYM_SECRET``: who needs it and how to give it)."""
     if path:
         try:
             with open(path, encoding="utf-8") as f:
@@ -77,8 +78,7 @@ def read_secret(path: str | None) -> bytes:
         return secret.encode()
     secret = os.environ.get("TOKENGYM_SECRET", "").strip()
     if not secret:
-        raise ValueError("rollout workers need a shared secret: --secret-file PATH (--worker-secret-file for a learner) "
-                         "or TOKENGYM_SECRET")
+        raise ValueError(f"{missing} or TOKENGYM_SECRET")
     return secret.encode()
 
 

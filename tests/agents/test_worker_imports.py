@@ -1,5 +1,6 @@
 """Starting a rollout worker loads no training algorithm: ``tokengym worker`` (the CLI builds ``train``'s per-algorithm
-parsers only when ``train`` is the command) and the local rollout worker's process entry (``engine.workers``).
+parsers only when ``train`` is the command), ``tokengym serve`` and the local rollout worker's process entry
+(``engine.workers``).
 
 Each probe runs in a fresh interpreter and prints the ``tokengym.agents.algorithms*`` modules it left loaded.
 """
@@ -10,7 +11,7 @@ import sys
 
 import pytest
 
-OTHER_COMMANDS = ("eval", "plot", "convert", "worker", "envs", "sample")
+OTHER_COMMANDS = ("eval", "plot", "convert", "worker", "serve", "envs", "sample")
 """Every ``tokengym`` command but ``train``."""
 
 
@@ -36,6 +37,12 @@ def test_the_worker_command_loads_no_algorithm():
 def test_the_worker_command_run_loads_no_algorithm():
     """Past the parser into the command itself (a bad address: one error line, nothing listens)."""
     assert loaded_algorithms(cli("worker", "--listen", "no-port-here")) == []
+
+
+def test_the_serve_command_run_loads_no_algorithm():
+    """``tokengym serve`` past the parser (a bad address: one error line, nothing listens) and the server's module."""
+    code = cli("serve", "--model", "tiny-arithmetic", "--listen", "no-port-here") + "import tokengym.agents.engine.serving\n"
+    assert loaded_algorithms(code) == []
 
 
 def test_the_local_rollout_workers_process_entry_loads_no_algorithm():
