@@ -33,6 +33,7 @@ import os
 import threading
 import uuid
 import warnings
+from collections import OrderedDict
 from typing import Any, Callable, Hashable, Mapping, Sequence
 
 import numpy as np
@@ -169,6 +170,7 @@ class AgentTask(EpisodeTask):
         self._loop = Loop() if self.is_async else None
         self._http: Any = None
         self._ids = itertools.count()
+        self._drawn: OrderedDict[int, dict[str, Any]] = OrderedDict()
         self.tag = uuid.uuid4().hex[:8]
         self.tokenizer = None
         super().__init__(name or f"agent/{getattr(agent, '__name__', 'agent')}", max_turns=max_turns,
@@ -230,20 +232,32 @@ class AgentTask(EpisodeTask):
                    max_retries=0)
 
     # ------------------------------------------------------------------ samples
+    KEPT_ROWS = 1 << 16
+    """A Task's drawn samples kept for replays (by key, oldest dropped first): far more than episodes in flight."""
+
     def draw(self, rng: np.random.Generator) -> Hashable:
-        if isinstance(self.source, Task):
-            return int(rng.integers(0, 2**31 - 1))
-        return int(rng.integers(len(self.source)))
+        """A data row's index, or (a Task's) a key of the sample it draws from ``rng`` itself, so the agent env meets
+        the same samples, in the same order, as the task's own env seeded alike (and ``heldout_samples`` its
+        held-out ones)."""
+        if not isinstance(self.source, Task):
+            return int(rng.integers(len(self.source)))
+        key = next(self._ids)
+        with self._lock:
+            self._drawn[key] = self.source.sample(rng)
+            while len(self._drawn) > self.KEPT_ROWS:
+                self._drawn.popitem(last=False)
+        return key
 
     def row(self, key: Hashable) -> dict[str, Any]:
         if isinstance(key, tuple):  # ("eval", i): a held-out row
             return dict(self.eval_rows[key[1]])  # type: ignore[index]
         if isinstance(self.source, Task):
-            return self.source.sample(np.random.default_rng(key))
+            return dict(self._drawn[key])
         return dict(self.source[int(key)])  # type: ignore[call-overload]
 
     def heldout_batch(self, n: int, seed: int) -> list[dict[str, Any]]:
-        """``n`` held-out samples: ``eval_data``'s rows in order (cycled), else draws from ``seed``."""
+        """``n`` held-out samples: ``eval_data``'s rows in order (cycled), else draws from ``seed`` (a Task's:
+        its own env's held-out samples)."""
         if self.eval_rows is None:
             return self.batch(np.random.default_rng(seed), n)
         return [self._sample(("eval", i % len(self.eval_rows))) for i in range(n)]
@@ -259,9 +273,9 @@ class AgentTask(EpisodeTask):
             ids, episode = self.start(key)
         except _Failed as e:  # no prompt to train on: a one-turn stand-in episode that ends at once, counted
             ids = self.format.prompt([{"role": "user", "content": "(the agent made no call)"}], [])
-            return {"prompt": self.tokenizer.decode(ids), "prompt_ids": ids, "key": key, "failed": [e.event, str(e)]}
+            return {"prompt": self.format.text(ids), "prompt_ids": ids, "key": key, "failed": [e.event, str(e)]}
         self._park((key,), episode)
-        return {"prompt": self.tokenizer.decode(ids), "prompt_ids": ids, "key": key, "tools": episode.tools}
+        return {"prompt": self.format.text(ids), "prompt_ids": ids, "key": key, "tools": episode.tools}
 
     def start(self, key: Hashable) -> tuple[list[int], "AgentEpisode"]:
         episode = AgentEpisode(self, key, self.row(key))

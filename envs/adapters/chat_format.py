@@ -60,6 +60,10 @@ class ChatFormat:
     def delta(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]]) -> list[int]:
         raise NotImplementedError
 
+    def text(self, ids: Sequence[int]) -> str:
+        """A prompt's ids as the text rewards and logs see (the template's markup included)."""
+        return self.tokenizer.decode(list(ids))
+
     def _ids(self, text: str, contents: Sequence[str], special: bool = False) -> list[int]:
         """Ids of ``text`` whose ``_MARK`` i stands for ``contents[i]``: markup with its special tokens, each content
         with special-token text split into ordinary tokens."""
@@ -160,3 +164,6 @@ class PlainFormat(ChatFormat):
 
     def delta(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]]) -> list[int]:
         return self._ids(*self._text(messages))
+
+    def text(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)  # as a text prompt reads: no BOS

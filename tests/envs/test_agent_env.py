@@ -261,3 +261,24 @@ def test_a_masked_tool_call_always_parses_against_its_schema():
     for c in calls:
         args = json.loads(c.function.arguments)
         assert c.function.name == "add" and set(args) == {"a", "b"} and all(type(v) is int for v in args.values())
+
+
+def test_the_calculator_as_an_agent_is_the_native_env_token_for_token():
+    """Same samples in the same order (the agent env draws from the env's generator through the task), the same
+    prompt and reply tokens, so a sampled rollout of tiny-calculator (seeded alike) is the native Calculator-v0's,
+    token for token, calls and replies included, with the same rewards."""
+    policy = Policy.from_pretrained("tiny-calculator", seed=0)
+    native = TokenVectorEnv(48, "calculator")
+    a = collect(native, policy, seed=0)
+    policy = Policy.from_pretrained("tiny-calculator", seed=0)  # its sampler's stream from the start again
+    agent = TokenVectorEnv(48, AgentTask(calculator_agent, resolve_task("calculator"), format=CALC_FORMAT,
+                                         max_new_tokens=native.max_new_tokens, max_turns=6), tokenizer=policy.tokenizer,
+                           max_prompt_len=native.max_prompt_len)  # the same padding: the same float rounding
+    b = collect(agent, policy, seed=0)
+    assert [s["prompt"] for s in native.samples] == [s["prompt"] for s in agent.samples]
+    P, Q = a.prompt_len, b.prompt_len
+    for i in range(48):
+        want = a.tokens[i, P:][a.attention_mask[i, P:]]
+        assert torch.equal(b.tokens[i, Q:][b.attention_mask[i, Q:]], want), i
+        assert torch.equal(b.action_mask[i][b.action_mask[i]], a.action_mask[i][a.action_mask[i]])
+    assert a.turn_stats["replies"] > 0 and torch.equal(a.outcome, b.outcome)
