@@ -283,7 +283,8 @@ class AgentTask(EpisodeTask):
             ids = episode.first()
         except _Failed as e:
             episode.close()
-            self.warn(e.event, str(e))
+            if not e.setting:  # a setting that cannot work is refused (by bind), not counted
+                self.warn(e.event, str(e))
             raise
         if self.max_prompt_chars > 64 and len(ids) > self.max_prompt_chars:
             why = (f"its first call's messages are {len(ids)} tokens, more than the prompt buffer "

@@ -104,7 +104,7 @@ class AgentServer:
 
                 do_GET = do_POST = _handle
 
-            self.httpd = ThreadingHTTPServer((host, port), Handler)
+            self.httpd = _Quiet((host, port), Handler)
             self.httpd.daemon_threads = True
             threading.Thread(target=self.httpd.serve_forever, name="tokengym-agent-server", daemon=True).start()
         host, port = self.httpd.server_address[:2]
@@ -115,6 +115,16 @@ class AgentServer:
             self.httpd.shutdown()
             self.httpd.server_close()
             self.httpd = None
+
+
+class _Quiet(ThreadingHTTPServer):
+    """A client that went away (an agent cancelled with its episode) is not an error worth a traceback."""
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        import sys
+
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
 
 
 def _response(request: httpx.Request, status: int, out: dict[str, Any]) -> httpx.Response:

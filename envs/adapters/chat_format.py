@@ -49,7 +49,11 @@ class ChatFormat:
     """The prompt's ids, a call's added messages as ids, the tool format and the texts that end a turn."""
 
     tools: ToolFormat = ToolFormat()
-    turn_stop_strings: tuple[str, ...] = ()
+
+    @property
+    def turn_stop_strings(self) -> tuple[str, ...]:
+        """Texts that end a turn besides the end-of-turn token: a tag format's closing tag (the env answers it)."""
+        return (self.tools.close,) if isinstance(self.tools, TagTools) else ()
 
     def bind(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -150,7 +154,6 @@ class PlainFormat(ChatFormat):
     def __init__(self, tools: ToolFormat | None = None, prefix: Mapping[str, str] | None = None):
         self.tools = tools or ToolFormat()
         self.prefix = dict(prefix or {})
-        self.turn_stop_strings = (self.tools.close,) if isinstance(self.tools, TagTools) else ()
 
     def _text(self, messages: Sequence[Mapping[str, Any]]) -> tuple[str, list[str]]:
         text, contents = "", []

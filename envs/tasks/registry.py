@@ -206,7 +206,8 @@ def _register_class(cls: Any, spec: str) -> str:
         return _class_id(task_cls)
     if not (isinstance(cls, type) and issubclass(cls, Task)):
         raise ValueError(f"{spec} is not a tokengym Task class (it is {type(cls).__name__} {cls!r:.60}); name a "
-                         "subclass of tokengym.envs.Task, or an env id the module registers")
+                         "subclass of tokengym.envs.Task, an agent function agent(client, sample), or an env id the "
+                         "module registers")
     known = next((s for s in _SPECS.values() if s.cls is cls), None)
     if known is not None:
         return known.env_id
