@@ -118,7 +118,10 @@ class AgentServer:
 
 
 class _Quiet(ThreadingHTTPServer):
-    """A client that went away (an agent cancelled with its episode) is not an error worth a traceback."""
+    """A client that went away (an agent cancelled with its episode) is not an error worth a traceback. The listen
+    backlog holds a batch's agents connecting at once (the default of 5 refuses some of 64)."""
+
+    request_queue_size = 1024
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         import sys
