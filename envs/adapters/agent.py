@@ -229,7 +229,7 @@ class AgentTask(EpisodeTask):
                                           limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
         cls = self.openai.AsyncOpenAI if self.is_async else self.openai.OpenAI
         return cls(base_url=f"{self.address}/e/{eid}/v1", api_key=self.server.secret, http_client=self._http,
-                   max_retries=0)
+                   max_retries=2)  # a connection that failed before the call reached the env
 
     # ------------------------------------------------------------------ samples
     KEPT_ROWS = 1 << 16
