@@ -87,6 +87,7 @@ class AgentServer:
 
             class Handler(BaseHTTPRequestHandler):
                 protocol_version = "HTTP/1.1"
+                disable_nagle_algorithm = True  # headers and body go out at once (not 40 ms apart: delayed ACKs)
 
                 def log_message(self, *args: Any) -> None:
                     return None
