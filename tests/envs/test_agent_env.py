@@ -282,3 +282,48 @@ def test_the_calculator_as_an_agent_is_the_native_env_token_for_token():
         assert torch.equal(b.tokens[i, Q:][b.attention_mask[i, Q:]], want), i
         assert torch.equal(b.action_mask[i][b.action_mask[i]], a.action_mask[i][a.action_mask[i]])
     assert a.turn_stats["replies"] > 0 and torch.equal(a.outcome, b.outcome)
+
+
+def test_a_turn_cut_by_the_budget_returns_finish_reason_length_with_its_text(tok):
+    got = {}
+
+    def agent(client, sample):
+        r = client.chat.completions.create(model="tokengym", messages=[{"role": "user", "content": "go"}])
+        got["choice"] = r.choices[0]
+        return 0.5
+
+    env = TokenVectorEnv(1, AgentTask(agent, [{}], max_new_tokens=4), tokenizer=tok)
+    script(env, [tok("abcdefgh", add_special_tokens=False)["input_ids"]])
+    for _ in range(200):
+        if "choice" in got:
+            break
+        time.sleep(0.05)
+    assert bool(env.truncated[0]) and got["choice"].finish_reason == "length"
+    assert got["choice"].message.content == "abcd"
+
+
+def test_an_agent_in_another_process_reaches_its_episode_by_base_url():
+    """The endpoint is real HTTP: the agent function hands ``base_url`` and the key to a program in another process
+    (any language with an HTTP client), whose calls are the episode's turns as an in-process agent's are."""
+    import subprocess
+    import sys
+
+    program = ("import sys, openai\n"
+               "c = openai.OpenAI(base_url=sys.argv[1], api_key=sys.argv[2])\n"
+               "r = c.chat.completions.create(model='tokengym', messages=[{'role': 'user', 'content': sys.argv[3]}])\n"
+               "print(r.choices[0].message.content)\n")
+
+    def agent(client, sample):
+        out = subprocess.run([sys.executable, "-c", program, str(client.base_url), client.api_key, sample["prompt"]],
+                             capture_output=True, text=True, check=True).stdout
+        return float(out.strip().endswith(f"A: {sample['answer']}"))
+
+    policy = Policy.from_pretrained("tiny-calculator", seed=0)
+    task = AgentTask(agent, [{"prompt": "2+3", "answer": 5}, {"prompt": "40+2", "answer": 42}], max_new_tokens=24)
+    env = TokenVectorEnv(2, task, tokenizer=policy.tokenizer)
+    ro = collect(env, policy, seed=0, greedy=True, samples=task.batch(np.random.default_rng(0), 2))
+    texts = policy.tokenizer.batch_decode([ro.tokens[i, ro.prompt_len:][ro.action_mask[i]] for i in range(2)],
+                                          skip_special_tokens=True)
+    answers = [s["prompt"] for s in env.samples]
+    assert ro.outcome.tolist() == [float(t.strip().endswith(f"A: {eval(p)}")) for t, p in zip(texts, answers)]
+    assert turn_metrics(ro)["agent/errors"] == 0.0
