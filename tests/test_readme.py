@@ -52,6 +52,15 @@ def check_calculator(out: str) -> None:
     assert float(calls[1]) == 0.0 and float(calls[2]) >= 1.0, calls[0]  # README: 0.00 -> 1.57
 
 
+def check_agent_calculator(out: str) -> None:
+    (start, end), = _percent_pair(out)
+    assert start == 59.8 and end >= 90.0, (start, end)  # README: 59.8% -> TBD, the native run's start and reach
+
+
+def check_agents_sdk(out: str) -> None:
+    assert "[0.0, 0.0, 0.0]" in out and "True True True" in out, out[-2000:]  # no agent errors; tokens = messages
+
+
 def check_first_run(out: str) -> None:
     (start, end), = _percent_pair(out)
     assert start == 64.5 and end >= 70.0, (start, end)  # README: 64.5% -> 72.3% (70-74% across CPUs)
@@ -145,7 +154,8 @@ def check_tool_call(out: str) -> None:
 
 
 CHECKS = {"tool-call": check_tool_call, "distill": check_distill, "tool_env": check_tool_env, "calculator": check_calculator, "first-run": check_first_run, "recipes": check_recipes, "agents": check_agents, "prm": check_prm,
-          "own-task": check_own_task, "async": check_async, "first-run-vllm": check_first_run_vllm}
+          "own-task": check_own_task, "async": check_async, "first-run-vllm": check_first_run_vllm,
+          "agent-calculator": check_agent_calculator, "agents-sdk": check_agents_sdk}
 
 
 def _params():
