@@ -142,6 +142,7 @@ class AgentTask(EpisodeTask):
                  host: str = "127.0.0.1", port: int = 0, secret: str | None = None, turn_timeout: float = 60.0,
                  max_turns: int | None = None, max_new_tokens: int = 256, cache_size: int = 4096,
                  constrain_tools: bool = False, name: str | None = None):
+        options = {k: v for k, v in locals().items() if k not in ("self", "agent", "__class__")}
         if not callable(agent) or isinstance(agent, type):
             raise ValueError(f"agent must be a function agent(client, sample), got {agent!r:.80}")
         if transport not in ("http", "inproc"):
@@ -173,6 +174,7 @@ class AgentTask(EpisodeTask):
         self._drawn: OrderedDict[int, dict[str, Any]] = OrderedDict()
         self.tag = uuid.uuid4().hex[:8]
         self.tokenizer = None
+        self._options = {**options, "port": 0}  # a copy in another process serves on a port of its own
         super().__init__(name or f"agent/{getattr(agent, '__name__', 'agent')}", max_turns=max_turns,
                          max_new_tokens=max_new_tokens, max_prompt_chars=64, cache_size=cache_size)
 
@@ -359,6 +361,18 @@ class AgentTask(EpisodeTask):
 
     def __repr__(self) -> str:
         return f"AgentTask({self.name!r}, {self.transport} at {self.address})"
+
+    def __reduce__(self) -> tuple:
+        """A copy for another process (an async rollout worker): the same agent (by reference: a module-level
+        function) and options, with an endpoint, threads and parked episodes of its own."""
+        return _rebuild, (self.agent, self._options, self.tokenizer)
+
+
+def _rebuild(agent: Callable, options: dict[str, Any], tokenizer: Any) -> AgentTask:
+    task = AgentTask(agent, **options)
+    if tokenizer is not None:
+        task.bind(tokenizer)
+    return task
 
 
 class AgentEpisode:

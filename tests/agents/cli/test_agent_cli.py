@@ -77,3 +77,15 @@ def test_an_agent_function_trains_from_the_cli_and_its_run_evaluates_again(user_
     assert all(r.get("agent/errors", 0.0) == 0.0 for r in rows) and any("agent/errors" in r for r in rows)
     code, out, err = _run(capsys, "eval", "--run", "runs/a", "--prompts", "8", "--samples", "0")
     assert code == 0 and "greedy" in out, err
+
+
+def test_an_agent_env_crosses_to_async_rollout_workers(user_folder, capsys):
+    """One-step-off async training: each rollout worker process gets its own copy of the agent env (its own endpoint
+    and agents), rebuilt from the agent function and its options."""
+    code, out, err = _run(capsys, "train", "grpo", "--env", "myagents:answer", "--model", "tiny-arithmetic",
+                          "--steps", "3", "--eval-prompts", "8", "--progress", "false", "--name", "w",
+                          "--async-mode", "one-step", "--threads", "1")
+    assert code == 0, err
+    rows = [json.loads(line) for line in (user_folder / "runs/w/metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "agent/errors" in r]
+    assert len(steps) == 3 and all(r["agent/errors"] == 0.0 and r["async/staleness"] <= 1 for r in steps)
