@@ -143,3 +143,39 @@ def test_the_engine_samples_inside_the_envs_grammar_with_masked_log_probs(calc):
     full = policy(ro.tokens, ro.attention_mask, ro.prompt_len).detach()
     assert float((masked - ro.logprobs)[act].abs().max()) < LP_TOL
     assert float((full - ro.logprobs)[act].abs().max()) > 1.0
+
+
+def _calc_agent(client, sample):
+    """Calculator-v0 as an OpenAI-client agent (tiny-calculator's tag format: ``<calc>EXPR</calc>``, ``=VALUE``)."""
+    import json
+
+    from tokengym.envs.tasks.tools import calculate
+
+    messages = [{"role": "user", "content": sample["prompt"].strip()}]
+    for _ in range(6):
+        reply = client.chat.completions.create(model="tokengym", messages=messages).choices[0].message
+        messages.append(reply.model_dump(exclude_none=True))
+        if not reply.tool_calls:
+            return float((reply.content or "").strip().endswith(f"A: {sample['answer']}"))
+        for call in reply.tool_calls:
+            messages.append({"role": "tool", "tool_call_id": call.id,
+                             "content": calculate(json.loads(call.function.arguments)["expression"])})
+    return 0.0
+
+
+def test_an_agent_env_runs_through_the_engine(calc):
+    """An OpenAI-client agent's episodes sampled by vLLM: the calls and replies land in the rows, no agent errors, and
+    the behaviour log-probs are the model's."""
+    pytest.importorskip("openai")
+    from tokengym.envs import AgentTask, resolve_task
+    from tokengym.envs.adapters import PlainFormat, TagTools
+
+    policy, engine = calc
+    fmt = PlainFormat(TagTools("<calc>", "</calc>", "calculate", "expression"), prefix={"tool": "="})
+    env = TokenVectorEnv(16, AgentTask(_calc_agent, resolve_task("calculator"), format=fmt, max_new_tokens=64),
+                         tokenizer=policy.tokenizer, group_size=4)
+    ro = collect(env, engine, seed=5)
+    assert ro.turn_stats["replies"] > 0 and ro.turn_stats["agent_errors"] == 0
+    assert ro.generation_counts["dropped"].sum() == 0
+    full = policy(ro.tokens, ro.attention_mask, ro.prompt_len).detach()
+    assert float(((full - ro.logprobs) * ro.action_mask).abs().max()) < LP_TOL
