@@ -4,7 +4,7 @@
     tokengym eval --run runs/NAME | --model M [--env ID]   held-out accuracy and mean reward, as a table
     tokengym sample [--run R | --env ID] [--model M] [...]  completions with their rewards and step scores
     tokengym plot runs/NAME                                 PNG learning curves from the run's metrics
-    tokengym envs                                           list the registered environment ids
+    tokengym envs [--import MODULE]                         list the registered environment ids
     tokengym convert FILE.gguf|smollm2-135m-instruct [--out DIR]   a GGUF model as a save_pretrained folder
     tokengym serve --model M [--listen HOST:PORT] [--secret-file F]   the OpenAI HTTP API on a model
 
@@ -38,8 +38,13 @@ __all__ = ["main"]
 def _cmd_envs(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from tokengym.envs import ENV_GUIDE, ENV_IDS, load_entry_points, resolve_task
+    from tokengym.agents.runtime import runs as R
+    from tokengym.envs import ENV_GUIDE, ENV_IDS, import_modules, load_entry_points, resolve_task
 
+    try:  # --import: the tasks a module registers are listed too
+        import_modules(args.imports)
+    except ValueError as e:
+        raise R.UsageError(R.first_line(e)) from None
     load_entry_points()  # installed packages' tasks too
     for env_id, (task, desc) in ENV_IDS.items():
         fmt, fits = ENV_GUIDE.get(env_id, ("", ""))
@@ -459,6 +464,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.set_defaults(fn=_cmd_serve)
     p = sub.add_parser("envs", help="list registered environment ids")
+    _add_import_flag(p)
     p.set_defaults(fn=_cmd_envs)
     p = sub.add_parser("sample", help="roll out a scripted policy and print completions with their rewards")
     p.add_argument("--run", help="a run folder: its env (and task arguments and imports) and its final model")

@@ -1,0 +1,54 @@
+"""First-hour rough edges of the command line (issue 52): ``envs --import``, ``--threads`` for ``eval`` and
+``sample``, a short config line from ``train`` (the full one behind ``--verbose``), SFT's progress and stop lines."""
+
+import json
+import sys
+import textwrap
+
+import pytest
+
+from tokengym.agents.cli.command import main
+from tokengym.envs.tasks import registry
+
+SORTING = textwrap.dedent('''
+    from tokengym.envs import Task, register_task
+
+
+    @register_task
+    class SortingTask(Task):
+        """Sort two letters."""
+        max_prompt_chars, default_max_new_tokens = 4, 4
+
+        def sample(self, rng):
+            w = "".join(rng.choice(list("ab"), 2))
+            return {"prompt": w + "\\n", "solution": "".join(sorted(w))}
+
+        def reward(self):
+            return lambda prompts, completions, solution, **_: [float(c == s) for c, s in zip(completions, solution)]
+''')
+
+
+@pytest.fixture
+def sorting_module(tmp_path, monkeypatch):
+    """``sorting_fh.py`` in the current folder (it registers ``tokengym/Sorting-v0`` when imported); undone after."""
+    (tmp_path / "sorting_fh.py").write_text(SORTING)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    yield "sorting_fh"
+    sys.modules.pop("sorting_fh", None)
+    if "sorting" in registry.TASK_SPECS:
+        registry.unregister_task("sorting")
+
+
+def test_envs_import_lists_the_modules_envs(sorting_module, capsys):
+    assert main(["envs"]) == 0
+    assert "tokengym/Sorting-v0" not in capsys.readouterr().out
+    assert main(["envs", "--import", sorting_module, "--import", "json"]) == 0
+    out = capsys.readouterr().out
+    assert "tokengym/Sorting-v0  Sort two letters." in out and "tokengym/Arithmetic-v0" in out
+
+
+def test_envs_import_of_a_missing_module_is_one_line(capsys):
+    assert main(["envs", "--import", "no_such_module_fh"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tokengym: error: --import: cannot import module 'no_such_module_fh'") and err.count("\n") == 1
