@@ -61,7 +61,7 @@ def _cmd_envs(args: argparse.Namespace) -> int:
 
 def _cmd_sample(args: argparse.Namespace) -> int:
     from tokengym.agents.runtime import runs as R
-    from tokengym.agents.cli.runner import RunConfig, load_policy, make_env, resolve_env_id
+    from tokengym.agents.cli.runner import RunConfig, load_policy, make_env, resolve_env_id, use_threads
     from tokengym.envs.task_check import scripted_rollout
 
     run = RunConfig()
@@ -83,6 +83,7 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     policies = args.policy or (["model"] if args.model else ["random", "reference"])
     if "model" in policies and not args.model:
         raise R.UsageError("--policy model needs --model (a preset, shipped checkpoint or local folder)")
+    use_threads(args.threads)  # after the checks of the input: a busy-machine warning only for work that runs
     model = load_policy(run, args.seed) if args.model else None
     tok = model.tokenizer if model is not None else None
     try:
@@ -163,7 +164,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from tokengym.agents.engine.resources import check_device
     from tokengym.agents.engine.backends import make_backend
     from tokengym.agents.engine.rollout import evaluate, heldout_samples
-    from tokengym.agents.cli.runner import RunConfig, checked_env, load_policy, resolve_env_id
+    from tokengym.agents.cli.runner import RunConfig, checked_env, load_policy, resolve_env_id, use_threads
 
     run, model = RunConfig(), args.model
     if args.run is None and args.model is None:
@@ -187,6 +188,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     resolve_env_id(run)  # a bad env is one line before the model loads
     if args.prompts < 1 or args.samples < 0:
         raise R.UsageError("--prompts must be >= 1 and --samples >= 0")
+    use_threads(args.threads)  # after the checks of the input: a busy-machine warning only for work that runs
     policy = load_policy(run, args.seed)
     if checkpoint is not None:
         checkpoint = _load_newest_checkpoint(policy.model, args.run)
@@ -428,6 +430,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--sampler", choices=tuple(SAMPLERS), default="tokengym", help="rollout backend: tokengym (the fast "
                    "decoder), vllm (an in-process vLLM engine: pip install 'tokengym[vllm]') or another registered one")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's; on a busy "
+                   "machine --threads 1 can be several times faster)")
     p.set_defaults(fn=_cmd_eval)
     p = sub.add_parser("plot", help="write PNG learning curves (reward, accuracy, KL, loss) of a run")
     p.add_argument("run", help="the run folder")
@@ -479,6 +483,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--policy", nargs="+", choices=["model", "reference", "random"], default=None,
                    help="default: model with --model, else random then reference")
     p.add_argument("--no-prm", dest="prm", action="store_false", help="turn the process reward off")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's; on a busy "
+                   "machine --threads 1 can be several times faster)")
     p.set_defaults(fn=_cmd_sample)
     args, extra = parser.parse_known_args(argv)
     if extra and args.fn is not _cmd_train:

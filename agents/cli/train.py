@@ -27,16 +27,14 @@ import re
 import time
 from typing import Any
 
-import torch
-
 from tokengym.agents.cli.offline_jobs import BUILDERS
 from tokengym.agents.cli.runner import (RESUMABLE, WARM_STARTS, RunConfig, algorithms, build_on_policy,
-                                        resolve_env_id, run_fields, run_fields_for)
+                                        resolve_env_id, run_fields, run_fields_for, use_threads, warn_if_busy)
 from tokengym.agents.runtime import runs as R
 from tokengym.agents.runtime.config_io import renamed_settings
 from tokengym.agents.runtime.session import create_run_folder, jsonable
 
-__all__ = ["RunConfig", "algorithms", "train", "resolve", "run_fields", "run_fields_for"]
+__all__ = ["RunConfig", "algorithms", "train", "resolve", "run_fields", "run_fields_for", "warn_if_busy"]
 
 
 # ---------------------------------------------------------------------------------------------- entry point
@@ -180,20 +178,6 @@ def _worker_addresses(values: dict[str, Any]) -> dict[str, Any]:
 _jsonable = jsonable
 
 
-def warn_if_busy(threads: int) -> None:
-    """A warning when other processes already keep the cores busy: torch's threads then wait on each other, and a
-    run can be many times slower than with ``--threads 1`` (seen 10x on a loaded 2-core machine). The default stays
-    torch's, so that results do not depend on the load at start (a thread count changes float rounding)."""
-    import warnings
-
-    from tokengym.rewards.common import TokengymWarning
-
-    load, cores = os.getloadavg()[0], os.cpu_count() or 1
-    if threads > 1 and load >= cores:
-        warnings.warn(f"the machine is busy (load {load:.1f} on {cores} cores) and torch will use {threads} threads: "
-                      "--threads 1 can be several times faster here", TokengymWarning, stacklevel=2)
-
-
 def train(algo: str, values_file: dict[str, Any], values_flags: dict[str, Any], resume_dir: str | None = None,
           preset: str | None = None) -> int:
     """Run ``tokengym train <algo>``; return the exit code (bad input raises :class:`UsageError`).
@@ -203,10 +187,7 @@ def train(algo: str, values_file: dict[str, Any], values_flags: dict[str, Any], 
     from tokengym.agents.runtime import distributed
 
     run, cfg, run_dir = resolve(algo, values_file, values_flags, resume_dir, preset)
-    if run.threads:
-        torch.set_num_threads(run.threads)
-    else:
-        warn_if_busy(torch.get_num_threads())
+    use_threads(run.threads)
     dp, device = distributed.init(run.device, run.dist_timeout)
     try:
         code = _train(algo, run, cfg, run_dir, resume_dir is not None, dp, device, preset)

@@ -52,3 +52,25 @@ def test_envs_import_of_a_missing_module_is_one_line(capsys):
     assert main(["envs", "--import", "no_such_module_fh"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("tokengym: error: --import: cannot import module 'no_such_module_fh'") and err.count("\n") == 1
+
+
+EVAL = ["eval", "--model", "tiny-arithmetic", "--prompts", "4", "--samples", "0"]
+SAMPLE = ["sample", "--num", "2", "--policy", "reference"]
+
+
+@pytest.mark.parametrize("argv", [EVAL, SAMPLE], ids=["eval", "sample"])
+def test_eval_and_sample_take_threads_and_warn_on_a_busy_machine_without_it(argv, monkeypatch, capsys):
+    import torch
+
+    threads = []
+    monkeypatch.setattr(torch, "set_num_threads", threads.append)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr("os.getloadavg", lambda: (4.0, 4.0, 4.0))
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert main([*argv, "--threads", "1"]) == 0
+    assert threads == [1] and "busy" not in capsys.readouterr().err
+    assert main(argv) == 0  # torch's default on a busy machine: train's warning, one line
+    err = capsys.readouterr().err
+    assert threads == [1] and err.count("tokengym: warning: the machine is busy (load 4.0 on 2 cores)") == 1
+    assert main([*argv, "--threads", "0"]) == 2
+    assert capsys.readouterr().err == "tokengym: error: --threads must be at least 1, got 0\n"
