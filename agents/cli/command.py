@@ -368,7 +368,9 @@ def _train_parser(sub: Any, full: bool = True) -> None:
         ap.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
         if spec.presets:
             ap.add_argument("--preset", choices=sorted(spec.presets), help="a published recipe: its settings over the "
-                            "defaults (--config and flags still win); the resolved config is printed")
+                            "defaults (--config and flags still win); the settings it changes are printed")
+        ap.add_argument("--verbose", action="store_true", help=f"print every field of {spec.config_cls.__name__} at "
+                        "the start (default: those that differ from the defaults; config.json holds them all)")
         seen: set[str] = set()
         _add_fields(ap, RunConfig, "run settings", seen, run_fields(name))
         _add_fields(ap, spec.config_cls, f"{name} settings ({spec.config_cls.__name__})", seen)
@@ -382,10 +384,11 @@ def _cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     if extra:
         flag = next((e for e in extra if e.startswith("-")), extra[0])
         raise R.UsageError(_unknown_flag(flag, args))
-    flags = {k: v for k, v in vars(args).items() if k not in ("fn", "command", "algo", "config", "resume", "preset")}
+    flags = {k: v for k, v in vars(args).items()
+             if k not in ("fn", "command", "algo", "config", "resume", "preset", "verbose")}
     flags = R.renamed_settings(algorithms()[args.algo].config_cls, flags, f"tokengym train {args.algo}", flags=True)
     file_values = R.read_config_file(args.config) if args.config else {}
-    return train(args.algo, file_values, flags, args.resume, preset=getattr(args, "preset", None))
+    return train(args.algo, file_values, flags, args.resume, preset=getattr(args, "preset", None), verbose=args.verbose)
 
 
 def _unknown_flag(flag: str, args: argparse.Namespace) -> str:

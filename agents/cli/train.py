@@ -178,9 +178,25 @@ def _worker_addresses(values: dict[str, Any]) -> dict[str, Any]:
 _jsonable = jsonable
 
 
+def config_line(cfg: Any, preset: str | None, run_dir: str, verbose: bool = False) -> str:
+    """The config line a run prints: the fields of ``cfg`` that differ from its class's defaults (a preset's
+    included), or with ``verbose`` every field; ``config.json`` holds them all, and the line says so."""
+    values = _jsonable(dataclasses.asdict(cfg))
+    if not verbose:
+        defaults = _jsonable(dataclasses.asdict(type(cfg)()))
+        values = {k: v for k, v in values.items() if defaults.get(k) != v}
+    shown = ", ".join(f"{k}={v}" for k, v in values.items())
+    head = f"  {type(cfg).__name__}{f' (preset {preset})' if preset else ''}: "
+    if verbose:
+        return head + shown
+    where = f"full config in {run_dir}/config.json"
+    return head + (f"{shown} (the rest default; {where})" if shown else f"defaults ({where})")
+
+
 def train(algo: str, values_file: dict[str, Any], values_flags: dict[str, Any], resume_dir: str | None = None,
-          preset: str | None = None) -> int:
-    """Run ``tokengym train <algo>``; return the exit code (bad input raises :class:`UsageError`).
+          preset: str | None = None, verbose: bool = False) -> int:
+    """Run ``tokengym train <algo>``; return the exit code (bad input raises :class:`UsageError`). ``verbose``:
+    print every field of the algorithm's config, not only those that differ from its defaults.
 
     Under ``torchrun`` (``WORLD_SIZE`` set) the run is data-parallel: see :mod:`tokengym.agents.runtime.distributed`.
     """
@@ -190,7 +206,7 @@ def train(algo: str, values_file: dict[str, Any], values_flags: dict[str, Any], 
     use_threads(run.threads)
     dp, device = distributed.init(run.device, run.dist_timeout)
     try:
-        code = _train(algo, run, cfg, run_dir, resume_dir is not None, dp, device, preset)
+        code = _train(algo, run, cfg, run_dir, resume_dir is not None, dp, device, preset, verbose)
     except BaseException as e:
         distributed.shutdown()
         if dp.distributed and distributed.is_timeout(e):
@@ -203,7 +219,7 @@ def train(algo: str, values_file: dict[str, Any], values_flags: dict[str, Any], 
 
 
 def _train(algo: str, run: RunConfig, cfg: Any, run_dir: str, resume: bool, dp: Any, device: str,
-           preset: str | None = None) -> int:
+           preset: str | None = None, verbose: bool = False) -> int:
     from tokengym.agents.runtime import distributed
 
     specs = algorithms()
@@ -238,8 +254,7 @@ def _train(algo: str, run: RunConfig, cfg: Any, run_dir: str, resume: bool, dp: 
         dp.barrier()
         say(f"tokengym train {algo}: {run.env} from {run.model} -> {run_dir}", flush=True)
         say(f"  TensorBoard: tensorboard --logdir {run.runs_dir}", flush=True)
-        resolved = ", ".join(f"{k}={v}" for k, v in _jsonable(dataclasses.asdict(cfg)).items())
-        say(f"  {type(cfg).__name__}{f' (preset {preset})' if preset else ''}: {resolved}", flush=True)
+        say(config_line(cfg, preset, run_dir, verbose), flush=True)
         with R.storage_errors(run_dir, "the run's logs and checkpoints"):  # a full or read-only disk: one line
             result = job(run_dir, resume)
     if not dp.is_main:

@@ -74,3 +74,19 @@ def test_eval_and_sample_take_threads_and_warn_on_a_busy_machine_without_it(argv
     assert threads == [1] and err.count("tokengym: warning: the machine is busy (load 4.0 on 2 cores)") == 1
     assert main([*argv, "--threads", "0"]) == 2
     assert capsys.readouterr().err == "tokengym: error: --threads must be at least 1, got 0\n"
+
+
+QUICK = ["--prompts", "1", "--group-size", "2", "--eval-prompts", "0", "--progress", "false", "--threads", "1"]
+
+
+def test_train_prints_a_short_config_line_and_the_full_one_with_verbose(tmp_path, capsys):
+    assert main(["train", "grpo", "--steps", "1", "--lr", "2e-4", *QUICK, "--runs-dir", str(tmp_path), "--name", "a"]) == 0
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if "GRPOConfig" in ln)
+    assert line == f"  GRPOConfig: lr=0.0002, steps=1 (the rest default; full config in {tmp_path / 'a'}/config.json)"
+    with open(tmp_path / "a" / "config.json") as f:  # where the full config is
+        saved = json.load(f)["config"]
+    assert saved["lr"] == 2e-4 and saved["steps"] == 1 and "clip_eps" in saved and "scale_rewards" in saved
+    assert main(["train", "grpo", "--steps", "1", *QUICK, "--runs-dir", str(tmp_path), "--name", "b", "--verbose"]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if "GRPOConfig" in ln)
+    assert line.startswith("  GRPOConfig: lr=0.0001, ") and all(f"{k}=" in line for k in saved)
