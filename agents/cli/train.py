@@ -259,6 +259,8 @@ def _train(algo: str, run: RunConfig, cfg: Any, run_dir: str, resume: bool, dp: 
             result = job(run_dir, resume)
     if not dp.is_main:
         return 0
+    if "stopped" in result:  # an early stop (sft's stop_at_accuracy): where and why
+        print(result["stopped"])
     if "start" in result:
         print(f"held-out greedy accuracy: {result['start']:.1%} -> {result['final']:.1%}")
         if "replies" in result:

@@ -90,3 +90,22 @@ def test_train_prints_a_short_config_line_and_the_full_one_with_verbose(tmp_path
     assert main(["train", "grpo", "--steps", "1", *QUICK, "--runs-dir", str(tmp_path), "--name", "b", "--verbose"]) == 0
     line = next(ln for ln in capsys.readouterr().out.splitlines() if "GRPOConfig" in ln)
     assert line.startswith("  GRPOConfig: lr=0.0001, ") and all(f"{k}=" in line for k in saved)
+
+
+def test_sft_shows_progress_with_eval_accuracy_and_where_stop_at_accuracy_stopped(tmp_path, capsys, monkeypatch):
+    """Held-out accuracy 25% before training, 50% at step 4, 75% at step 8 (the evaluation is stubbed): the progress
+    lines show the latest accuracy (from step 0 on) and the step's loss, and a line says where the run stopped."""
+    import tokengym.agents.algorithms.sft as sft
+
+    accuracy = iter([0.25, 0.5, 0.75])
+    monkeypatch.setattr(sft, "evaluate", lambda *a, **k: {"accuracy": next(accuracy), "mean_reward": 0.0,
+                                                          "mean_length": 3.0, "truncated": 0.0})
+    assert main(["train", "sft", "--steps", "20", "--eval-every", "4", "--batch-size", "4", "--eval-prompts", "8",
+                 "--stop-at-accuracy", "0.7", "--threads", "1", "--runs-dir", str(tmp_path), "--name", "s"]) == 0
+    out, err = capsys.readouterr()
+    lines = [ln for ln in err.splitlines() if ln.startswith("s step ")]
+    assert [ln.split(" loss=")[0] for ln in lines] == ["s step 2/20 eval_acc=0.25", "s step 4/20 eval_acc=0.5",
+                                                        "s step 6/20 eval_acc=0.5", "s step 8/20 eval_acc=0.75"], err
+    assert all(float(ln.split(" loss=")[1]) > 0 for ln in lines)
+    assert "stopped at step 8 of 20: held-out greedy accuracy 75.0% reached stop_at_accuracy 70.0%" in out
+    assert "held-out greedy accuracy: 25.0% -> 75.0%" in out
