@@ -336,18 +336,40 @@ class SFTLearner:
     def fit_in_folder(self, trainer: Any, log: Callable[[int, dict[str, float]], None] | None = None,
                       callback: Callable[[dict[str, Any]], Any] | None = None) -> None:
         """The fit in its run folder (``tokengym train sft`` and ``fit(run_dir=...)``): the training loop with the
-        trainer's checkpoints, then the final checkpoint and ``model/``."""
+        trainer's checkpoints and progress (the held-out accuracy from the evaluation before training on, and each
+        step's loss, as on-policy runs show theirs), then the final checkpoint and ``model/``."""
         from tokengym.agents.algorithms.onpolicy import both
 
-        self._train(log, callback=both(trainer.callback, callback))
+        shown = self._log_fn(log)
+
+        def log_and_show(step: int, metrics: dict[str, float]) -> None:
+            if step == 0:  # the evaluation before training: on the progress line until the next one
+                trainer.progress.update({"step": 0, **metrics})
+            shown(step, metrics)
+
+        def show_loss(record: dict[str, Any]) -> Any:  # the trainer's progress sees the step's loss too
+            return trainer.callback({**record, "loss": self.hist["loss"][-1]})
+
+        self._train(log_and_show, callback=both(show_loss, callback))
         trainer.finish()
+
+    def stopped_early(self) -> bool:
+        """Whether the last fit ended before ``config.steps`` because held-out accuracy reached ``stop_at_accuracy``."""
+        cfg, evals = self.config, self.hist["eval"]
+        return (cfg.stop_at_accuracy is not None and bool(evals) and self.global_step < cfg.steps
+                and evals[-1]["accuracy"] >= cfg.stop_at_accuracy)
+
+    def _log_fn(self, log: Callable[[int, dict[str, float]], None] | None) -> Callable[[int, dict[str, float]], None]:
+        """``log``, or by default a printed line per record when ``config.log_every`` is on."""
+        if log is not None:
+            return log
+        return _print_log if self.config.log_every else (lambda step, metrics: None)
 
     def _train(self, log: Callable[[int, dict[str, float]], None] | None,
                callback: Callable[[dict[str, Any]], Any] | None) -> dict[str, Any]:
         cfg, model, hist = self.config, self.policy.model, self.hist
         autocast = torch.autocast(self.policy.device.type, dtype=torch.bfloat16) if cfg.bf16 else nullcontext()
-        if log is None:
-            log = _print_log if cfg.log_every else (lambda step, metrics: None)
+        log = self._log_fn(log)
         self._t0 = time.perf_counter()
 
         def run_eval(step: int) -> dict[str, float]:

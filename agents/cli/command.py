@@ -4,7 +4,7 @@
     tokengym eval --run runs/NAME | --model M [--env ID]   held-out accuracy and mean reward, as a table
     tokengym sample [--run R | --env ID] [--model M] [...]  completions with their rewards and step scores
     tokengym plot runs/NAME                                 PNG learning curves from the run's metrics
-    tokengym envs                                           list the registered environment ids
+    tokengym envs [--import MODULE]                         list the registered environment ids
     tokengym convert FILE.gguf|smollm2-135m-instruct [--out DIR]   a GGUF model as a save_pretrained folder
     tokengym serve --model M [--listen HOST:PORT] [--secret-file F]   the OpenAI HTTP API on a model
 
@@ -38,8 +38,13 @@ __all__ = ["main"]
 def _cmd_envs(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from tokengym.envs import ENV_GUIDE, ENV_IDS, load_entry_points, resolve_task
+    from tokengym.agents.runtime import runs as R
+    from tokengym.envs import ENV_GUIDE, ENV_IDS, import_modules, load_entry_points, resolve_task
 
+    try:  # --import: the tasks a module registers are listed too
+        import_modules(args.imports)
+    except ValueError as e:
+        raise R.UsageError(R.first_line(e)) from None
     load_entry_points()  # installed packages' tasks too
     for env_id, (task, desc) in ENV_IDS.items():
         fmt, fits = ENV_GUIDE.get(env_id, ("", ""))
@@ -56,7 +61,7 @@ def _cmd_envs(args: argparse.Namespace) -> int:
 
 def _cmd_sample(args: argparse.Namespace) -> int:
     from tokengym.agents.runtime import runs as R
-    from tokengym.agents.cli.runner import RunConfig, load_policy, make_env, resolve_env_id
+    from tokengym.agents.cli.runner import RunConfig, load_policy, make_env, resolve_env_id, use_threads
     from tokengym.envs.task_check import scripted_rollout
 
     run = RunConfig()
@@ -78,6 +83,7 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     policies = args.policy or (["model"] if args.model else ["random", "reference"])
     if "model" in policies and not args.model:
         raise R.UsageError("--policy model needs --model (a preset, shipped checkpoint or local folder)")
+    use_threads(args.threads)  # after the checks of the input: a busy-machine warning only for work that runs
     model = load_policy(run, args.seed) if args.model else None
     tok = model.tokenizer if model is not None else None
     try:
@@ -158,7 +164,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from tokengym.agents.engine.resources import check_device
     from tokengym.agents.engine.backends import make_backend
     from tokengym.agents.engine.rollout import evaluate, heldout_samples
-    from tokengym.agents.cli.runner import RunConfig, checked_env, load_policy, resolve_env_id
+    from tokengym.agents.cli.runner import RunConfig, checked_env, load_policy, resolve_env_id, use_threads
 
     run, model = RunConfig(), args.model
     if args.run is None and args.model is None:
@@ -182,6 +188,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     resolve_env_id(run)  # a bad env is one line before the model loads
     if args.prompts < 1 or args.samples < 0:
         raise R.UsageError("--prompts must be >= 1 and --samples >= 0")
+    use_threads(args.threads)  # after the checks of the input: a busy-machine warning only for work that runs
     policy = load_policy(run, args.seed)
     if checkpoint is not None:
         checkpoint = _load_newest_checkpoint(policy.model, args.run)
@@ -361,7 +368,9 @@ def _train_parser(sub: Any, full: bool = True) -> None:
         ap.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
         if spec.presets:
             ap.add_argument("--preset", choices=sorted(spec.presets), help="a published recipe: its settings over the "
-                            "defaults (--config and flags still win); the resolved config is printed")
+                            "defaults (--config and flags still win); the settings it changes are printed")
+        ap.add_argument("--verbose", action="store_true", help=f"print every field of {spec.config_cls.__name__} at "
+                        "the start (default: those that differ from the defaults; config.json holds them all)")
         seen: set[str] = set()
         _add_fields(ap, RunConfig, "run settings", seen, run_fields(name))
         _add_fields(ap, spec.config_cls, f"{name} settings ({spec.config_cls.__name__})", seen)
@@ -375,10 +384,11 @@ def _cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     if extra:
         flag = next((e for e in extra if e.startswith("-")), extra[0])
         raise R.UsageError(_unknown_flag(flag, args))
-    flags = {k: v for k, v in vars(args).items() if k not in ("fn", "command", "algo", "config", "resume", "preset")}
+    flags = {k: v for k, v in vars(args).items()
+             if k not in ("fn", "command", "algo", "config", "resume", "preset", "verbose")}
     flags = R.renamed_settings(algorithms()[args.algo].config_cls, flags, f"tokengym train {args.algo}", flags=True)
     file_values = R.read_config_file(args.config) if args.config else {}
-    return train(args.algo, file_values, flags, args.resume, preset=getattr(args, "preset", None))
+    return train(args.algo, file_values, flags, args.resume, preset=getattr(args, "preset", None), verbose=args.verbose)
 
 
 def _unknown_flag(flag: str, args: argparse.Namespace) -> str:
@@ -423,6 +433,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--sampler", choices=tuple(SAMPLERS), default="tokengym", help="rollout backend: tokengym (the fast "
                    "decoder), vllm (an in-process vLLM engine: pip install 'tokengym[vllm]') or another registered one")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's; on a busy "
+                   "machine --threads 1 can be several times faster)")
     p.set_defaults(fn=_cmd_eval)
     p = sub.add_parser("plot", help="write PNG learning curves (reward, accuracy, KL, loss) of a run")
     p.add_argument("run", help="the run folder")
@@ -459,6 +471,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.set_defaults(fn=_cmd_serve)
     p = sub.add_parser("envs", help="list registered environment ids")
+    _add_import_flag(p)
     p.set_defaults(fn=_cmd_envs)
     p = sub.add_parser("sample", help="roll out a scripted policy and print completions with their rewards")
     p.add_argument("--run", help="a run folder: its env (and task arguments and imports) and its final model")
@@ -473,6 +486,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--policy", nargs="+", choices=["model", "reference", "random"], default=None,
                    help="default: model with --model, else random then reference")
     p.add_argument("--no-prm", dest="prm", action="store_false", help="turn the process reward off")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's; on a busy "
+                   "machine --threads 1 can be several times faster)")
     p.set_defaults(fn=_cmd_sample)
     args, extra = parser.parse_known_args(argv)
     if extra and args.fn is not _cmd_train:

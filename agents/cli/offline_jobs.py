@@ -91,7 +91,11 @@ def build_sft(run: RunConfig, cfg: Any) -> Job:
 
     def job(run_dir: str, resume: bool) -> dict[str, Any]:
         learner.fit_in_folder(Trainer(run, run_dir, resume, cfg.steps, learner), log=lambda step, metrics: None)
-        return summary(learner.logger.history)
+        out = summary(learner.logger.history)
+        if learner.stopped_early():  # --stop-at-accuracy ended it: say where
+            out["stopped"] = (f"stopped at step {learner.global_step} of {cfg.steps}: held-out greedy accuracy "
+                              f"{learner.hist['eval'][-1]['accuracy']:.1%} reached stop_at_accuracy {cfg.stop_at_accuracy:.1%}")
+        return out
 
     return job
 

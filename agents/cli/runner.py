@@ -21,7 +21,7 @@ from tokengym.agents.algorithms.registry import algorithms
 
 __all__ = ["RunConfig", "RESUMABLE", "Job", "Trainer", "Progress", "algorithms", "make_env", "checked_env",
            "load_policy", "eval_setup", "learned_rewards", "phase_progress", "save_model", "initial_eval", "summary", "make_agent",
-           "build_on_policy", "run_fields", "run_fields_for", "first_line", "resolve_env_id"]
+           "build_on_policy", "run_fields", "run_fields_for", "first_line", "resolve_env_id", "use_threads", "warn_if_busy"]
 
 
 RESUMABLE = resumable_fields(RunConfig, EngineConfig)
@@ -147,6 +147,33 @@ def checked_env(run: RunConfig, policy: Any, num_envs: int, group_size: int = 1,
     except ValueError as e:
         raise R.UsageError(f"{run.env}: {e}") from None
     return env
+
+
+def use_threads(threads: int | None) -> None:
+    """``--threads N`` (train, eval, sample): torch's CPU threads; left out, torch's default stays, with a warning
+    when the machine is busy (:func:`warn_if_busy`). Fewer than 1 is a :class:`UsageError`."""
+    import torch
+
+    if threads is not None and threads < 1:
+        raise R.UsageError(f"--threads must be at least 1, got {threads}")
+    if threads:
+        torch.set_num_threads(threads)
+    else:
+        warn_if_busy(torch.get_num_threads())
+
+
+def warn_if_busy(threads: int) -> None:
+    """A warning when other processes already keep the cores busy: torch's threads then wait on each other, and a
+    run can be many times slower than with ``--threads 1`` (seen 10x on a loaded 2-core machine). The default stays
+    torch's, so that results do not depend on the load at start (a thread count changes float rounding)."""
+    import warnings
+
+    from tokengym.rewards.common import TokengymWarning
+
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    if threads > 1 and load >= cores:
+        warnings.warn(f"the machine is busy (load {load:.1f} on {cores} cores) and torch will use {threads} threads: "
+                      "--threads 1 can be several times faster here", TokengymWarning, stacklevel=2)
 
 
 def load_policy(run: RunConfig, seed: int):

@@ -27,16 +27,14 @@ import re
 import time
 from typing import Any
 
-import torch
-
 from tokengym.agents.cli.offline_jobs import BUILDERS
 from tokengym.agents.cli.runner import (RESUMABLE, WARM_STARTS, RunConfig, algorithms, build_on_policy,
-                                        resolve_env_id, run_fields, run_fields_for)
+                                        resolve_env_id, run_fields, run_fields_for, use_threads, warn_if_busy)
 from tokengym.agents.runtime import runs as R
 from tokengym.agents.runtime.config_io import renamed_settings
 from tokengym.agents.runtime.session import create_run_folder, jsonable
 
-__all__ = ["RunConfig", "algorithms", "train", "resolve", "run_fields", "run_fields_for"]
+__all__ = ["RunConfig", "algorithms", "train", "resolve", "run_fields", "run_fields_for", "warn_if_busy"]
 
 
 # ---------------------------------------------------------------------------------------------- entry point
@@ -180,36 +178,35 @@ def _worker_addresses(values: dict[str, Any]) -> dict[str, Any]:
 _jsonable = jsonable
 
 
-def warn_if_busy(threads: int) -> None:
-    """A warning when other processes already keep the cores busy: torch's threads then wait on each other, and a
-    run can be many times slower than with ``--threads 1`` (seen 10x on a loaded 2-core machine). The default stays
-    torch's, so that results do not depend on the load at start (a thread count changes float rounding)."""
-    import warnings
-
-    from tokengym.rewards.common import TokengymWarning
-
-    load, cores = os.getloadavg()[0], os.cpu_count() or 1
-    if threads > 1 and load >= cores:
-        warnings.warn(f"the machine is busy (load {load:.1f} on {cores} cores) and torch will use {threads} threads: "
-                      "--threads 1 can be several times faster here", TokengymWarning, stacklevel=2)
+def config_line(cfg: Any, preset: str | None, run_dir: str, verbose: bool = False) -> str:
+    """The config line a run prints: the fields of ``cfg`` that differ from its class's defaults (a preset's
+    included), or with ``verbose`` every field; ``config.json`` holds them all, and the line says so."""
+    values = _jsonable(dataclasses.asdict(cfg))
+    if not verbose:
+        defaults = _jsonable(dataclasses.asdict(type(cfg)()))
+        values = {k: v for k, v in values.items() if defaults.get(k) != v}
+    shown = ", ".join(f"{k}={v}" for k, v in values.items())
+    head = f"  {type(cfg).__name__}{f' (preset {preset})' if preset else ''}: "
+    if verbose:
+        return head + shown
+    where = f"full config in {run_dir}/config.json"
+    return head + (f"{shown} (the rest default; {where})" if shown else f"defaults ({where})")
 
 
 def train(algo: str, values_file: dict[str, Any], values_flags: dict[str, Any], resume_dir: str | None = None,
-          preset: str | None = None) -> int:
-    """Run ``tokengym train <algo>``; return the exit code (bad input raises :class:`UsageError`).
+          preset: str | None = None, verbose: bool = False) -> int:
+    """Run ``tokengym train <algo>``; return the exit code (bad input raises :class:`UsageError`). ``verbose``:
+    print every field of the algorithm's config, not only those that differ from its defaults.
 
     Under ``torchrun`` (``WORLD_SIZE`` set) the run is data-parallel: see :mod:`tokengym.agents.runtime.distributed`.
     """
     from tokengym.agents.runtime import distributed
 
     run, cfg, run_dir = resolve(algo, values_file, values_flags, resume_dir, preset)
-    if run.threads:
-        torch.set_num_threads(run.threads)
-    else:
-        warn_if_busy(torch.get_num_threads())
+    use_threads(run.threads)
     dp, device = distributed.init(run.device, run.dist_timeout)
     try:
-        code = _train(algo, run, cfg, run_dir, resume_dir is not None, dp, device, preset)
+        code = _train(algo, run, cfg, run_dir, resume_dir is not None, dp, device, preset, verbose)
     except BaseException as e:
         distributed.shutdown()
         if dp.distributed and distributed.is_timeout(e):
@@ -222,7 +219,7 @@ def train(algo: str, values_file: dict[str, Any], values_flags: dict[str, Any], 
 
 
 def _train(algo: str, run: RunConfig, cfg: Any, run_dir: str, resume: bool, dp: Any, device: str,
-           preset: str | None = None) -> int:
+           preset: str | None = None, verbose: bool = False) -> int:
     from tokengym.agents.runtime import distributed
 
     specs = algorithms()
@@ -257,12 +254,13 @@ def _train(algo: str, run: RunConfig, cfg: Any, run_dir: str, resume: bool, dp: 
         dp.barrier()
         say(f"tokengym train {algo}: {run.env} from {run.model} -> {run_dir}", flush=True)
         say(f"  TensorBoard: tensorboard --logdir {run.runs_dir}", flush=True)
-        resolved = ", ".join(f"{k}={v}" for k, v in _jsonable(dataclasses.asdict(cfg)).items())
-        say(f"  {type(cfg).__name__}{f' (preset {preset})' if preset else ''}: {resolved}", flush=True)
+        say(config_line(cfg, preset, run_dir, verbose), flush=True)
         with R.storage_errors(run_dir, "the run's logs and checkpoints"):  # a full or read-only disk: one line
             result = job(run_dir, resume)
     if not dp.is_main:
         return 0
+    if "stopped" in result:  # an early stop (sft's stop_at_accuracy): where and why
+        print(result["stopped"])
     if "start" in result:
         print(f"held-out greedy accuracy: {result['start']:.1%} -> {result['final']:.1%}")
         if "replies" in result:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
+import re
 import sys
 import types
 import warnings
@@ -90,17 +91,26 @@ def _gym_register(spec: TaskSpec) -> None:
                  kwargs={"task": spec.name, **spec.kwargs})
 
 
-def register_task(name: str, cls: type[Task] | None = None, *, description: str, env_id: str | None = None,
-                  prompt_format: str = "", models: str = "", kwargs: Mapping[str, Any] | None = None,
-                  kind: str = "procedural") -> Any:
+def register_task(name: str | type[Task] | None = None, cls: type[Task] | None = None, *, description: str | None = None,
+                  env_id: str | None = None, prompt_format: str = "", models: str = "",
+                  kwargs: Mapping[str, Any] | None = None, kind: str = "procedural") -> Any:
     """Add a task to the table and its id to Gymnasium's registry; a class decorator when ``cls`` is left out.
 
-    ``env_id`` defaults to ``tokengym/<Name>-v0`` (``guess_number`` -> ``GuessNumber``). Returns ``cls`` (or the
-    decorator). A name or id that is already taken raises ``ValueError``; the table is unchanged then.
+    Used bare (``@register_task`` or ``@register_task()``), the name is the class's own ``name`` attribute, else its
+    class name in snake case less a ``Task`` suffix (``SortLettersTask`` -> ``sort_letters``). ``description``
+    defaults to the first line of the class's docstring. ``env_id`` defaults to ``tokengym/<Name>-v0``
+    (``guess_number`` -> ``GuessNumber``). Returns ``cls`` (or the decorator). A name or id that is already taken
+    raises ``ValueError``; the table is unchanged then.
     """
+    if isinstance(name, type) and cls is None:  # @register_task on a class
+        name, cls = None, name
     if cls is None:
         return lambda c: register_task(name, c, description=description, env_id=env_id, prompt_format=prompt_format,
                                        models=models, kwargs=kwargs, kind=kind)
+    if name is None and isinstance(cls, type):
+        name = _default_name(cls)
+    if description is None and isinstance(cls, type):
+        description = _describe_class(cls)
     if not isinstance(name, str) or not name:
         raise ValueError(f"a task name must be a non-empty string, got {name!r}")
     if not (isinstance(cls, type) and issubclass(cls, Task)):
@@ -117,6 +127,21 @@ def register_task(name: str, cls: type[Task] | None = None, *, description: str,
     _gym_register(spec)
     _SPECS[name] = spec
     return cls
+
+
+def _default_name(cls: type) -> str:
+    """A bare registration's task name: the class's own ``name`` (not one inherited), else its snake-cased name."""
+    own = cls.__dict__.get("name")
+    if isinstance(own, str) and own and own != Task.name:
+        return own
+    base = cls.__name__[:-4] if cls.__name__.endswith("Task") and cls.__name__ != "Task" else cls.__name__
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", base).lower()
+
+
+def _describe_class(cls: type) -> str:
+    """The first line of a class's own docstring, else ``Class from module`` (a task's default description)."""
+    doc = (cls.__dict__.get("__doc__") or "").strip().splitlines()
+    return doc[0].strip() if doc else f"{cls.__name__} from {cls.__module__}"
 
 
 def unregister_task(name: str) -> None:
@@ -211,9 +236,7 @@ def _register_class(cls: Any, spec: str) -> str:
     known = next((s for s in _SPECS.values() if s.cls is cls), None)
     if known is not None:
         return known.env_id
-    doc = (cls.__doc__ or "").strip().splitlines()
-    register_task(f"{cls.__module__}:{cls.__qualname__}", cls, env_id=_class_id(cls),
-                  description=doc[0] if doc else f"{cls.__qualname__} from {cls.__module__}")
+    register_task(f"{cls.__module__}:{cls.__qualname__}", cls, env_id=_class_id(cls), description=_describe_class(cls))
     return _class_id(cls)
 
 

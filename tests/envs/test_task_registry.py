@@ -138,3 +138,44 @@ def test_tasks_is_the_procedural_part_of_the_table():
     assert TASKS["arithmetic"] is ArithmeticTask
     assert set(TASKS) == {n for n, s in TASK_SPECS.items() if s.kind == "procedural"} == {
         "arithmetic", "reverse", "calculator", "guess_number", "tool_call"}
+
+
+def test_register_task_bare_or_without_a_description_takes_defaults():
+    """``@register_task`` on a class (name from the class, description its docstring's first line), and a name
+    without ``description=``, register instead of failing with a TypeError at import."""
+    try:
+        @register_task
+        class SortLettersTask(EchoTask):
+            """Sort the letters.
+
+            More text that is not the description."""
+
+            name = "task"  # Task's default: the class name gives the task's name
+
+        @register_task("echo_named")
+        class Named(EchoTask):
+            pass  # no docstring of its own: EchoTask's is not this class's description
+
+        assert TASK_SPECS["sort_letters"].cls is SortLettersTask
+        assert ENV_IDS["tokengym/SortLetters-v0"] == ("sort_letters", "Sort the letters.")
+        assert TASK_SPECS["echo_named"].cls is Named
+        assert TASK_SPECS["echo_named"].description == f"Named from {__name__}"
+        assert register_task(cls=EchoTask, name="echo_kw", description="x") is EchoTask  # keywords still work
+    finally:
+        for name in ("sort_letters", "echo_named", "echo_kw"):
+            if name in TASK_SPECS:
+                unregister_task(name)
+
+
+def test_register_task_bare_takes_the_classs_own_name():
+    try:
+        @register_task()
+        class Whatever(EchoTask):
+            """Echo again."""
+
+            name = "echo_own"
+
+        assert TASK_SPECS["echo_own"].env_id == "tokengym/EchoOwn-v0" and TASK_SPECS["echo_own"].description == "Echo again."
+    finally:
+        if "echo_own" in TASK_SPECS:
+            unregister_task("echo_own")

@@ -118,7 +118,7 @@ def test_an_old_flag_works_with_one_warning_line(monkeypatch, capsys):
     import tokengym.agents.cli.train as T
 
     seen = {}
-    monkeypatch.setattr(T, "train", lambda algo, file, flags, resume, preset=None: seen.update(flags) or 0)
+    monkeypatch.setattr(T, "train", lambda algo, file, flags, resume, preset=None, verbose=False: seen.update(flags) or 0)
     assert main(["train", "sft", "--grad-clip", "0.5", "--warmup", "2"]) == 0
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["tokengym: warning: tokengym train sft: --grad-clip is renamed --max-grad-norm (the old name goes "
