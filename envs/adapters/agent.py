@@ -128,8 +128,9 @@ class AgentTask(EpisodeTask):
         format: a :class:`ChatFormat` (default: the tokenizer's chat template with Hermes tool calls, or plain text
             for a tokenizer without one).
         model: the model name(s) the endpoint serves (a call naming another is refused: 404).
-        transport: ``"http"`` (loopback HTTP: the agent may hand ``client.base_url`` to another process) or
-            ``"inproc"`` (the same requests without a socket).
+        transport: ``"auto"`` (the endpoint listens on ``host:port``, so ``client.base_url`` works from any process;
+            the client handed to the agent reaches it without a socket), ``"http"`` (that client too goes over
+            loopback HTTP) or ``"inproc"`` (no socket at all).
         turn_timeout: seconds the agent may take between the model's answer and its next call (or its result).
         max_turns, max_new_tokens, cache_size: :class:`EpisodeTask`'s.
     """
@@ -138,15 +139,15 @@ class AgentTask(EpisodeTask):
     turn_events = AGENT_EVENTS
 
     def __init__(self, agent: Callable, data: Any, *, eval_data: Any = None, reward: Callable | None = None,
-                 format: ChatFormat | None = None, model: str | Sequence[str] = "tokengym", transport: str = "http",
+                 format: ChatFormat | None = None, model: str | Sequence[str] = "tokengym", transport: str = "auto",
                  host: str = "127.0.0.1", port: int = 0, secret: str | None = None, turn_timeout: float = 60.0,
                  max_turns: int | None = None, max_new_tokens: int = 256, cache_size: int = 4096,
                  constrain_tools: bool = False, name: str | None = None):
         options = {k: v for k, v in locals().items() if k not in ("self", "agent", "__class__")}
         if not callable(agent) or isinstance(agent, type):
             raise ValueError(f"agent must be a function agent(client, sample), got {agent!r:.80}")
-        if transport not in ("http", "inproc"):
-            raise ValueError(f"transport must be 'http' or 'inproc', got {transport!r}")
+        if transport not in ("auto", "http", "inproc"):
+            raise ValueError(f"transport must be 'auto', 'http' or 'inproc', got {transport!r}")
         if reward is not None and not callable(reward):
             raise ValueError(f"reward must be a function reward(messages, sample), got {reward!r:.80}")
         if format is not None and not isinstance(format, ChatFormat):
@@ -167,7 +168,7 @@ class AgentTask(EpisodeTask):
         self.turn_timeout = float(turn_timeout)
         self.reply_timeout = self.turn_timeout + 30.0  # the env's limit on respond(), which waits turn_timeout itself
         self.server = AgentServer(self.models, secret)
-        self.address = self.server.serve(host, port) if transport == "http" else "http://tokengym.local"
+        self.address = self.server.serve(host, port) if transport != "inproc" else "http://tokengym.local"
         self._loop = Loop() if self.is_async else None
         self._http: Any = None
         self._ids = itertools.count()
@@ -223,10 +224,10 @@ class AgentTask(EpisodeTask):
 
         if self._http is None:
             if self.is_async:
-                transport = AsyncInProcess(self.server) if self.transport == "inproc" else None
+                transport = AsyncInProcess(self.server) if self.transport != "http" else None
                 self._http = httpx.AsyncClient(transport=transport, timeout=None)
             else:
-                transport = InProcess(self.server) if self.transport == "inproc" else None
+                transport = InProcess(self.server) if self.transport != "http" else None
                 self._http = httpx.Client(transport=transport, timeout=None,
                                           limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
         cls = self.openai.AsyncOpenAI if self.is_async else self.openai.OpenAI

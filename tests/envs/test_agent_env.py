@@ -69,7 +69,7 @@ def test_every_trained_token_is_the_sampled_token_across_tool_results(tok):
         seen["second"] = r
         return float(r.choices[0].message.content == "It is 5")
 
-    task = AgentTask(agent, [{"q": "add 2 and 3"}], max_new_tokens=160)
+    task = AgentTask(agent, [{"q": "add 2 and 3"}], max_new_tokens=160, transport="http")
     env = TokenVectorEnv(1, task, tokenizer=tok)
     assert isinstance(task.format, TemplateFormat) and not task.format.renders_tools  # tools go to a system message
     eot = tok.convert_tokens_to_ids("<|im_end|>")
@@ -109,7 +109,7 @@ def test_a_history_rewrite_is_refused_naming_the_turn_and_the_trained_tokens_sta
             raise
         return 1.0
 
-    task = AgentTask(agent, [{}], max_new_tokens=40)
+    task = AgentTask(agent, [{}], max_new_tokens=40, transport="http")
     env = TokenVectorEnv(1, task, tokenizer=tok)
     eot = tok.convert_tokens_to_ids("<|im_end|>")
     turn1 = tok("hello", add_special_tokens=False)["input_ids"] + [eot]
@@ -181,7 +181,7 @@ def bad_agent(client, sample):
     return {"ok": 1.0, "nan": math.nan, "str": "good"}.get(kind, 0.0)
 
 
-@pytest.mark.parametrize("transport", ["http", "inproc"])
+@pytest.mark.parametrize("transport", ["http", "inproc", "auto"])
 def test_bad_agents_each_end_their_own_episode_counted_and_the_batch_goes_on(transport):
     policy = Policy.from_pretrained("tiny-calculator", seed=0)
     with pytest.warns(Warning):  # each bad agent warns one line naming what it did
@@ -303,8 +303,9 @@ def test_a_turn_cut_by_the_budget_returns_finish_reason_length_with_its_text(tok
 
 
 def test_an_agent_in_another_process_reaches_its_episode_by_base_url():
-    """The endpoint is real HTTP: the agent function hands ``base_url`` and the key to a program in another process
-    (any language with an HTTP client), whose calls are the episode's turns as an in-process agent's are."""
+    """The endpoint is real HTTP (by default the agent's own client skips the socket, and its ``base_url`` is the
+    endpoint's): the agent function hands ``base_url`` and the key to a program in another process (any language with
+    an HTTP client), whose calls are the episode's turns as an in-process agent's are."""
     import subprocess
     import sys
 
