@@ -2,14 +2,15 @@
 
     python bench/agents.py --json [--batch 64] [--repeats 2] [--warmup 1] [--threads 1] [--model smollm2-135m-instruct]
 
-The task: ``Calculator-v0`` in chat form (``chat=True``) for SmolLM2-135M-Instruct: the native env answers a
-``<calc>38+87</calc>`` call with ``=125`` as a user message; the agent (:func:`calc_agent`) does the same through the
-``openai`` client (its calls parsed by the ``<calc>`` tag format, its answers sent as user messages), so both sides
-meet the same samples and render the same tokens. Contenders, each in its own fresh process (``bench/_isolate.py``),
-one after the other: **native** (``TokenVectorEnv(batch, "calculator", chat=True)``), **agent** (``AgentTask``,
-``transport="inproc"``: the client's requests reach the env without a socket) and **http** (the same over loopback
-HTTP, the default). Each runs ``--warmup`` rollouts of ``--batch`` episodes (sampled, seeded alike), then
-``--repeats`` timed ones; reports episodes/s and decode tokens/s (the model's tokens) of the best timed rollout, and
+The task: ``GuessNumber-v0`` in chat form (``chat=True``) for SmolLM2-135M-Instruct, a multi-turn game: each turn is
+a guess, answered "Higher." or "Lower." as a user message (up to 8 turns). The agent (:func:`guess_agent`) plays the
+same game through the ``openai`` client, so both sides meet the same samples and render the same tokens (the native
+env's reward counts a hit on any line, the agent's on the turn's last number: the work per episode is the same).
+Contenders, each in its own fresh process (``bench/_isolate.py``), one after the other: **native**
+(``TokenVectorEnv(batch, "guess_number", chat=True)``), **agent** (``AgentTask``, ``transport="inproc"``: the
+client's requests reach the env without a socket) and **http** (``transport="http"``: the same over loopback HTTP).
+Each runs ``--warmup`` rollouts of ``--batch`` episodes (sampled, seeded alike), then ``--repeats`` timed ones;
+reports episodes/s and decode tokens/s (the model's tokens) of the best timed rollout, the replies per episode, and
 ``agent_vs_native`` / ``http_vs_native``: the agent sides' episodes/s over native's (goals: at least 0.8 and 0.6).
 """
 
@@ -26,21 +27,22 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _isolate import run_child  # noqa: E402
 
 
-def calc_agent(client, sample):
-    """The chat Calculator as an agent: calls as ``<calc>`` tags, answers as user messages, the native reward."""
-    from tokengym.envs.tasks.tools import calculate
-    from tokengym.rewards import arithmetic_correct
+def guess_agent(client, sample):
+    """GuessNumber as an agent: guesses until right or 8 turns, told "Higher."/"Lower." as user messages."""
+    import re
 
-    messages, said = [dict(m) for m in sample["prompt"]], []
-    for _ in range(6):
+    messages = [dict(m) for m in sample["prompt"]]
+    for turn in range(8):
         reply = client.chat.completions.create(model="tokengym", messages=messages).choices[0].message
         messages.append(reply.model_dump(exclude_none=True))
-        said.append(reply.content or "")
-        if not reply.tool_calls:
-            break
-        expression = json.loads(reply.tool_calls[-1].function.arguments)["expression"]
-        messages.append({"role": "user", "content": f"={calculate(expression)}\n"})
-    return arithmetic_correct([], ["\n".join(said)], answer=[sample["answer"]])[0]
+        found = re.findall(r"-?\d+", reply.content or "")
+        if not found:
+            messages.append({"role": "user", "content": "Please reply with just a number."})
+        elif int(found[-1]) == sample["answer"]:
+            return max(0.1, 1.0 - 0.1 * turn)
+        else:
+            messages.append({"role": "user", "content": "Higher." if int(found[-1]) < sample["answer"] else "Lower."})
+    return 0.0
 
 
 def one(side: str, args: argparse.Namespace) -> dict:
@@ -48,18 +50,16 @@ def one(side: str, args: argparse.Namespace) -> dict:
 
     from tokengym.agents import Policy, collect
     from tokengym.envs import AgentTask, TokenVectorEnv
-    from tokengym.envs.adapters import TagTools, TemplateFormat
-    from tokengym.envs.tasks import CalculatorTask
+    from tokengym.envs.tasks import GuessNumberTask
 
     torch.set_num_threads(args.threads)
     policy = Policy.from_pretrained(args.model)
-    task = CalculatorTask(chat=True)
+    task = GuessNumberTask(chat=True)
     native = TokenVectorEnv(args.batch, task, tokenizer=policy.tokenizer)
     if side == "native":
         env = native
     else:
-        fmt = TemplateFormat(TagTools("<calc>", "</calc>", "calculate", "expression"))
-        agent = AgentTask(calc_agent, task, format=fmt, max_new_tokens=native.max_new_tokens, max_turns=task.max_turns,
+        agent = AgentTask(guess_agent, task, max_new_tokens=native.max_new_tokens, max_turns=task.max_turns,
                           transport="inproc" if side == "agent" else "http")
         env = TokenVectorEnv(args.batch, agent, tokenizer=policy.tokenizer, max_prompt_len=native.max_prompt_len)
     runs = []
