@@ -13,12 +13,13 @@ assistant messages it echoes back are compared as text and parsed tool calls). A
 an earlier message is refused with ``BadRequestError`` naming the turn and the message, and the episode ends there:
 its tokens up to that turn are trained as sampled, and it counts in ``agent/errors``.
 
+A call's sampling settings (``temperature``, ``max_tokens``, ...) are the trainer's: the env ignores them.
+
 **Bad agents.** An agent that raises, returns something that is not a finite number (or ``None`` with no reward
-function), never calls the model, asks for a model the env does not serve, or ends after its first call is an episode
-that ends with reward 0 and counts in ``agent/errors``; one silent past ``turn_timeout`` counts in
-``agent/timeouts``. A call whose messages do not fit the episode's token budget is refused
-(``context_length_exceeded``) and counts in ``env/reply_overflows``. Each also warns one line naming it. The run goes
-on with every other episode.
+function), never calls the model, or asks for a model the env does not serve ends its episode with reward 0, counted
+in ``agent/errors``; one silent past ``turn_timeout`` counts in ``agent/timeouts``. A call whose messages do not fit
+the episode's token budget is refused (``context_length_exceeded``) and counts in ``env/reply_overflows``. Each also
+warns one line naming it. The run goes on with every other episode.
 """
 
 from __future__ import annotations
