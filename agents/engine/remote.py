@@ -34,12 +34,12 @@ import threading
 import time
 import uuid
 import warnings
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from tokengym.envs.json_http import JsonHandler, ThreadedServer
 from tokengym.rewards.common import TokengymWarning
 from tokengym.agents.engine.backends import BACKENDS
 from tokengym.agents.engine.messages import MessageError, check_manifest, encode_rollout
@@ -194,8 +194,7 @@ class WorkerServer:
         class Handler(_Handler):
             owner = server
 
-        self.httpd = ThreadingHTTPServer((host, port), Handler)
-        self.httpd.daemon_threads = True
+        self.httpd = ThreadedServer((host, port), Handler)
         self.address = f"{host}:{self.httpd.server_address[1]}"
 
     def log(self, text: str) -> None:
@@ -301,23 +300,12 @@ class _Gone(Exception):
     """The session a request names is not this worker's (HTTP 409)."""
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(JsonHandler):
     owner: WorkerServer
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, fmt: str, *args: Any) -> None:  # the server logs refusals itself
-        pass
-
-    def _reply(self, code: int, body: bytes, kind: str = "application/json") -> None:
-        self.send_response(code)
-        self.send_header("Content-Type", kind)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
 
     def _refuse(self, code: int, text: str) -> None:
         self.owner.log(f"refused {self.command} {self.path} from {self.client_address[0]}: {text}")
-        self._reply(code, json.dumps({"error": text}).encode())
+        self.send_json(code, {"error": text})
 
     def do_GET(self) -> None:
         self._refuse(405, "every message is a POST")
@@ -347,17 +335,17 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             out = routes[self.path](body)
         except _Gone as e:  # (not logged: a learner's fetcher meets it whenever a session ends)
-            return self._reply(409, json.dumps({"error": str(e)}).encode())
+            return self.send_json(409, {"error": str(e)})
         except MessageError as e:
             return self._refuse(400, str(e))
         except Exception as e:  # noqa: BLE001
             return self._refuse(500, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
         if out is None:
-            self._reply(204, b"")
+            self.send_body(204, b"")
         elif isinstance(out, bytes):
-            self._reply(200, out, "application/octet-stream")
+            self.send_body(200, out, "application/octet-stream")
         else:
-            self._reply(200, json.dumps(out).encode())
+            self.send_json(200, out)
 
 
 # ---------------------------------------------------------------------------------------------- the learner

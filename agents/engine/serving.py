@@ -21,10 +21,10 @@ import sys
 import threading
 import time
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import unquote
 
+from tokengym.envs.json_http import JsonHandler, ThreadedServer
 from tokengym.envs import openai_api as api
 from tokengym.envs.chat import check_chat_template, end_of_turn_ids
 from tokengym.agents.engine.generation import GenerationRequest, PolicyGenerator, SamplingSettings
@@ -90,8 +90,7 @@ class PolicyServer:
         class Handler(_Handler):
             owner = server
 
-        self.httpd = ThreadingHTTPServer((host, port), Handler)
-        self.httpd.daemon_threads = True
+        self.httpd = ThreadedServer((host, port), Handler)
         self.address = f"{host}:{self.httpd.server_address[1]}"
 
     def log(self, text: str) -> None:
@@ -183,20 +182,8 @@ class PolicyServer:
         return text[: min(text.find(s) for s in stop if s in text)], n, "stop"
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(JsonHandler):
     owner: PolicyServer
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, fmt: str, *args: Any) -> None:  # the server logs each request itself
-        pass
-
-    def _reply(self, code: int, out: dict[str, Any]) -> None:
-        body = json.dumps(out).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
 
     def _answer(self, route: Any, body: Any) -> None:
         t0 = time.perf_counter()
@@ -221,7 +208,7 @@ class _Handler(BaseHTTPRequestHandler):
         what = (f"{usage['prompt_tokens']}+{usage['completion_tokens']} tokens" if usage else
                 out["error"]["message"] if "error" in out else "ok")
         self.owner.log(f"{self.command} {path} {code} ({what}, {time.perf_counter() - t0:.2f} s)")
-        self._reply(code, out)
+        self.send_json(code, out)
 
     def do_GET(self) -> None:
         path = unquote(self.path.split("?")[0])

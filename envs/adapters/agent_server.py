@@ -14,11 +14,11 @@ import hmac
 import json
 import secrets
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable
+from typing import Any
 
 import httpx
 
+from tokengym.envs.json_http import JsonHandler, ThreadedServer
 from tokengym.envs.openai_api import APIError, error_body, model_list
 
 __all__ = ["AgentServer", "InProcess", "AsyncInProcess"]
@@ -33,7 +33,7 @@ class AgentServer:
     def __init__(self, models: list[str], secret: str | None = None):
         self.models, self.secret = list(models), secret or secrets.token_hex(16)
         self.episodes: dict[str, Any] = {}
-        self.httpd: ThreadingHTTPServer | None = None
+        self.httpd: ThreadedServer | None = None
         self.lock = threading.Lock()
 
     def add(self, eid: str, episode: Any) -> None:
@@ -85,28 +85,16 @@ class AgentServer:
         if self.httpd is None:
             server = self
 
-            class Handler(BaseHTTPRequestHandler):
-                protocol_version = "HTTP/1.1"
-                disable_nagle_algorithm = True  # headers and body go out at once (not 40 ms apart: delayed ACKs)
-
-                def log_message(self, *args: Any) -> None:
-                    return None
-
+            class Handler(JsonHandler):
                 def _handle(self) -> None:
                     n = int(self.headers.get("Content-Length") or 0)
                     status, out = server.dispatch(self.command, self.path, self.headers.get("Authorization"),
                                                   self.rfile.read(n) if n else b"").result()
-                    data = json.dumps(out).encode()
-                    self.send_response(status)
-                    self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(data)))
-                    self.end_headers()
-                    self.wfile.write(data)
+                    self.send_json(status, out)
 
                 do_GET = do_POST = _handle
 
-            self.httpd = _Quiet((host, port), Handler)
-            self.httpd.daemon_threads = True
+            self.httpd = ThreadedServer((host, port), Handler)
             threading.Thread(target=self.httpd.serve_forever, name="tokengym-agent-server", daemon=True).start()
         host, port = self.httpd.server_address[:2]
         return f"http://{host}:{port}"
@@ -116,19 +104,6 @@ class AgentServer:
             self.httpd.shutdown()
             self.httpd.server_close()
             self.httpd = None
-
-
-class _Quiet(ThreadingHTTPServer):
-    """A client that went away (an agent cancelled with its episode) is not an error worth a traceback. The listen
-    backlog holds a batch's agents connecting at once (the default of 5 refuses some of 64)."""
-
-    request_queue_size = 1024
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        import sys
-
-        if not isinstance(sys.exc_info()[1], ConnectionError):
-            super().handle_error(request, client_address)
 
 
 def _response(request: httpx.Request, status: int, out: dict[str, Any]) -> httpx.Response:
