@@ -501,7 +501,10 @@ def cov_policy_loss(
     loss value, and the bounds are inclusive.
 
     Args:
-        logp, old_logp, advantages, mask: ``[N, T]``; ``old_logp`` and ``advantages`` detached.
+        logp: ``[N, T]``.
+        old_logp: ``[N, T]``, detached.
+        advantages: ``[N, T]``, detached.
+        mask: ``[N, T]``.
         mode: ``"kl-cov"`` or ``"clip-cov"``.
         select_ratio: Fraction of valid tokens to select, in ``(0, 1]``.
         kl_coef: Weight of the ``|log-ratio|`` penalty (kl-cov), ``>= 0``.

@@ -70,8 +70,8 @@ def score_outcome(
         component named after it; a :func:`weighted_sum` reports each of its terms.
 
     Raises:
-        ValueError / TypeError naming the reward when it returns the wrong length, a non-numeric
-        value, or NaN/inf.
+        ValueError: (or TypeError) naming the reward when it returns the wrong length, a non-numeric
+            value, or NaN/inf.
     """
     fields = fields or {}
     n = len(completions)

@@ -150,10 +150,11 @@ class RewardModel:
         batch_size: rows per forward pass when scoring.
         max_length: keep only the last ``max_length`` tokens of a row (``None`` = all).
         name: the reward's name in logs.
-        shift, scale: the reward is ``(model output - shift) / scale``. Bradley-Terry training fixes
+        shift: the reward is ``(model output - shift) / scale``. Bradley-Terry training fixes
             only differences, so the raw level is arbitrary; :meth:`normalize` sets both so that a
             reference set of completions (e.g. the initial policy's samples) scores mean 0 and std 1,
             which keeps an RL critic's targets and the KL penalty on a known scale.
+        scale: the divisor in that formula.
 
     Example:
         >>> from tokengym.agents.engine.models import load_classifier
@@ -284,7 +285,11 @@ class LikelihoodRewardModel(RewardModel):
         tokenizer: its tokenizer (a pad token needed; EOS, when it has one, ends every scored text).
         beta: scale of the log-likelihood.
         reference: optional frozen causal LM whose log-likelihood is subtracted (not saved by :meth:`save_pretrained`).
-        batch_size, max_length, name, shift, scale: as in :class:`RewardModel`.
+        batch_size: as in :class:`RewardModel`.
+        max_length: as in :class:`RewardModel`.
+        name: as in :class:`RewardModel`.
+        shift: as in :class:`RewardModel`.
+        scale: as in :class:`RewardModel`.
 
     Example:
         >>> from tokengym.agents.engine.models import load_model

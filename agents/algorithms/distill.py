@@ -144,7 +144,8 @@ class DistillAgent(GRPOAgent):
         >>> env = gym.make_vec("tokengym/Arithmetic-v0", num_envs=8, vectorization_mode="vector_entry_point", group_size=2)
         >>> agent = DistillAgent(Policy.from_pretrained("tiny"), DistillConfig(steps=2, teacher="tiny-arithmetic"))
         >>> history = agent.learn(env)
-        >>> round(history[-1]["train/reverse_kl"], 1) > 0
+        >>> last = history[-1]
+        >>> round(last["train/reverse_kl"], 1) > 0
         True
     """
 

@@ -163,7 +163,9 @@ class Policy(nn.Module):
     Args:
         model: any ``transformers`` causal LM (a preset, a local checkpoint, an in-memory model).
         tokenizer: its tokenizer (needs EOS and pad tokens).
-        temperature, top_k, top_p: sampling settings (``top_k=0`` and ``top_p=1`` turn those filters off).
+        temperature: the sampling temperature.
+        top_k: sample from the ``top_k`` most likely tokens (``0`` turns this filter off).
+        top_p: sample from the smallest set of tokens whose probability reaches ``top_p`` (``1`` turns it off).
         seed: seeds the policy's own sampling generator.
         fast_decode: use the static-cache decode step for supported models when ``prefill`` is given
             ``max_new_tokens`` (see :mod:`tokengym.agents.engine.fast_decode`); ``False`` always takes the

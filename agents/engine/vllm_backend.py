@@ -110,8 +110,9 @@ class VLLMGenerator:
             with the fast decoder.
         bf16: run the engine in bf16 (else fp32, whatever the policy's dtype).
         max_model_len: the longest history + generation a request may have (default: the model's positions).
-        max_rows, row_len: rows generated at once and their length, for the KV cache's size (vLLM queues more rows,
-            recomputing what does not fit).
+        max_rows: rows generated at once, for the KV cache's size (vLLM queues more rows, recomputing what does not
+            fit).
+        row_len: the length of those rows, for the KV cache's size.
         version: the version of the policy's weights now (the trainer's step), which the engine starts with.
         engine_kwargs: further ``vllm.LLM`` arguments (they override tokengym's choices).
 

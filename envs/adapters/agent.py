@@ -133,7 +133,9 @@ class AgentTask(EpisodeTask):
             the client handed to the agent reaches it without a socket), ``"http"`` (that client too goes over
             loopback HTTP) or ``"inproc"`` (no socket at all).
         turn_timeout: seconds the agent may take between the model's answer and its next call (or its result).
-        max_turns, max_new_tokens, cache_size: :class:`EpisodeTask`'s.
+        max_turns: as in :class:`EpisodeTask`.
+        max_new_tokens: as in :class:`EpisodeTask`.
+        cache_size: as in :class:`EpisodeTask`.
     """
 
     outcome_is_return = True
