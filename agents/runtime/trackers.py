@@ -134,8 +134,8 @@ _MLFLOW_BAD = re.compile(r"[^\w\-. /]")
 
 class MlflowTracker:
     """MLflow, in the SQLite store ``RUN/mlflow.db`` (``mlflow ui --backend-store-uri sqlite:///RUN/mlflow.db``)
-    unless ``MLFLOW_TRACKING_URI`` is set; the config as flat params and ``config.json``, the summary as
-    ``summary.json`` (artifacts). Metric names keep the characters MLflow allows (others become ``_``)."""
+    with artifacts in ``RUN/mlflow-artifacts``, unless ``MLFLOW_TRACKING_URI`` is set; the config as flat params and
+    ``config.json``, the summary as ``summary.json`` (artifacts). Metric names keep the characters MLflow allows (others become ``_``)."""
 
     def __init__(self, **_: Any):
         self.client, self.run_id = None, None
@@ -147,11 +147,13 @@ class MlflowTracker:
 
         logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)  # its table creation, every new run
         logging.getLogger("alembic").setLevel(logging.WARNING)
-        uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{os.path.abspath(os.path.join(run_dir, 'mlflow.db'))}"
+        own = os.environ.get("MLFLOW_TRACKING_URI")
+        uri = own or f"sqlite:///{os.path.abspath(os.path.join(run_dir, 'mlflow.db'))}"
         self.client = MlflowClient(tracking_uri=uri)
         experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME", PROJECT)
         found = self.client.get_experiment_by_name(experiment)
-        exp_id = found.experiment_id if found is not None else self.client.create_experiment(experiment)
+        artifacts = None if own else os.path.abspath(os.path.join(run_dir, "mlflow-artifacts"))  # not ./mlruns
+        exp_id = found.experiment_id if found is not None else self.client.create_experiment(experiment, artifacts)
         self.run_id = self.client.create_run(exp_id, run_name=name).info.run_id
         from mlflow.entities import Param
 
