@@ -163,7 +163,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from tokengym.agents.runtime import runs as R
     from tokengym.agents.engine.resources import check_device
     from tokengym.agents.engine.backends import make_backend
-    from tokengym.agents.engine.rollout import evaluate, heldout_samples
+    from tokengym.agents.engine.rollout import evaluate, evaluate_at_k, heldout_samples
     from tokengym.agents.cli.runner import RunConfig, checked_env, load_policy, resolve_env_id, use_threads
 
     run, model = RunConfig(), args.model
@@ -188,6 +188,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     resolve_env_id(run)  # a bad env is one line before the model loads
     if args.prompts < 1 or args.samples < 0:
         raise R.UsageError("--prompts must be >= 1 and --samples >= 0")
+    if args.k is not None and not 1 <= args.k <= args.samples:
+        raise R.UsageError(f"--k {args.k} needs 1 <= k <= --samples (the n sampled completions per prompt that "
+                           f"pass@k, maj@k and mean@k are estimated from; --samples is {args.samples})")
     use_threads(args.threads)  # after the checks of the input: a busy-machine warning only for work that runs
     policy = load_policy(run, args.seed)
     if checkpoint is not None:
@@ -203,13 +206,28 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     except (ValueError, ImportError) as e:
         raise R.UsageError(str(e)) from None
     rows = [("greedy", evaluate(sampler, env, samples, greedy=True))]
+    at_k = None
     if args.samples:
         policy.seed(args.seed)
-        rows.append((f"sampled x{args.samples} (T={policy.temperature:g})", evaluate(sampler, env, samples * args.samples, greedy=False)))
+        if args.k is not None:  # the same sampled episodes, kept per prompt
+            at_k = evaluate_at_k(sampler, env, samples, n=args.samples, k=args.k)
+            sampled = at_k["sampled"]
+        else:
+            sampled = evaluate(sampler, env, samples * args.samples, greedy=False)
+        rows.append((f"sampled x{args.samples} (T={policy.temperature:g})", sampled))
     print(f"{checkpoint or model} on {run.env} ({args.prompts} held-out prompts, sampler {args.sampler})")
     print(f"{'decoding':<24} {'accuracy':>9} {'reward':>8} {'length':>8} {'truncated':>10}")
     for name, r in rows:
         print(f"{name:<24} {r['accuracy']:>9.1%} {r['mean_reward']:>8.3f} {r['mean_length']:>8.1f} {r['truncated']:>10.1%}")
+    if at_k is not None:
+        k = args.k
+        print(f"k={k} of n={args.samples} samples per prompt: pass@{k} {at_k[f'pass@{k}']:.1%}  "
+              f"maj@{k} {at_k[f'maj@{k}']:.1%}  mean@{k} {at_k[f'mean@{k}']:.1%}")
+    if args.out:
+        result = {"model": checkpoint or model, "env": run.env, "prompts": args.prompts,
+                  **{name.split(" ")[0]: r for name, r in rows}, **({"at_k": at_k} if at_k is not None else {})}
+        R.write_json_atomic(args.out, result)
+        print(f"results in {args.out}")
     return 0
 
 
@@ -429,6 +447,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     _add_import_flag(p)
     p.add_argument("--prompts", type=int, default=256, help="held-out prompts (default: 256)")
     p.add_argument("--samples", type=int, default=4, help="sampled completions per prompt for sampled accuracy (0 = skip)")
+    p.add_argument("--k", type=int, default=None, help="also pass@k (unbiased, from the --samples completions per prompt), "
+                   "maj@k (the majority answer's correctness) and mean@k of the first k; needs k <= --samples")
+    p.add_argument("--out", help="also write the results as JSON to this file (with --k: each prompt's answers and "
+                   "correctness)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--sampler", choices=tuple(SAMPLERS), default="tokengym", help="rollout backend: tokengym (the fast "

@@ -106,7 +106,7 @@ def _fit_classifier(run: RunConfig, total: int, fit: Callable, scorer: Any, key:
     def job(run_dir: str, resume: bool) -> dict[str, Any]:
         from tokengym.agents.runtime.logger import RunLogger
 
-        logger = RunLogger(run_dir)
+        logger = RunLogger(run_dir, report_to=run.report_to)
         progress = Progress(total, 0, run.progress, os.path.basename(run_dir))
 
         def callback(record: dict[str, Any]) -> bool:
@@ -222,7 +222,7 @@ def build_spin(run: RunConfig, cfg: Any) -> Job:
 
     def job(run_dir: str, resume: bool) -> dict[str, Any]:
         learner.logger.close()
-        learner.logger = RunLogger(run_dir)
+        learner.logger = RunLogger(run_dir, report_to=run.report_to)
         progress = Progress(cfg.rounds, 0, run.progress, os.path.basename(run_dir))
         if eval_env is not None:
             policy.eval()

@@ -33,6 +33,7 @@ from tokengym.agents.cli.runner import (RESUMABLE, WARM_STARTS, RunConfig, algor
 from tokengym.agents.runtime import runs as R
 from tokengym.agents.runtime.config_io import renamed_settings
 from tokengym.agents.runtime.session import create_run_folder, jsonable
+from tokengym.agents.runtime.trackers import check_report_to, parse_report_to, where
 
 __all__ = ["RunConfig", "algorithms", "train", "resolve", "run_fields", "run_fields_for", "warn_if_busy"]
 
@@ -136,6 +137,7 @@ def _check_run(run: RunConfig, algo: str) -> None:
             raise R.UsageError(f"invalid {k}={getattr(run, k)!r}{why.get(k, '')}")
     try:
         check_device(run.device)
+        check_report_to(run.report_to)  # an unknown tracker or one not installed: one line, no folder
     except ValueError as e:
         raise R.UsageError(str(e)) from None
     resolve_env_id(run)  # a bad env (module, class, id) is one line before anything loads
@@ -253,7 +255,8 @@ def _train(algo: str, run: RunConfig, cfg: Any, run_dir: str, resume: bool, dp: 
             say(f"data parallel: {dp.world_size} processes, {run.device} (rank 0 writes the run)", flush=True)
         dp.barrier()
         say(f"tokengym train {algo}: {run.env} from {run.model} -> {run_dir}", flush=True)
-        say(f"  TensorBoard: tensorboard --logdir {run.runs_dir}", flush=True)
+        for tracker in parse_report_to(run.report_to):
+            say(f"  {where(tracker, run_dir, run.runs_dir)}", flush=True)
         say(config_line(cfg, preset, run_dir, verbose), flush=True)
         with R.storage_errors(run_dir, "the run's logs and checkpoints"):  # a full or read-only disk: one line
             result = job(run_dir, resume)

@@ -24,7 +24,7 @@ from tokengym.agents.engine.rollout_data import Rollout, attach_values, check_co
 from tokengym.agents.engine.sampler import SamplerCapabilities, capabilities_of
 from tokengym.agents.runtime.sharding import full_weights
 
-__all__ = ["Rollout", "attach_values", "collect", "collect_episodes", "evaluate", "heldout_samples", "turn_metrics", "used_columns", "used_slice", "trimmed_logprobs"]
+__all__ = ["Rollout", "attach_values", "collect", "collect_episodes", "evaluate", "evaluate_at_k", "heldout_samples", "turn_metrics", "used_columns", "used_slice", "trimmed_logprobs"]
 
 
 def concat_rollouts(parts: Sequence[Rollout]) -> Rollout:
@@ -328,6 +328,45 @@ def heldout_samples(task, n: int, seed: int = 10_007) -> list[dict[str, Any]]:
     return task.batch(np.random.default_rng(seed), n)
 
 
+def _eval_episodes(policy, env, samples: list[dict[str, Any]], greedy: bool) -> list[Rollout]:
+    """The episodes of ``samples`` in order, as rollouts: one continuous-batching pass on a ``next_step`` env, else
+    lockstep batches of ``env.num_envs`` (the last one padded, the padding dropped)."""
+    if env.group_size != 1:
+        raise ValueError("evaluate() needs an env with group_size=1")
+    n = env.num_envs
+    if env.autoreset_mode.name == "NEXT_STEP":
+        return [collect_episodes(env, policy, list(samples), greedy=greedy)]
+    parts = []
+    for start in range(0, len(samples), n):
+        chunk = list(samples[start : start + n])
+        ro = collect(env, policy, greedy=greedy, samples=chunk + chunk[:1] * (n - len(chunk)))
+        parts.append(ro.select(range(len(chunk))))
+    return parts
+
+
+@torch.inference_mode()
+def evaluate_at_k(policy, env, samples: list[dict[str, Any]], n: int, k: int) -> dict[str, Any]:
+    """pass@k, maj@k and mean@k (:mod:`~tokengym.agents.engine.eval_metrics`) of ``n`` sampled completions of each
+    of ``samples`` (correct: outcome >= 1, as ``accuracy``). The answer that maj@k votes on is the task's
+    ``extract_answer(completion)`` where the task has one, else the completion text (stripped).
+
+    Returns the three metrics (named with ``k``), ``n``, ``k``, ``sampled`` (:func:`evaluate`'s metrics of the same
+    ``n * len(samples)`` episodes) and ``per_prompt``: for each prompt its ``answers`` and ``correct`` flags in
+    sampling order (sample j of every prompt is drawn in the j-th pass over the prompts)."""
+    from tokengym.agents.engine.eval_metrics import at_k_metrics
+
+    parts = _eval_episodes(policy, env, list(samples) * n, greedy=False)
+    outcome = torch.cat([ro.outcome for ro in parts]).tolist()
+    texts = [t for ro in parts for t in ro.completions]
+    extract = getattr(getattr(env, "task", None), "extract_answer", None)
+    answers = [extract(t) if callable(extract) else t.strip() for t in texts]
+    p = len(samples)
+    per_prompt = [{"answers": [answers[j * p + i] for j in range(n)],
+                   "correct": [outcome[j * p + i] >= 1.0 - 1e-6 for j in range(n)]} for i in range(p)]
+    metrics = at_k_metrics([(row["answers"], row["correct"]) for row in per_prompt], k)
+    return {**metrics, "n": n, "k": k, "sampled": _eval_summary(parts), "per_prompt": per_prompt}
+
+
 @torch.inference_mode()
 def evaluate(policy, env, samples: list[dict[str, Any]], greedy: bool = True) -> dict[str, float]:
     """Score ``policy`` on ``samples`` (group_size 1 env): in lockstep batches of ``env.num_envs``, or with
@@ -338,17 +377,11 @@ def evaluate(policy, env, samples: list[dict[str, Any]], greedy: bool = True) ->
     which for 0/1 verifiers is the fraction solved), ``mean_length`` and ``truncated``; for a multi-turn env also
     ``replies_per_episode`` (a tool env's calls per episode).
     """
-    if env.group_size != 1:
-        raise ValueError("evaluate() needs an env with group_size=1")
-    n = env.num_envs
-    if env.autoreset_mode.name == "NEXT_STEP":  # continuous batching: one pass over every prompt
-        parts = [collect_episodes(env, policy, list(samples), greedy=greedy)]
-    else:  # lockstep batches of n (the last one padded)
-        parts = []
-        for start in range(0, len(samples), n):
-            chunk = list(samples[start : start + n])
-            ro = collect(env, policy, greedy=greedy, samples=chunk + chunk[:1] * (n - len(chunk)))
-            parts.append(ro.select(range(len(chunk))))
+    return _eval_summary(_eval_episodes(policy, env, samples, greedy))
+
+
+def _eval_summary(parts: list[Rollout]) -> dict[str, float]:
+    """:func:`evaluate`'s metrics of its episodes."""
     rewards = [ro.outcome for ro in parts]
     lengths = [ro.lengths.float() for ro in parts]
     truncs = [ro.truncated.float() for ro in parts]

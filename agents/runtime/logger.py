@@ -1,4 +1,4 @@
-"""``RunLogger``: one place that writes a run's metrics to TensorBoard and ``metrics.jsonl``."""
+"""``RunLogger``: one place that writes a run's metrics to ``metrics.jsonl`` and its trackers (``--report-to``)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ import math
 import os
 import time
 import warnings
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
+from tokengym.agents.runtime.trackers import make_tracker, parse_report_to
 from tokengym.rewards.common import TokengymWarning
 
 __all__ = ["RunLogger", "SignalWatch", "to_float"]
@@ -27,23 +28,40 @@ class RunLogger:
     """Append metrics for a run directory; ``None`` as ``run_dir`` keeps them in memory only.
 
     Every :meth:`log` call adds one JSON line ``{"step": ..., "time": ..., **metrics}`` to
-    ``run_dir/metrics.jsonl`` and one TensorBoard scalar per metric (tag = metric name, e.g.
-    ``reward/mean``). ``history`` holds the same records in memory. ``purge_step`` (resume) hides
-    TensorBoard events at and after that step written by an earlier, interrupted process.
+    ``run_dir/metrics.jsonl`` and gives each tracker of ``report_to`` (default TensorBoard; see
+    :mod:`~tokengym.agents.runtime.trackers`) the finite metrics (name = tag, e.g. ``reward/mean``); :meth:`close`
+    gives them each metric's last value. ``history`` holds the same records in memory. ``purge_step`` (resume)
+    hides TensorBoard events at and after that step written by an earlier, interrupted process. A tracker that
+    raises is dropped with one warning: ``metrics.jsonl`` stays whole.
     """
 
-    def __init__(self, run_dir: str | os.PathLike | None = None, tensorboard: bool = True, purge_step: int | None = None):
+    def __init__(self, run_dir: str | os.PathLike | None = None, tensorboard: bool = True, purge_step: int | None = None,
+                 report_to: str | Sequence[str] | None = "tensorboard"):
         self.run_dir = os.fspath(run_dir) if run_dir is not None else None
         self.history: list[dict[str, float]] = []
-        self._writer = None
+        self.trackers: dict[str, Any] = {}
         self._start = time.time()
         self._signal = SignalWatch()
         if self.run_dir is not None:
             os.makedirs(self.run_dir, exist_ok=True)
-            if tensorboard:
-                from torch.utils.tensorboard import SummaryWriter
+            names = [n for n in parse_report_to(report_to) if tensorboard or n != "tensorboard"]
+            config = _run_config(self.run_dir)
+            for name in names:
+                tracker = make_tracker(name, purge_step=purge_step)
+                if self._call(name, tracker, "start", self.run_dir, os.path.basename(os.path.abspath(self.run_dir)), config):
+                    self.trackers[name] = tracker
 
-                self._writer = SummaryWriter(self.run_dir, purge_step=purge_step)
+    def _call(self, name: str, tracker: Any, method: str, *args: Any) -> bool:
+        """``tracker.method(*args)``; on an exception warn once and drop the tracker (the run goes on)."""
+        try:
+            getattr(tracker, method)(*args)
+            return True
+        except Exception as e:
+            self.trackers.pop(name, None)
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            warnings.warn(f"tracker {name} failed ({method}: {type(e).__name__}: {first}); it is dropped and the run "
+                          "goes on (metrics.jsonl has every record)", TokengymWarning, stacklevel=3)
+            return False
 
     def log(self, step: int, metrics: dict[str, Any]) -> dict[str, float]:
         record = {"step": int(step), "time": round(time.time() - self._start, 3)}
@@ -53,17 +71,36 @@ class RunLogger:
         if self.run_dir is not None:
             with open(os.path.join(self.run_dir, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps({k: (v if math.isfinite(v) else None) for k, v in record.items()}) + "\n")
-        if self._writer is not None:
-            for k, v in record.items():
-                if k not in ("step", "time") and math.isfinite(v):
-                    self._writer.add_scalar(k, v, step)
-            self._writer.flush()
+        if self.trackers:
+            scalars = {k: v for k, v in record.items() if k not in ("step", "time") and math.isfinite(v)}
+            for name, tracker in list(self.trackers.items()):
+                self._call(name, tracker, "log", record["step"], scalars)
         return record
 
+    def summary(self) -> dict[str, float]:
+        """Each metric's last finite value in ``history`` (what the trackers get at the end)."""
+        out: dict[str, float] = {}
+        for record in self.history:
+            out.update({k: v for k, v in record.items() if k not in ("step", "time") and math.isfinite(v)})
+        return out
+
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        """Finish every tracker with :meth:`summary` (once; a later call does nothing)."""
+        if self.trackers:
+            summary = self.summary()
+            for name, tracker in list(self.trackers.items()):
+                self._call(name, tracker, "finish", summary)
+            self.trackers = {}
+
+
+def _run_config(run_dir: str) -> dict[str, Any]:
+    """The run's ``config.json`` for the trackers (``{}`` when the folder has none, e.g. a bare logger)."""
+    try:
+        with open(os.path.join(run_dir, "config.json")) as f:
+            config = json.load(f)
+        return config if isinstance(config, dict) else {}
+    except (OSError, ValueError):
+        return {}
 
 
 class SignalWatch:

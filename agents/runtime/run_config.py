@@ -15,7 +15,7 @@ __all__ = ["RunConfig"]
 class RunConfig:
     """Settings of a training run shared by every algorithm (the algorithm's own config holds the rest): what
     ``tokengym train`` takes (``--env``, ``--model``, ``--save-every``, ...), and what the ``Trainer`` reads
-    (``save_every``, ``keep_checkpoints``, ``progress``, ``sharding``).
+    (``save_every``, ``keep_checkpoints``, ``progress``, ``report_to``, ``sharding``).
 
     ``progress`` is on here, as on the command line; a run started from Python (``agent.learn(env, run_dir=...)``,
     ``learner.fit(..., run_dir=...)``) builds its ``RunConfig(progress=False, ...)``: no bar unless asked for.
@@ -66,6 +66,10 @@ class RunConfig:
     """torch CPU threads (None = torch's default)."""
     progress: bool = resumable(True)
     """Show a progress bar (on a terminal; otherwise a line every 10% of the run)."""
+    report_to: str = resumable("tensorboard")
+    """Trackers that get the run's metrics, config and final values, a comma list of tensorboard, trackio, wandb,
+    mlflow, or none; all offline inside the run folder unless WANDB_MODE / TRACKIO_DIR / MLFLOW_TRACKING_URI say
+    otherwise (extras: pip install "tokengym[wandb]", ...). metrics.jsonl is always written."""
     sharding: str = resumable("none")
     """Under torchrun: "none" (every process holds the whole model, gradients all-reduced) or "fsdp2" (policy, critic
     and reference sharded over the processes with PyTorch's FSDP2; see tokengym.agents.runtime.sharding)."""

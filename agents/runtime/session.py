@@ -86,7 +86,8 @@ class Progress:
 class Trainer:
     """The part every algorithm shares: logger, checkpoints, resume, progress, kill hook (in a created, locked run folder).
 
-    ``run`` holds the run settings it reads: ``save_every``, ``keep_checkpoints``, ``progress`` and ``sharding``."""
+    ``run`` holds the run settings it reads: ``save_every``, ``keep_checkpoints``, ``progress``, ``report_to`` and
+    ``sharding``."""
 
     def __init__(self, run: RunConfig, run_dir: str, resume: bool, total: int, agent: Any, env: Any = None):
         from tokengym.agents.runtime import distributed
@@ -135,7 +136,7 @@ class Trainer:
         from tokengym.agents.runtime.logger import RunLogger
 
         agent.logger.close()
-        agent.logger = RunLogger(run_dir if main else None, purge_step=redo if resume else None)
+        agent.logger = RunLogger(run_dir if main else None, purge_step=redo if resume else None, report_to=run.report_to)
         agent.logger.history.extend(kept)
         self.progress = Progress(total, self.start_step, run.progress and main, os.path.basename(run_dir))
 
