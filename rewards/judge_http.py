@@ -2,7 +2,8 @@
 OpenAI-compatible server, at most ``max_concurrency`` in flight, each with a timeout and retries with exponential
 backoff, and a cache of answered requests keyed on the full request (url and body), so that a completion seen again in
 a run is not judged twice. Nothing here raises for a failed request: it comes back as an error line, counted by the
-caller. The API key goes into the ``Authorization`` header only; it is in no message, ``repr`` or pickle.
+caller. The API key goes into the ``Authorization`` header only: it is in no message or ``repr`` (a pickle, for a rollout
+worker process, carries it).
 """
 
 from __future__ import annotations

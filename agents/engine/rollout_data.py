@@ -132,7 +132,7 @@ def drop_flagged(ro: Rollout) -> tuple[Rollout, int]:
     """``(rollout, rows left out)``: without the groups of episodes that the reward flagged :data:`DROP` (it could not
     score them: a judge's error under ``on_error="drop"``). A whole group goes, as its other rows' advantages would be
     measured against a reward that is not one. With every group flagged, the rows stay with no token to train on (an
-    update that changes nothing), so a step always has a batch."""
+    update of zero gradient), so a step always has a batch."""
     flag = ro.reward_components.get(DROP)
     if flag is None or not bool((flag > 0).any()):
         return ro, 0

@@ -56,8 +56,8 @@ def test_the_judges_scores_are_the_rewards_grpo_trains_on(tmp_path):
 def test_a_judge_timing_out_on_every_third_request_leaves_the_run_going(tmp_path, on_error):
     with js.ScriptedJudge(hang_every=3, hang_s=1.0) as srv:
         judge = JudgeReward(srv.url, "scripted", template="{completion}", timeout=0.3, retries=0, on_error=on_error)
-        records, sampled = run_grpo(judge, tmp_path, steps=3)
-    assert [r["step"] for r in records] == [1, 2, 3]
+        records, sampled = run_grpo(judge, tmp_path, steps=2)
+    assert [r["step"] for r in records] == [1, 2]
     assert sum(r["judge/requests"] for r in records) == srv.count
     assert sum(r["judge/errors"] for r in records) == srv.count // 3 > 0  # requests 3, 6, 9, ... timed out
     for rec, ro in zip(records, sampled):
@@ -118,3 +118,16 @@ def test_tokengym_serve_as_the_judge_end_to_end():
             assert score_outcome(nokey, ["q"], ["a"])[1]["judge/errors"].tolist() == [1]  # 401 without the secret
     finally:
         server.close()
+
+
+def test_when_every_episode_is_dropped_the_step_trains_on_nothing(tmp_path):
+    with js.ScriptedJudge(statuses=[500] * 100) as srv:
+        judge = JudgeReward(srv.url, "scripted", template="{completion}", retries=0, on_error="drop")
+        env = TokenVectorEnv(2 * G, "target", group_size=G, reward=judge)
+        policy = Policy.from_pretrained("tiny", seed=0)
+        before = [p.detach().clone() for p in policy.parameters()]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", category=UserWarning)
+            history = GRPOAgent(policy, GRPOConfig(steps=1, seed=0)).learn(env)
+    assert history[0]["judge/errors"] == history[0]["reward/dropped_rows"] == 2 * G
+    assert all(torch.equal(a, b) for a, b in zip(before, policy.parameters()))  # weight_decay 0: nothing moved
