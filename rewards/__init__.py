@@ -1,6 +1,6 @@
 """Rewards for tokengym: protocols, verifiers, a rule-based arithmetic PRM, reward combinators, and learned
 reward models (a Bradley-Terry outcome reward model on a sequence head or on a causal LM's likelihood, a
-token-classification PRM) with their training.
+token-classification PRM) with their training, and an LLM judge behind an OpenAI-compatible URL.
 
 Outcome reward: ``fn(prompts, completions, **task_fields) -> list[float] | Tensor[N]``.
 Process reward: ``fn(prompts, steps, **task_fields) -> list[list[float]]``.
@@ -9,8 +9,9 @@ See :mod:`tokengym.rewards.protocols`.
 
 from .arithmetic_prm import ArithmeticStepReward, arithmetic_step_reward, next_reduction, parse_expression, solve_expression
 from .combinators import FormatReward, LengthPenalty, WeightedSum, format_reward, length_penalty, weighted_sum
+from .judge import JUDGE_REFERENCE_TEMPLATE, JUDGE_TEMPLATE, JudgeReward, judge_reward, score_verdict, yes_no_verdict
 from .learned_prm import LearnedPRM, PRMConfig, train_prm
-from .protocols import OutcomeReward, ProcessReward, reward_name, score_outcome, score_process
+from .protocols import DROP, OutcomeReward, ProcessReward, is_counter, reward_name, score_outcome, score_process
 from .reward_model import LikelihoodRewardModel, RewardModel, RewardModelConfig, train_reward_model
 from .teacher import TeacherReward, teacher_token_rewards
 from .verifiers import (
@@ -32,6 +33,8 @@ __all__ = [
     "score_outcome",
     "score_process",
     "reward_name",
+    "DROP",
+    "is_counter",
     # verifiers
     "parse_int",
     "extract_final_answer",
@@ -55,6 +58,13 @@ __all__ = [
     "format_reward",
     "LengthPenalty",
     "length_penalty",
+    # an LLM judge
+    "JudgeReward",
+    "judge_reward",
+    "score_verdict",
+    "yes_no_verdict",
+    "JUDGE_TEMPLATE",
+    "JUDGE_REFERENCE_TEMPLATE",
     # learned rewards
     "RewardModel",
     "LikelihoodRewardModel",

@@ -12,7 +12,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from .protocols import as_vector, reward_name
+from .protocols import DROP, as_vector, is_counter, reward_name
 
 __all__ = ["WeightedSum", "weighted_sum", "FormatReward", "format_reward", "LengthPenalty", "length_penalty"]
 
@@ -61,8 +61,24 @@ class WeightedSum:
         self.name = name
 
     def components(self, prompts: list[str], completions: list[str], **fields: Any) -> dict[str, Any]:
-        """Each term's raw scores: ``{component_name: list[float] | Tensor[N]}`` (unweighted)."""
-        return {key: fn(prompts, completions, **fields) for key, fn in self.terms.items()}
+        """Each term's raw scores: ``{component_name: list[float] | Tensor[N]}`` (unweighted), and the counters and
+        :data:`~tokengym.rewards.protocols.DROP` flags of terms that report them (an LLM judge's), added up by name."""
+        out: dict[str, Any] = {}
+        extra: dict[str, torch.Tensor] = {}
+        for key, fn in self.terms.items():
+            sub = getattr(fn, "components", None)
+            if not (callable(sub) and hasattr(fn, "combine")):
+                out[key] = fn(prompts, completions, **fields)
+                continue
+            parts = sub(prompts, completions, **fields)
+            out[key] = fn.combine(parts)
+            for name, v in parts.items():
+                if is_counter(name):
+                    v = as_vector(v, len(completions), f"{self.name}.{key}.{name}")
+                    extra[name] = extra[name] + v if name in extra else v
+        if DROP in extra:
+            extra[DROP] = extra[DROP].clamp(max=1.0)
+        return {**out, **{k: v for k, v in extra.items() if k not in out}}
 
     def combine(self, components: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The weighted total ``Tensor[N]`` of component tensors (float32 from ``score_outcome``)."""

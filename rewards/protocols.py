@@ -10,6 +10,9 @@ prompt, the way TRL passes dataset columns to reward functions. A reward functio
 
 An outcome reward may also expose ``components(prompts, completions, **fields) -> dict[str, values]``
 (see :func:`tokengym.rewards.weighted_sum`); the environments then report each component in ``info``.
+A component whose name holds a ``/`` (``judge/errors``) is a per-episode count, not a reward term: the on-policy
+trainers log its sum over each step's episodes under that name. Component :data:`DROP` (1.0 on an episode) asks them
+to leave the episode, with its group, out of the update (a reward that could not score it).
 """
 
 from __future__ import annotations
@@ -20,7 +23,17 @@ import torch
 
 from tokengym.rewards.common import finite32
 
-__all__ = ["OutcomeReward", "ProcessReward", "score_outcome", "score_process", "reward_name", "check_reward"]
+__all__ = ["OutcomeReward", "ProcessReward", "score_outcome", "score_process", "reward_name", "check_reward", "DROP",
+           "is_counter"]
+
+DROP = "reward/dropped"
+"""The reward component that flags an episode (1.0) to be left out of the update, with its group."""
+
+
+def is_counter(component: str) -> bool:
+    """Whether reward component ``component`` is a per-episode count that trainers sum into metrics (its name has a
+    ``/``) rather than a reward term."""
+    return "/" in component
 
 
 @runtime_checkable

@@ -1,6 +1,7 @@
 """The on-policy update skeleton that GRPO, RLOO, REINFORCE++ and PPO share.
 
-One sampling step: rollout -> optional recomputed pi_old and reference log-probs -> the data-parallel
+One sampling step: rollout (less the groups of episodes its reward flagged :data:`~tokengym.rewards.protocols.DROP`)
+-> optional recomputed pi_old and reference log-probs -> the data-parallel
 gather -> the algorithm's :meth:`~OnPolicyAgent.prepare` (advantages, returns) -> ``mu`` epochs over
 shuffled minibatches: forward, the algorithm's :meth:`~OnPolicyAgent.loss` terms, backward, gradient
 sync, clipping, optimiser steps -> metrics, evaluation, logging. Checkpoint state (exact resume), the
@@ -33,6 +34,7 @@ from tokengym.agents.algorithms.onpolicy_run import RunMixin, both
 from tokengym.agents.algorithms.onpolicy_update import Minibatch, NonFiniteLoss, UpdateMixin
 from tokengym.agents.engine.policy import make_reference
 from tokengym.agents.engine.rollout import Rollout
+from tokengym.agents.engine.rollout_data import drop_flagged, reward_counters
 from tokengym.agents.engine.sources import RolloutSource
 from tokengym.envs.masks import mask_metrics
 from tokengym.rewards.packing import set_packing
@@ -143,6 +145,10 @@ class OnPolicyAgent(RunMixin, RolloutMixin, UpdateMixin):
         cfg = self.config
         t_start = time.perf_counter()
         ro, timing = self._rollout(env)
+        counters = reward_counters(ro)  # e.g. judge/errors, over every episode sampled
+        ro, dropped = drop_flagged(ro)  # episodes the reward could not score, with their groups
+        if dropped:
+            counters["reward/dropped_rows"] = float(dropped)
         # unmasked training of a masked rollout scores pi_old as the trainer sees it, over the whole vocabulary
         recompute = not cfg.reuse_rollout_logprobs or (ro.token_masks is not None and cfg.mask_training == "unmasked")
         # one epoch of one minibatch: the update's own forward runs at pi_old's weights, so it gives pi_old (no pass)
@@ -166,7 +172,7 @@ class OnPolicyAgent(RunMixin, RolloutMixin, UpdateMixin):
             self._source.publish(self.global_step, wait=False)  # before its next optimiser step)
             metrics.update(self._async_metrics)
         metrics.update(stats, **timing)
-        metrics.update(self.rollout_metrics(ro, batch, time.perf_counter() - t_start))
+        metrics.update(self.rollout_metrics(ro, batch, time.perf_counter() - t_start), **counters)
         if ro.token_masks is not None:
             metrics.update(mask_metrics(ro.token_masks, ro.action_mask))
         if self.log_iteration or cfg.iterations > 1:

@@ -225,8 +225,8 @@ def initial_eval(trainer: Trainer, agent: Any, eval_env: Any, samples: Any) -> N
 
 
 def learned_rewards(run: RunConfig, process: bool) -> dict[str, Any]:
-    """Env arguments for the run's rewards: a learned RM (``reward=``; a sequence classifier or a likelihood RM,
-    whichever the folder holds) and the process reward when asked for."""
+    """Env arguments for the run's rewards: a learned RM or an LLM judge (``reward=``; an RM is a sequence classifier
+    or a likelihood RM, whichever the folder holds) and the process reward when asked for."""
     from tokengym.rewards import LearnedPRM, RewardModel
 
     out: dict[str, Any] = {}
@@ -239,9 +239,33 @@ def learned_rewards(run: RunConfig, process: bool) -> dict[str, Any]:
             out[key] = cls.from_pretrained(path, device=run.device)
         except (OSError, ValueError) as e:
             raise R.UsageError(f"cannot load {cls.__name__} from {path!r}: {first_line(e)}") from None
+    if run.judge is not None:
+        if "reward" in out:
+            raise R.UsageError("judge and reward_model both replace the outcome reward; give one of them")
+        out["reward"] = judge_from_settings(run.judge)
     if process and "process_reward" not in out:
         out["process_reward"] = True
     return out
+
+
+def judge_from_settings(settings: dict[str, Any]) -> Any:
+    """The run's :class:`~tokengym.rewards.JudgeReward` from its ``judge`` table; a bad one is a one-line UsageError."""
+    import inspect
+
+    from tokengym.rewards import JudgeReward
+
+    known = [p for p in inspect.signature(JudgeReward).parameters]
+    unknown = sorted(set(settings) - set(known))
+    if unknown:
+        raise R.UsageError(f"judge: unknown settings {unknown}; the settings are {known}")
+    missing = [k for k in ("base_url", "model") if k not in settings]
+    if missing:
+        raise R.UsageError(f"judge needs {' and '.join(missing)}, e.g. '{{\"base_url\": \"http://127.0.0.1:8000/v1\", "
+                           f"\"model\": \"judge\"}}'")
+    try:
+        return JudgeReward(**settings)
+    except (ValueError, TypeError) as e:
+        raise R.UsageError(f"judge: {first_line(e)}") from None
 
 
 def phase_progress(run: RunConfig, label: str, unit: str) -> Callable[[int, int], None]:

@@ -14,8 +14,9 @@ from typing import Any, Sequence
 import torch
 
 from tokengym.envs.masks import TokenMasks
+from tokengym.rewards.protocols import DROP, is_counter
 
-__all__ = ["Rollout", "attach_values", "check_collect_args", "snapshot_rollout"]
+__all__ = ["Rollout", "attach_values", "check_collect_args", "drop_flagged", "reward_counters", "snapshot_rollout"]
 
 
 @dataclass
@@ -119,6 +120,27 @@ class Rollout:
                 v = v.select(idx_t)
             out[f.name] = v
         return Rollout(**out)
+
+
+def reward_counters(ro: Rollout) -> dict[str, float]:
+    """The reward's per-episode counters (components named with a ``/``, e.g. ``judge/errors``) summed over the
+    rollout, for the step's metrics."""
+    return {k: float(v.sum()) for k, v in ro.reward_components.items() if is_counter(k)}
+
+
+def drop_flagged(ro: Rollout) -> tuple[Rollout, int]:
+    """``(rollout, rows left out)``: without the groups of episodes that the reward flagged :data:`DROP` (it could not
+    score them: a judge's error under ``on_error="drop"``). A whole group goes, as its other rows' advantages would be
+    measured against a reward that is not one. With every group flagged, the rows stay with no token to train on (an
+    update of zero gradient), so a step always has a batch."""
+    flag = ro.reward_components.get(DROP)
+    if flag is None or not bool((flag > 0).any()):
+        return ro, 0
+    g = max(ro.group_size, 1)
+    keep = ~(flag > 0).view(-1, g).any(1).repeat_interleave(g)
+    if not bool(keep.any()):
+        return dataclasses.replace(ro, action_mask=torch.zeros_like(ro.action_mask)), ro.num_episodes
+    return ro.select(keep.nonzero().flatten()), int((~keep).sum())
 
 
 def attach_values(ro: Rollout, critic) -> Rollout:

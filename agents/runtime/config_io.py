@@ -170,7 +170,7 @@ def read_config_file(path: str) -> dict[str, Any]:
         raise UsageError(f"config file {path!r} holds a {type(data).__name__}; it must be a table / JSON object of settings")
     flat: dict[str, Any] = {}
     for k, v in data.items():
-        if isinstance(v, dict) and k not in ("env_kwargs",):
+        if isinstance(v, dict) and k not in ("env_kwargs", "judge"):
             flat.update(v)
         else:
             flat[k] = v

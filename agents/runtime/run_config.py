@@ -52,6 +52,10 @@ class RunConfig:
     """PRM: step-labelled examples as JSONL (prompt, steps, labels); None = generated Arithmetic examples (num_pairs of them)."""
     reward_model: str | None = None
     """PPO/GRPO: folder of a trained reward model (tokengym train rm) used as the outcome reward instead of the verifier."""
+    judge: dict | None = None
+    """PPO/GRPO: an LLM judge behind an OpenAI-compatible URL as the outcome reward instead of the verifier: the
+    arguments of tokengym.rewards.JudgeReward as a JSON object or TOML table (base_url and model; template, parser,
+    on_error zero/drop, max_concurrency, timeout, retries, api_key_env or api_key_file, ...)."""
     prm_model: str | None = None
     """PPO/GRPO: folder of a learned PRM (tokengym train prm) used as the process reward instead of the rule-based one."""
     eval_prompts: int = 256
