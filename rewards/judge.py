@@ -92,11 +92,15 @@ class JudgeReward:
             on-policy trainers leave its group out of the update). Either way it counts in ``judge/errors``.
         reference_field: the task field that fills ``{reference}``.
         api: ``"chat"`` (``/chat/completions``, the template as one user message) or ``"completions"`` (text).
-        max_tokens, temperature: the judge's sampling settings (greedy by default: the cache assumes it).
-        max_concurrency: requests in flight at once; ``timeout``: seconds per request; ``retries``: further tries of a
-            request that timed out, lost its connection or got 408/409/429/5xx, after ``backoff * 2**k`` seconds.
-        api_key_env: the environment variable holding the API key (unset: no key); ``api_key_file``: a file holding it
-            instead (refused when every user may read it).
+        max_tokens: the judge's reply length.
+        temperature: the judge's sampling temperature (greedy by default: the cache assumes it).
+        max_concurrency: requests in flight at once.
+        timeout: seconds per request.
+        retries: further tries of a request that timed out, lost its connection or got 408/409/429/5xx, after
+            ``backoff * 2**k`` seconds.
+        backoff: the first retry's wait in seconds.
+        api_key_env: the environment variable holding the API key (unset: no key).
+        api_key_file: a file holding the key instead (refused when every user may read it).
         cache_size: answered requests kept (0: no cache); a cached request is not sent again.
         name: the reward's name in logs.
     """
