@@ -1,4 +1,4 @@
-"""A lean, static-KV-cache decode step for Llama-family causal LMs (``Policy``'s rollout fast path).
+"""A lean, static-KV-cache decode step for Llama-like causal LMs (``Policy``'s rollout fast path).
 
 A ``transformers`` forward call costs far more than its arithmetic for a small model: building masks
 and position embeddings, growing the cache with ``torch.cat``, module hooks and output objects dominate
@@ -42,8 +42,14 @@ Numerics follow the ``transformers`` implementation (fp32 maths agrees with a fu
 rounding; under bf16 autocast it agrees with an autocast forward to bf16 rounding).
 Supported: ``LlamaForCausalLM``, ``MistralForCausalLM`` and ``Qwen2ForCausalLM`` (q/k/v biases,
 grouped-query attention, explicit ``head_dim``, tied embeddings, static RoPE variants; sliding windows
-only when wider than the cache). :func:`unsupported_reason` says why a model is not; ``Policy`` then
-uses the generic ``transformers`` path.
+only when wider than the cache), and ``Qwen3ForCausalLM``, ``Gemma3ForCausalLM``, ``SmolLM3ForCausalLM``,
+``Phi3ForCausalLM`` and ``Olmo2ForCausalLM``, each described in :mod:`~tokengym.agents.engine.families` (which norms
+where, q/k norms, fused projections): their layers run :meth:`StaticDecoder._run_general`, per-layer RoPE tables
+(Gemma 3's local base, SmolLM3's NoPE layers, Phi-3's partial rotary) and per-layer band masks for sliding windows of
+any width; Gemma's scaled embeddings and final logit soft-capping are applied as its forward does. Llama's layout keeps
+its own loop, so its decode step does no per-family work. :func:`unsupported_reason` says why a model is not
+supported (MoE models, attention soft-capping, other classes); ``Policy`` then uses the generic ``transformers`` path
+and warns once.
 """
 
 from __future__ import annotations
@@ -170,7 +176,7 @@ def _act_fn(cfg: Any, mlp: nn.Module):
 
 
 class StaticDecoder:
-    """Prefill + one-token decode steps of a Llama-family model with a static, env-shaped KV cache.
+    """Prefill + one-token decode steps of a supported model with a static, env-shaped KV cache.
 
     Args:
         model: a supported ``transformers`` causal LM (see :func:`unsupported_reason`).
