@@ -282,7 +282,7 @@ class Policy(nn.Module):
             if self.fast_decode and not self._warned_generic:  # fast_decode=False is the user's own choice: no notice
                 self._warned_generic = True
                 warnings.warn(f"{unwrapped_class(self.model).__name__} rolls out on the generic transformers path "
-                              f"(several times slower than the fast decoder): {why}", stacklevel=3)
+                              f"(several times slower than the fast decoder): {why}", stacklevel=4)
             return None
         if self._fast is None or self._fast.source is not self.model:
             self._fast = StaticDecoder(self.model)
