@@ -1,4 +1,4 @@
-"""A lean, static-KV-cache decode step for Llama-family causal LMs (``Policy``'s rollout fast path).
+"""A lean, static-KV-cache decode step for Llama-like causal LMs (``Policy``'s rollout fast path).
 
 A ``transformers`` forward call costs far more than its arithmetic for a small model: building masks
 and position embeddings, growing the cache with ``torch.cat``, module hooks and output objects dominate
@@ -42,8 +42,14 @@ Numerics follow the ``transformers`` implementation (fp32 maths agrees with a fu
 rounding; under bf16 autocast it agrees with an autocast forward to bf16 rounding).
 Supported: ``LlamaForCausalLM``, ``MistralForCausalLM`` and ``Qwen2ForCausalLM`` (q/k/v biases,
 grouped-query attention, explicit ``head_dim``, tied embeddings, static RoPE variants; sliding windows
-only when wider than the cache). :func:`unsupported_reason` says why a model is not; ``Policy`` then
-uses the generic ``transformers`` path.
+only when wider than the cache), and ``Qwen3ForCausalLM``, ``Gemma3ForCausalLM``, ``SmolLM3ForCausalLM``,
+``Phi3ForCausalLM`` and ``Olmo2ForCausalLM``, each described in :mod:`~tokengym.agents.engine.families` (which norms
+where, q/k norms, fused projections): their layers run :meth:`StaticDecoder._run_general`, per-layer RoPE tables
+(Gemma 3's local base, SmolLM3's NoPE layers, Phi-3's partial rotary) and per-layer band masks for sliding windows of
+any width; Gemma's scaled embeddings and final logit soft-capping are applied as its forward does. Llama's layout keeps
+its own loop, so its decode step does no per-family work. :func:`unsupported_reason` says why a model is not
+supported (MoE models, attention soft-capping, other classes); ``Policy`` then uses the generic ``transformers`` path
+and warns once.
 """
 
 from __future__ import annotations
@@ -55,17 +61,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokengym.agents.engine.families import (FAMILIES, Family, layer_reason, layer_rope, layer_weights, layer_window,
+                                              linear_bias, linear_weight, norm_weight)
 from tokengym.agents.runtime.sharding import unwrapped_class
 
 __all__ = ["StaticDecoder", "plain_weights", "unsupported_reason"]
 
 _PACK_MIN_NUMEL = 1 << 17
 """Smaller matrices stay on ``torch.mm``: below 2^17 entries oneDNN's per-call cost outweighs its faster GEMM."""
-_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
 _STATIC_ROPE = {"default", "linear", "llama3", "yarn"}  # inverse frequencies do not depend on the length
-_LAYER_MODULES = ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
-_ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
-_MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 
 
 def _unwrap_lora(model: nn.Module) -> tuple[nn.Module, str | None]:
@@ -118,23 +122,7 @@ def plain_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _weight(mod: nn.Module) -> torch.Tensor:
-    """A linear layer's weight as its forward applies it: with ``peft``, the base weight plus the deltas of the
-    active LoRA adapters (unless disabled or already merged)."""
-    base = getattr(mod, "base_layer", None)
-    if base is None:
-        return mod.weight
-    w = base.weight
-    if getattr(mod, "disable_adapters", False) or getattr(mod, "merged", False):
-        return w
-    for name in mod.active_adapters:
-        if name in mod.lora_A:
-            w = w + mod.get_delta_weight(name).to(w.dtype)
-    return w
-
-
-def _bias(mod: nn.Module) -> torch.Tensor | None:
-    return getattr(getattr(mod, "base_layer", mod), "bias", None)
+_weight, _bias = linear_weight, linear_bias
 
 
 def unsupported_reason(model: nn.Module, width: int | None = None) -> str | None:
@@ -147,8 +135,9 @@ def unsupported_reason(model: nn.Module, width: int | None = None) -> str | None
     if why is not None:
         return why
     name = unwrapped_class(model).__name__  # an FSDP2-wrapped model decodes from its gathered weights
-    if name not in _ARCHS:
-        return f"{name} is not one of {sorted(_ARCHS)}"
+    fam = FAMILIES.get(name)
+    if fam is None:
+        return f"{name} is not one of {sorted(FAMILIES)}"
     cfg = model.config
     base = getattr(model, "model", None)
     if base is None or not all(hasattr(base, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
@@ -156,41 +145,38 @@ def unsupported_reason(model: nn.Module, width: int | None = None) -> str | None
     if not hasattr(model, "lm_head") or getattr(model.lm_head, "bias", None) is not None:
         return "needs a bias-free lm_head"
     for i, layer in enumerate(base.layers):
-        if not all(hasattr(layer, a) for a in _LAYER_MODULES):
-            return f"layer {i} lacks one of {_LAYER_MODULES}"
-        extra = {n for n, _ in layer.named_children()} - set(_LAYER_MODULES)
-        if extra:
-            return f"layer {i} has extra modules {sorted(extra)}"
-        attn_extra = {n for n, _ in layer.self_attn.named_children()} - set(_ATTN_MODULES)
-        if attn_extra or not all(hasattr(layer.self_attn, a) for a in _ATTN_MODULES):
-            return f"layer {i} attention has modules {sorted(n for n, _ in layer.self_attn.named_children())}"
-        if not all(hasattr(layer.mlp, a) for a in _MLP_MODULES):
-            return f"layer {i} MLP lacks one of {_MLP_MODULES}"
-        for mod in (layer.input_layernorm, layer.post_attention_layernorm):
-            if type(mod).__name__ not in ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm"):
-                return f"layer {i} norm is {type(mod).__name__}"
+        why = layer_reason(fam, layer, i)
+        if why is not None:
+            return why
     rope = getattr(cfg, "rope_parameters", None) or {}
-    rope_type = rope.get("rope_type", "default") if isinstance(rope, dict) else "default"
-    if rope_type not in _STATIC_ROPE:
-        return f"rope_type {rope_type!r} recomputes frequencies from the sequence length"
+    ropes = ([r for r in rope.values() if isinstance(r, dict)] or [rope]) if isinstance(rope, dict) else []  # per layer type
+    for r in ropes:
+        if r.get("rope_type", "default") not in _STATIC_ROPE:
+            return f"rope_type {r['rope_type']!r} recomputes frequencies from the sequence length"
     if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
         return "pretraining_tp > 1"
     if model.training and float(getattr(cfg, "attention_dropout", 0.0) or 0.0) > 0:
         return "attention dropout is active (model in training mode)"
-    window = getattr(cfg, "sliding_window", None)
-    layer_types = getattr(cfg, "layer_types", None) or ()
-    windowed = (_ARCHS[name] == "mistral" and window is not None) or "sliding_attention" in layer_types
-    if windowed and width is not None and (window is None or width > int(window)):
-        return f"sliding_window={window} is narrower than the cache ({width} columns)"
+    for flag in ("attn_logit_softcapping", "use_bidirectional_attention"):
+        if getattr(cfg, flag, None):
+            return f"{flag}={getattr(cfg, flag)} is not supported"
+    if fam.plain:  # Llama's layout: no band masks, so a window must cover the whole cache
+        window = getattr(cfg, "sliding_window", None)
+        layer_types = getattr(cfg, "layer_types", None) or ()
+        windowed = (name == "MistralForCausalLM" and window is not None) or "sliding_attention" in layer_types
+        if windowed and width is not None and (window is None or width > int(window)):
+            return f"sliding_window={window} is narrower than the cache ({width} columns)"
     return None
 
 
 def _act_fn(cfg: Any, mlp: nn.Module):
-    return F.silu if getattr(cfg, "hidden_act", None) == "silu" else mlp.act_fn
+    if getattr(cfg, "hidden_act", None) == "silu":
+        return F.silu
+    return getattr(mlp, "act_fn", None) or mlp.activation_fn
 
 
 class StaticDecoder:
-    """Prefill + one-token decode steps of a Llama-family model with a static, env-shaped KV cache.
+    """Prefill + one-token decode steps of a supported model with a static, env-shaped KV cache.
 
     Args:
         model: a supported ``transformers`` causal LM (see :func:`unsupported_reason`).
@@ -219,10 +205,21 @@ class StaticDecoder:
         self.rep = self.n_heads // self.n_kv
         self.scaling = float(getattr(attn0, "scaling", self.head_dim**-0.5))
         self.act = _act_fn(cfg, model.model.layers[0].mlp)
+        self.family: Family = FAMILIES[unwrapped_class(model).__name__]
+        n_layers = len(model.model.layers)
+        kinds = [layer_rope(cfg, i) for i in range(n_layers)]
+        self._rope_names = sorted({k for k in kinds if k is not None})  # one rotary table each, built at prefill
+        self._rope_of = [None if k is None else self._rope_names.index(k) for k in kinds]  # None: a NoPE layer
+        # per-layer sliding windows, applied as band masks (Llama's layout runs only windows wider than the cache)
+        self._windows = [None if self.family.plain else layer_window(cfg, i) for i in range(n_layers)]
+        self._softcap = getattr(cfg, "final_logit_softcapping", None)
+        self._run_layers = self._run_plain if self.family.plain else self._run_general
         self._key: tuple | None = None
         self._layers: list[tuple] = []
+        self._extra: list[tuple] = []  # per layer (q/k norm scale, eps, attention-output norm, MLP-output norm)
         self._rope_key: tuple | None = None
-        self._rope: torch.Tensor | None = None
+        self._ropes: list[torch.Tensor] = []
+        self._swap = _swap_halves
         self._cache: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._store: list[tuple[torch.Tensor, torch.Tensor]] = []  # the allocated cache (_cache may view a prefix)
         self._step = 0
@@ -231,14 +228,7 @@ class StaticDecoder:
 
     # ------------------------------------------------------------------ weights
     def _sources(self) -> list[torch.Tensor]:
-        m = self.model
-        out = [m.model.embed_tokens.weight, m.model.norm.weight, m.lm_head.weight]
-        for layer in m.model.layers:
-            a, p = layer.self_attn, layer.mlp
-            for mod in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, p.gate_proj, p.up_proj, p.down_proj):
-                out.extend(t for t in mod.parameters() if t is not None)  # with LoRA: base, A and B
-            out += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-        return out
+        return list(self.model.parameters())  # with LoRA: base weights, A and B
 
     def _refresh(self, mm_dtype: torch.dtype | None = None, rows: int = 1) -> None:
         """(Re)build the fused weights from the model's current parameters (matrices in ``mm_dtype``,
@@ -261,43 +251,43 @@ class StaticDecoder:
         def vec(b: torch.Tensor | None) -> torch.Tensor | None:  # biases are added in the matrices' dtype (as autocast does)
             return None if b is None else b.detach().to(mm_dtype).contiguous()
 
-        layers = []
+        layers, extra = [], []
         with torch.no_grad():
             for layer in self.model.model.layers:
-                a, p = layer.self_attn, layer.mlp
-                Wq, Wk, Wv = _weight(a.q_proj), _weight(a.k_proj), _weight(a.v_proj)
+                lw = layer_weights(self.family, layer, self.n_heads, G, hd)
+                Wq, Wk, Wv = lw.q, lw.k, lw.v
                 D = Wq.shape[1]
                 # rows grouped per key-value head: [q_(g*rep) .. q_(g*rep+rep-1), k_g, v_g]
                 w = torch.cat([Wq.view(G, rep, hd, D), Wk.view(G, 1, hd, D),
                                Wv.view(G, 1, hd, D)], 1)
                 w_qkv = mat(w.reshape(-1, D))
                 b_qkv = None
-                if any(_bias(m) is not None for m in (a.q_proj, a.k_proj, a.v_proj)):
-                    zeros = lambda mod, n: _bias(mod) if _bias(mod) is not None else Wq.new_zeros(n)  # noqa: E731
-                    b = torch.cat([zeros(a.q_proj, G * rep * hd).view(G, rep, hd), zeros(a.k_proj, G * hd).view(G, 1, hd),
-                                   zeros(a.v_proj, G * hd).view(G, 1, hd)], 1)
+                if any(b is not None for b in lw.qkv_bias):
+                    bq, bk, bv = (Wq.new_zeros(n) if b is None else b for b, n in zip(lw.qkv_bias, (G * rep * hd, G * hd, G * hd)))
+                    b = torch.cat([bq.view(G, rep, hd), bk.view(G, 1, hd), bv.view(G, 1, hd)], 1)
                     b_qkv = vec(b.reshape(-1))
-                Wg, Wu = _weight(p.gate_proj), _weight(p.up_proj)
+                Wg, Wu = lw.gate, lw.up
                 I = Wg.shape[0]
                 w_gu = mat(torch.cat([Wg, Wu], 0))
                 b_gu = None
-                if _bias(p.gate_proj) is not None or _bias(p.up_proj) is not None:
-                    gb = _bias(p.gate_proj) if _bias(p.gate_proj) is not None else Wg.new_zeros(I)
-                    ub = _bias(p.up_proj) if _bias(p.up_proj) is not None else Wu.new_zeros(I)
-                    b_gu = vec(torch.cat([gb, ub]))
+                if any(b is not None for b in lw.gate_up_bias):
+                    b_gu = vec(torch.cat([Wg.new_zeros(I) if b is None else b for b in lw.gate_up_bias]))
+                pre, post = lw.pre_attn or (None, 0.0), lw.pre_mlp or (None, 0.0)
                 layers.append((
-                    layer.input_layernorm.weight.detach(), float(layer.input_layernorm.variance_epsilon),
+                    pre[0], pre[1],
                     w_qkv, b_qkv,
-                    mat(_weight(a.o_proj)), vec(_bias(a.o_proj)),
-                    layer.post_attention_layernorm.weight.detach(), float(layer.post_attention_layernorm.variance_epsilon),
+                    mat(lw.o), vec(lw.o_bias),
+                    post[0], post[1],
                     w_gu, b_gu, I,
-                    mat(_weight(p.down_proj)), vec(_bias(p.down_proj)),
+                    mat(lw.down), vec(lw.down_bias),
                 ))
-            self._embed = self.model.model.embed_tokens.weight.detach()
-            self._norm_w = self.model.model.norm.weight.detach()
-            self._norm_eps = float(self.model.model.norm.variance_epsilon)
+                extra.append((_qk_scale(self.family.qk_norm, lw, G, rep, hd), lw.q_norm and lw.q_norm[1], lw.attn_out, lw.mlp_out))
+            emb = self.model.model.embed_tokens
+            scale = getattr(emb, "embed_scale", None)  # Gemma: embeddings times sqrt(hidden), in their dtype
+            self._embed = emb.weight.detach() if scale is None else emb.weight.detach() * scale.to(emb.weight.dtype)
+            self._norm_w, self._norm_eps = norm_weight(self.family, self.model.model.norm)
             self._head_t = mat(self.model.lm_head.weight)
-        self._layers = layers
+        self._layers, self._extra = layers, extra
         self._key = key
 
     def release(self) -> None:
@@ -307,16 +297,35 @@ class StaticDecoder:
         self._embed = self._norm_w = self._head_t = None
         self._step = self._capacity = 0
 
-    def _rope_table(self, length: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """``[length, 2, hd]``: cos and sin of every position from the model's rotary module."""
-        rot = self.model.model.rotary_emb
-        key = (length, dtype, device, rot.inv_freq.data_ptr(), _version(rot.inv_freq))
-        if key != self._rope_key or key[-1] is None:
+    def _rope_tables(self, length: int, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+        """Per rotary kind (``self._rope_names``) ``[length, 2, hd]``: cos and sin of every position from the model's
+        rotary module, the sign of ``rotate_half`` folded into sin (``rotate_half(x) * sin == swap(x) * signed``).
+        A partial rotary embedding (Phi-3) is padded with cos 1, sin 0 over the dimensions it leaves alone."""
+        rot, hd = self.model.model.rotary_emb, self.head_dim
+        key = (length, dtype, device, tuple((b.data_ptr(), _version(b)) for b in rot.buffers()))
+        if key != self._rope_key or any(v is None for _, v in key[-1]):
             pos = torch.arange(length, device=device)[None]
-            cos, sin = rot(torch.empty(0, device=device, dtype=dtype), position_ids=pos)
-            self._rope = torch.stack([cos[0], sin[0]], 1).contiguous()
-            self._rope_key = key
-        return self._rope
+            tables = []
+            for name in self._rope_names:
+                kw = {} if name == "default" else {"layer_type": name}
+                cos, sin = rot(torch.empty(0, device=device, dtype=dtype), position_ids=pos, **kw)
+                cos, sin, rd = cos[0], sin[0], cos.shape[-1]
+                sign = torch.ones(rd, dtype=dtype, device=device)
+                sign[: rd // 2] = -1
+                sin = sin * sign
+                if rd < hd:
+                    cos = torch.cat([cos, cos.new_ones(length, hd - rd)], -1)
+                    sin = torch.cat([sin, sin.new_zeros(length, hd - rd)], -1)
+                    perm = torch.cat([torch.arange(rd // 2, rd), torch.arange(rd // 2), torch.arange(rd, hd)]).to(device)
+                    self._swap = functools.partial(_swap_by, perm)
+                tables.append(torch.stack([cos, sin], 1).contiguous())
+            self._ropes, self._rope_key = tables, key
+        return self._ropes
+
+    def _per_layer(self, base: torch.Tensor, band) -> list[torch.Tensor]:
+        """``base`` for each layer without a sliding window, ``band(window)`` (made once per window) for the others."""
+        made: dict = {None: base}
+        return [made[w] if w in made else made.setdefault(w, band(w)) for w in self._windows]
 
     # ------------------------------------------------------------------ rollout API
     @property
@@ -369,14 +378,14 @@ class StaticDecoder:
         G, hd = self.n_kv, self.head_dim
         dtype, device = self._embed.dtype, self._embed.device
         self._alloc(N * copies, width, dtype, device)
-        rope = self._rope_table(width, dtype, device)
+        ropes = self._rope_tables(width, dtype, device)
 
         def write(li: int, k: torch.Tensor, v: torch.Tensor) -> None:  # row r * copies + c holds prompt r
             k_t, v_c = self._cache[li]
             k_t.view(N, copies, G, hd, -1)[..., :P] = k.permute(0, 2, 3, 1)[:, None]
             v_c.view(N, copies, G, -1, hd)[:, :, :, :P] = v.permute(0, 2, 1, 3)[:, None]
 
-        logits = self._encode(tokens[::copies], mask[::copies], rope, write).repeat_interleave(copies, 0)
+        logits = self._encode(tokens[::copies], mask[::copies], ropes, write).repeat_interleave(copies, 0)
         N, mask = N * copies, full_mask
 
         # decode state, prepared once: attention bias over cache columns, per-step positions, signed RoPE table
@@ -386,10 +395,6 @@ class StaticDecoder:
                       .repeat_interleave(G, 0)[:, None, :].contiguous())  # [N * G, 1, W]
         # step t of a slot with n real prompt tokens is at position n + t (= cumsum(mask) - 1 at column P + t)
         self._pos = mask.long().sum(1)[None, :] + torch.arange(max_new_tokens, device=device)[:, None]  # [M, N]
-        # sin with the sign of rotate_half folded in: rotate_half(x) * sin == swap_halves(x) * sin_signed
-        sign = torch.ones(hd, dtype=dtype, device=device)
-        sign[: hd // 2] = -1
-        self._rope_signed = torch.stack([rope[:, 0], rope[:, 1] * sign], 1).contiguous()  # [W, 2, hd]
         self._N, self._P = N, P
         self._step, self._capacity = 0, int(max_new_tokens)
         self._cur = None  # per-row columns written past P, once rows diverge (until then every row is at step)
@@ -400,7 +405,7 @@ class StaticDecoder:
         self._arange_ng = torch.arange(N * G, device=device)
         return logits.float()
 
-    def _encode(self, tokens: torch.Tensor, mask: torch.Tensor, rope: torch.Tensor, write) -> torch.Tensor:
+    def _encode(self, tokens: torch.Tensor, mask: torch.Tensor, ropes: list[torch.Tensor], write) -> torch.Tensor:
         """Run left-padded prompts ``tokens[N, P]`` through the layers, handing each layer's keys and values
         ``[N, P, G, hd]`` to ``write(layer, k, v)``; return the last column's logits ``[N, V]`` (fp32)."""
         N, P = tokens.shape
@@ -408,31 +413,36 @@ class StaticDecoder:
         dtype, device = self._embed.dtype, self._embed.device
         tokens, mask = tokens.to(device), mask.to(device).bool()
         pos = (mask.long().cumsum(1) - 1).clamp(min=0)  # [N, P]
-        cs = rope[pos]  # [N, P, 2, hd]
-        cos, sin = cs[:, :, 0, None, None], cs[:, :, 1, None, None]  # [N, P, 1, 1, hd]
+        css = [(cs[:, :, 0, None, None], cs[:, :, 1, None, None]) for cs in (rope[pos] for rope in ropes)]  # [N, P, 1, 1, hd]
         # prefill attention: causal, real keys only (a padding query sees itself, so nothing is NaN)
         causal = torch.ones(P, P, dtype=torch.bool, device=device).tril()
         allowed = causal & (mask[:, None, :] | torch.eye(P, dtype=torch.bool, device=device))
         bias = torch.zeros(N, 1, 1, P, P, dtype=dtype, device=device).masked_fill_(~allowed[:, None, None], float("-inf"))
+        ar = torch.arange(P, device=device)
+        biases = self._per_layer(bias, lambda w: bias.masked_fill((ar[:, None] - ar[None, :]) >= w, float("-inf")))
+        rope_of, swap = self._rope_of, self._swap
 
         def attend(li: int, qkv: torch.Tensor) -> torch.Tensor:  # qkv [N, P, G, rep + 2, hd]
             qk = qkv[:, :, :, : rep + 1]
-            qk = qk * cos + _rotate_half(qk) * sin  # HF's apply_rotary_pos_emb
+            if rope_of[li] is not None:
+                cos, sin = css[rope_of[li]]
+                qk = qk * cos + swap(qk) * sin  # HF's apply_rotary_pos_emb (the sign of rotate_half is in sin)
             q, k, v = qk[:, :, :, :rep], qk[:, :, :, rep], qkv[:, :, :, rep + 1]
             write(li, k, v)
             qh = q.permute(0, 2, 3, 1, 4)  # [N, G, rep, P, hd]
             kh = k.permute(0, 2, 1, 3)[:, :, None]  # [N, G, 1, P, hd]
             vh = v.permute(0, 2, 1, 3)[:, :, None]
-            att = torch.softmax((qh @ kh.transpose(-1, -2)) * self.scaling + bias, -1, dtype=torch.float32).to(dtype)
+            att = torch.softmax((qh @ kh.transpose(-1, -2)) * self.scaling + biases[li], -1, dtype=torch.float32).to(dtype)
             return (att @ vh).permute(0, 3, 1, 2, 4).reshape(N, P, H * hd)
 
         return self._head(self._run_layers(F.embedding(tokens, self._embed), attend)[:, -1])
 
-    def _run_layers(self, x: torch.Tensor, attend) -> torch.Tensor:
-        """The decoder layers on the residual stream ``x[..., D]``: per layer ``x += o_proj(attend(layer, qkv))`` with
-        ``qkv[..., G, rep + 2, hd]`` the fused projection of ``norm(x)``, then ``x += MLP(norm(x))``. ``attend``
-        (rotary embedding, cache writes, attention) is where prefill, decode and extend differ; this body is
-        shared so that every path computes a layer the same way."""
+    def _run_plain(self, x: torch.Tensor, attend) -> torch.Tensor:
+        """The decoder layers of Llama's layout on the residual stream ``x[..., D]``: per layer
+        ``x += o_proj(attend(layer, qkv))`` with ``qkv[..., G, rep + 2, hd]`` the fused projection of ``norm(x)``, then
+        ``x += MLP(norm(x))``. ``attend`` (rotary embedding, cache writes, attention) is where prefill, decode and extend
+        differ; this body is shared so that every path computes a layer the same way. (:meth:`_run_general` is the same
+        with the other families' norms; this one keeps their checks out of Llama's decode step.)"""
         G, rep, hd, act = self.n_kv, self.rep, self.head_dim, self.act
         D = x.shape[-1]
         for li, (w_in, eps_in, w_qkv, b_qkv, w_o, b_o, w_post, eps_post, w_gu, b_gu, I, w_d, b_d) in enumerate(self._layers):
@@ -446,9 +456,35 @@ class StaticDecoder:
             x = _lin_add(x, a, w_d, b_d)
         return x
 
+    def _run_general(self, x: torch.Tensor, attend) -> torch.Tensor:
+        """:meth:`_run_plain` with every norm a family may have (see :mod:`~tokengym.agents.engine.families`): before
+        and after each half of the layer (``None``: not there) and on the queries and keys before ``attend`` rotates them."""
+        G, rep, hd, act, qk_mode = self.n_kv, self.rep, self.head_dim, self.act, self.family.qk_norm
+        D = x.shape[-1]
+        for li, ((w_in, eps_in, w_qkv, b_qkv, w_o, b_o, w_post, eps_post, w_gu, b_gu, I, w_d, b_d),
+                 (w_qk, eps_qk, attn_out, mlp_out)) in enumerate(zip(self._layers, self._extra)):
+            h = x if w_in is None else F.rms_norm(x, (D,), w_in, eps_in)
+            qkv = _lin(h, w_qkv, b_qkv).view(*x.shape[:-1], G, rep + 2, hd)
+            if w_qk is not None:
+                _qk_norm(qkv, qk_mode, w_qk, eps_qk, rep)
+            if attn_out is None:
+                x = _lin_add(x, attend(li, qkv), w_o, b_o)
+            else:
+                x = x + F.rms_norm(_lin(attend(li, qkv), w_o, b_o), (D,), *attn_out)
+            h = x if w_post is None else F.rms_norm(x, (D,), w_post, eps_post)
+            gu = _lin(h, w_gu, b_gu)
+            a = act(gu[..., :I])
+            a.mul_(gu[..., I:])
+            x = _lin_add(x, a, w_d, b_d) if mlp_out is None else x + F.rms_norm(_lin(a, w_d, b_d), (D,), *mlp_out)
+        return x
+
     def _head(self, x: torch.Tensor) -> torch.Tensor:
-        """Logits (in the matrices' dtype) of final hidden states ``x[..., D]``: the final norm, then the LM head."""
-        return _lin(F.rms_norm(x, (x.shape[-1],), self._norm_w, self._norm_eps), self._head_t)
+        """Logits (in the matrices' dtype) of final hidden states ``x[..., D]``: the final norm, then the LM head (and
+        the final soft-capping ``cap * tanh(logits / cap)`` where the config sets one, as Gemma's forward does)."""
+        logits = _lin(F.rms_norm(x, (x.shape[-1],), self._norm_w, self._norm_eps), self._head_t)
+        if self._softcap is not None:
+            logits = torch.tanh(logits / self._softcap) * self._softcap
+        return logits
 
     def refill(self, rows: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Start new episodes in cache rows ``rows[R]``: encode their left-padded prompts ``tokens[R, P]`` (the width
@@ -469,7 +505,7 @@ class StaticDecoder:
                 k_t[rg, :, :P] = k.permute(0, 2, 3, 1).reshape(-1, hd, P)
                 v_c[rg, :P] = v.permute(0, 2, 1, 3).reshape(-1, P, hd)
 
-            logits = self._encode(tokens, mask, self._rope_table(self._bias.shape[-1], self._embed.dtype, device), write)
+            logits = self._encode(tokens, mask, self._rope_tables(self._bias.shape[-1], self._embed.dtype, device), write)
             W = self._bias.shape[-1]
             col_ok = torch.zeros(len(rows), W, dtype=torch.bool, device=device)
             col_ok[:, :P] = mask
@@ -504,8 +540,11 @@ class StaticDecoder:
         if tokens.shape != (N,):
             raise ValueError(f"decode() takes one token per slot, shape ({N},); got {tuple(tokens.shape)}")
         col = self._P + t
-        cs = self._rope_signed.index_select(0, self._pos[t])  # this step's [N, 2, hd], broadcast over heads
-        attend = self._one_token_attention(cs[:, 0, None, None], cs[:, 1, None, None], self._bias[:, :, : col + 1], col)
+        css = [rope.index_select(0, self._pos[t]) for rope in self._ropes]  # this step's [N, 2, hd], broadcast over heads
+        bias = self._bias[:, :, : col + 1]
+        # a sliding window starts at column col - window + 1 (every row is at the same column)
+        los = [0 if w is None else max(0, col + 1 - w) for w in self._windows]
+        attend = self._one_token_attention(css, [bias] * len(los), col, los)
         x = self._run_layers(F.embedding(tokens, self._embed), attend)  # [N, D]
         self._step = t + 1
         self._hi = col
@@ -549,34 +588,45 @@ class StaticDecoder:
         colg = (P + cur).repeat_interleave(G)
         rowg = self._arange_ng
         self._bias[rowg, 0, colg] = 0.0
-        cs = self._rope_signed.index_select(0, self._n_prompt + cur)
+        css = [rope.index_select(0, self._n_prompt + cur) for rope in self._ropes]
         T = min(self._hi + 2, W)  # every row writes at most one column past the highest so far
-        attend = self._one_token_attention(cs[:, 0, None, None], cs[:, 1, None, None], self._bias[:, :, :T], (rowg, colg))
+        bias = self._bias[:, :, :T]
+        ar = torch.arange(T, device=bias.device)
+        biases = self._per_layer(bias, lambda w: bias.masked_fill(ar <= (colg - w)[:, None, None], float("-inf")))
+        attend = self._one_token_attention(css, biases, (rowg, colg), [0] * len(biases))
         x = self._run_layers(F.embedding(tokens, self._embed), attend)
         self._step += 1
         self._cur = cur + 1 if hold is None else cur + (~hold.to(cur.device)).long()
         self._hi = T - 1
         return self._head(x).float()
 
-    def _one_token_attention(self, cos: torch.Tensor, sin: torch.Tensor, bias: torch.Tensor, col):
+    def _one_token_attention(self, css: list[torch.Tensor], biases: list[torch.Tensor], col, los: list[int]):
         """``attend`` for :meth:`_run_layers` on one new token per row (``qkv[N, G, rep + 2, hd]``): rotate its
-        query and key, write key and value at column ``col`` of every row (an int), or at ``col = (cache rows,
-        columns)`` (rows at their own columns), and attend over the first ``bias.shape[-1]`` columns."""
+        query and key by the layer's table of ``css`` (``[N, 2, hd]`` each), write key and value at column ``col`` of
+        every row (an int), or at ``col = (cache rows, columns)`` (rows at their own columns), and attend over columns
+        ``[los[layer], T)`` with the layer's ``biases[layer]`` (``T`` their width)."""
         N, G, rep, hd, scale = self._N, self.n_kv, self.rep, self.head_dim, self.scaling
-        T = bias.shape[-1]
+        T = biases[0].shape[-1] if biases else 0
+        rope_of, swap = self._rope_of, self._swap
+        css = [(cs[:, 0, None, None], cs[:, 1, None, None]) for cs in css]
 
         def attend(li: int, qkv: torch.Tensor) -> torch.Tensor:
             k_t, v_c = self._cache[li]
             qk = qkv[:, :, : rep + 1]
-            r = torch.addcmul(qk * cos, _swap_halves(qk), sin)  # [N, G, rep+1, hd]
+            if rope_of[li] is None:
+                r = qk
+            else:
+                cos, sin = css[rope_of[li]]
+                r = torch.addcmul(qk * cos, swap(qk), sin)  # [N, G, rep+1, hd]
             if isinstance(col, int):
                 k_t[:, :, col].copy_(r[:, :, rep].view(N * G, hd))
                 v_c[:, col].copy_(qkv[:, :, rep + 1].view(N * G, hd))
             else:
                 k_t[col[0], :, col[1]] = r[:, :, rep].view(N * G, hd)
                 v_c[col] = qkv[:, :, rep + 1].view(N * G, hd)
-            s = torch.baddbmm(bias, r[:, :, :rep].view(N * G, rep, hd), k_t[:, :, :T], alpha=scale)
-            return torch.bmm(torch.softmax(s, -1), v_c[:, :T]).view(N, -1)
+            lo = los[li]
+            s = torch.baddbmm(biases[li][..., lo:], r[:, :, :rep].reshape(N * G, rep, hd), k_t[:, :, lo:T], alpha=scale)
+            return torch.bmm(torch.softmax(s, -1), v_c[:, lo:T]).view(N, -1)
 
         return attend
 
@@ -615,19 +665,27 @@ class StaticDecoder:
             (torch.arange(T, device=device)[None, None] <= cols[:, :, None])  # [R, K, T]
         dtype = self._embed.dtype
         att_bias = torch.zeros(R, 1, 1, K, T, dtype=dtype, device=device).masked_fill_(~allowed[:, None, None], float("-inf"))
-        cs = self._rope_signed[(self._n_prompt[rows][:, None] + cols - P).clamp(max=W - 1)]  # [R, K, 2, hd]
-        cos, sin = cs[:, :, 0, None, None], cs[:, :, 1, None, None]
+        at = (self._n_prompt[rows][:, None] + cols - P).clamp(max=W - 1)
+        css = [(cs[:, :, 0, None, None], cs[:, :, 1, None, None]) for cs in (rope[at] for rope in self._ropes)]  # [R, K, 2, hd]
+        ar_t = torch.arange(T, device=device)
+        biases = self._per_layer(att_bias, lambda w: att_bias.masked_fill(
+            ((cols[:, :, None] - ar_t) >= w)[:, None, None], float("-inf")))
+        rope_of, swap = self._rope_of, self._swap
 
         def attend(li: int, qkv: torch.Tensor) -> torch.Tensor:  # qkv [R, K, G, rep + 2, hd]
             k_t, v_c = self._cache[li]
             qk = qkv[:, :, :, : rep + 1]
-            r = torch.addcmul(qk * cos, _swap_halves(qk), sin)
+            if rope_of[li] is None:
+                r = qk
+            else:
+                cos, sin = css[rope_of[li]]
+                r = torch.addcmul(qk * cos, swap(qk), sin)
             k_t[rg, :, cg] = r[vr, vk, :, rep].reshape(-1, hd)
             v_c[rg, cg] = qkv[vr, vk, :, rep + 1].reshape(-1, hd)
             keys = k_t[rows_g, :, :T].view(R, G, 1, hd, T)
             vals = v_c[rows_g, :T].view(R, G, 1, T, hd)
             q = r[:, :, :, :rep].permute(0, 2, 3, 1, 4)  # [R, G, rep, K, hd]
-            att = torch.softmax((q @ keys) * self.scaling + att_bias, -1)
+            att = torch.softmax((q @ keys) * self.scaling + biases[li], -1)
             return (att @ vals).permute(0, 3, 1, 2, 4).reshape(R, K, H * hd)
 
         x = self._run_layers(F.embedding(tokens, self._embed), attend)  # [R, K, D]
@@ -695,6 +753,29 @@ def _swap_halves(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(*x.shape[:-1], 2, x.shape[-1] // 2).flip(-2).view(x.shape)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, -1)
-    return torch.cat((-x2, x1), -1)
+def _swap_by(perm: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """:func:`_swap_halves` for a partial rotary embedding: ``perm`` swaps the halves of the rotated dimensions only."""
+    return x.index_select(-1, perm)
+
+
+def _qk_scale(mode: str | None, lw, G: int, rep: int, hd: int) -> torch.Tensor | None:
+    """The q/k norm scales laid out like ``qkv[..., G, rep + 2, hd]``'s first ``rep + 1`` slots: ``[rep + 1, hd]`` for a
+    per-head norm, ``[G, rep + 1, hd]`` for a norm over the whole projection (``None``: no q/k norm)."""
+    if mode is None:
+        return None
+    wq, wk = lw.q_norm[0], lw.k_norm[0]
+    if mode == "head":
+        return torch.cat([wq.expand(rep, hd), wk[None]], 0).contiguous()
+    return torch.cat([wq.reshape(G, rep, hd), wk.reshape(G, 1, hd)], 1).contiguous()
+
+
+def _qk_norm(qkv: torch.Tensor, mode: str, w: torch.Tensor, eps: float, rep: int) -> None:
+    """RMS-normalise the queries and keys of ``qkv[..., G, rep + 2, hd]`` in place (before RoPE): over each head's ``hd``
+    values (``"head"``: Qwen3, Gemma 3) or over all of the q (k) projection's values (``"proj"``: OLMo 2)."""
+    qk = qkv[..., : rep + 1, :]
+    if mode == "head":
+        qk.copy_(F.rms_norm(qk, (qk.shape[-1],), None, eps) * w)
+        return
+    q, k = qkv[..., :rep, :], qkv[..., rep: rep + 1, :]
+    for part, scale in ((q, w[:, :rep]), (k, w[:, rep:])):
+        part.mul_(torch.rsqrt(part.pow(2).mean((-3, -2, -1), keepdim=True) + eps)).mul_(scale)

@@ -13,10 +13,11 @@ drives; lockstep batches)::
     logits[rows] = policy.refill(rows, prompts, mask)                   # continuous batching: new episodes
 
 Fast path: ``policy.prefill(tokens, mask, max_new_tokens=M)`` (what ``collect`` calls) runs supported
-Llama-family models (Llama, Mistral, Qwen2) through :class:`~tokengym.agents.engine.fast_decode.StaticDecoder`:
+models (Llama, Mistral, Qwen2, Qwen3, Gemma 3, SmolLM3, Phi-3, OLMo 2) through :class:`~tokengym.agents.engine.fast_decode.StaticDecoder`:
 a static KV cache laid out like the env buffer and a lean decode step written against the model's
 weights, with the same numerics. Other models, ``fast_decode=False``, or ``prefill`` without
-``max_new_tokens`` use the generic ``transformers`` path with its own cache.
+``max_new_tokens`` use the generic ``transformers`` path with its own cache; a model that falls back to it warns
+once per ``Policy``, with the reason.
 
 Generic API: ``policy.act(obs, prompt_len=P)`` works in any Gymnasium-style loop, in either autoreset
 mode: it prefills new episodes itself (re-encoding the batch when only some slots restarted).
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import warnings
 from typing import Any, Iterator
 
 import torch
@@ -42,6 +44,7 @@ import tokengym.agents.functional as Fn
 from tokengym.agents.engine.fast_decode import StaticDecoder, unsupported_reason
 from tokengym.agents.engine.models import load_model, use_tokengym_attention
 from tokengym.agents.engine.sampler import SamplerCapabilities
+from tokengym.agents.runtime.sharding import unwrapped_class
 from tokengym.rewards.common import quiet_transformers
 from tokengym.rewards.packing import Bins, check_packing, head_logits, place, plan
 
@@ -207,6 +210,7 @@ class Policy(nn.Module):
         self.packing = check_packing(packing)  # training forwards: off, bins or auto; trainers set it from their config
         self._fast: StaticDecoder | None = None
         self._fast_active = False
+        self._warned_generic = False  # the generic-path notice is printed once per Policy
         self._stream_key: int | None = None  # this rollout's sampling-stream key (begin_rollout)
         self.row_offset = 0  # the first row's index in the global batch (data-parallel ranks)
 
@@ -275,7 +279,12 @@ class Policy(nn.Module):
         return self._fast_active
 
     def _fast_decoder(self, width: int) -> StaticDecoder | None:
-        if self.fast_path_reason(width) is not None:
+        why = self.fast_path_reason(width)
+        if why is not None:
+            if self.fast_decode and not self._warned_generic:  # fast_decode=False is the user's own choice: no notice
+                self._warned_generic = True
+                warnings.warn(f"{unwrapped_class(self.model).__name__} rolls out on the generic transformers path "
+                              f"(several times slower than the fast decoder): {why}", stacklevel=4)
             return None
         if self._fast is None or self._fast.source is not self.model:
             self._fast = StaticDecoder(self.model)
