@@ -13,9 +13,13 @@ import sys
 from typing import Any
 
 
-def run_child(script: str, argv: list[str]) -> Any:
-    """``python script *argv`` in a fresh process; the JSON value of the last line it prints."""
-    out = subprocess.run([sys.executable, script, *argv], capture_output=True, text=True)
+def run_child(script: str, argv: list[str], timeout: float | None = None) -> Any:
+    """``python script *argv`` in a fresh process; the JSON value of the last line it prints. A child still running
+    after ``timeout`` seconds is killed (``RuntimeError``)."""
+    try:
+        out = subprocess.run([sys.executable, script, *argv], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"{os.path.basename(script)} {' '.join(argv)} ran past {timeout:.0f} s and was stopped") from None
     if out.returncode != 0:
         raise RuntimeError(f"{os.path.basename(script)} {' '.join(argv)} failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])

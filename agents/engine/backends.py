@@ -77,4 +77,4 @@ def _vllm(policy: Any, *, rows: int, row_len: int, bf16: bool, version: int | No
 
 
 register_backend("tokengym", _tokengym, engine=False, help="the policy's own fast decoder, in process (token-level)")
-register_backend("vllm", _vllm, help="an in-process vLLM engine (pip install 'tokengym[vllm]'; generation-level)")
+register_backend("vllm", _vllm, help="an in-process vLLM engine (pip install 'tokengym[vllm]', or [vllm-cuda] on a GPU; generation-level)")

