@@ -74,9 +74,18 @@ class OnPolicyConfig(EngineConfig, TrainLoopConfig, ScheduledOptimConfig, Rename
     """Importance ratio of the correction per token or per sequence (the product over its tokens)."""
     correction_cap: float = 2.0
     """Cap of the correction's importance ratio."""
+    eval_k: int = 0
+    """Also log eval/pass@k, eval/maj@k and eval/mean@k at every held-out evaluation, from eval_n sampled completions
+    per held-out prompt at the run's temperature (0 = off). The draws come from a seed of their own (the same at
+    every evaluation), so the training streams and results are those of a run without them."""
+    eval_n: int | None = None
+    """Sampled completions per held-out prompt that eval_k's metrics are estimated from (>= eval_k; None = eval_k)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()  # every field's checks (a subclass's too: checks() and choices()), the engine's
+        if self.eval_n is not None and not 1 <= self.eval_k <= self.eval_n:
+            raise ValueError(f"{type(self).__name__}: eval_n={self.eval_n} needs 1 <= eval_k <= eval_n (eval_n sampled "
+                             f"completions per held-out prompt estimate pass@k, maj@k and mean@k), got eval_k={self.eval_k}")
         z = torch.zeros(1, 1)
         try:  # the loss's own argument checks (clip ranges) now, not after the first rollout
             F.policy_loss(z, z, z, z, self.clip_eps, self.clip_eps_high, self.aggregation)
@@ -88,13 +97,19 @@ class OnPolicyConfig(EngineConfig, TrainLoopConfig, ScheduledOptimConfig, Rename
         return {"iterations": self.iterations >= 1, "steps": self.steps >= 0, "mu": self.mu >= 1,
                 "minibatches": self.minibatches >= 1, "clip_eps": self.clip_eps > 0,
                 "clip_eps_high": self.clip_eps_high is None or self.clip_eps_high > 0, "beta": self.beta >= 0,
-                "entropy_coef": self.entropy_coef >= 0, "correction_cap": self.correction_cap >= 1}
+                "entropy_coef": self.entropy_coef >= 0, "correction_cap": self.correction_cap >= 1,
+                "eval_k": self.eval_k >= 0}
 
     def choices(self) -> dict[str, Iterable[Any]]:
         """``{field: valid values}`` of the choice-valued fields a class declares (checked with these)."""
         return {"kl_estimator": F.KL_ESTIMATORS, "aggregation": F.AGGREGATIONS,
                 "correction": ("auto", "none", *V.CORRECTION_MODES), "correction_level": V.CORRECTION_LEVELS,
                 "mask_training": ("masked", "unmasked")}
+
+    @property
+    def eval_samples_per_prompt(self) -> int:
+        """n of the held-out pass@k / maj@k / mean@k: ``eval_n``, else ``eval_k`` (0: those metrics are off)."""
+        return self.eval_k if self.eval_n is None else self.eval_n
 
     @property
     def correction_mode(self) -> str:

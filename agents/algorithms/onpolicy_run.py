@@ -13,10 +13,13 @@ from typing import Any, Callable
 import torch
 
 from tokengym.agents.engine.policy import make_reference
-from tokengym.agents.engine.rollout import evaluate
+from tokengym.agents.engine.rollout import evaluate, evaluate_at_k
 from tokengym.envs.rollout_env import check_rollout_env
 
-__all__ = ["RunMixin", "both"]
+__all__ = ["RunMixin", "both", "EVAL_SAMPLING_SEED"]
+
+EVAL_SAMPLING_SEED = 10_007
+"""Added to the run's seed to seed the held-out sampled evaluation (``eval_k``): a stream apart from training's."""
 
 
 def both(first: Callable, then: Callable | None) -> Callable:
@@ -142,12 +145,38 @@ class RunMixin:
         run, :meth:`learn` with the trainer's checkpoints, then the final checkpoint and ``model/``."""
         from tokengym.agents.runtime.session import initial_eval
 
-        initial_eval(trainer, self, eval_env, eval_samples,
-                     lambda policy, env, samples, greedy: evaluate(self.rollout_backend(env), env, samples, greedy=greedy))
+        initial_eval(trainer, self, eval_env, eval_samples, lambda policy, env, samples, greedy: self.heldout_metrics(env, samples))
         self.learn(env, eval_env, eval_samples, callback=both(trainer.callback, callback))
         trainer.finish()
 
     def evaluate(self, eval_env, samples: list) -> dict[str, float]:
-        """Greedy held-out metrics of ``samples`` (``eval/accuracy``, ...)."""
+        """Held-out metrics of ``samples`` under ``eval/``: :meth:`heldout_metrics`."""
+        return {f"eval/{k}": v for k, v in self.heldout_metrics(eval_env, samples).items()}
+
+    def heldout_metrics(self, eval_env, samples: list) -> dict[str, float]:
+        """Greedy metrics of ``samples`` (``accuracy``, ...) and, with ``eval_k``, ``pass@k``, ``maj@k`` and
+        ``mean@k`` of :meth:`evaluate_at_k`."""
         self.train_mode(False)
-        return {f"eval/{k}": v for k, v in evaluate(self.rollout_backend(eval_env), eval_env, samples, greedy=True).items()}
+        out = evaluate(self.rollout_backend(eval_env), eval_env, samples, greedy=True)
+        if self.config.eval_k:
+            out.update((name, v) for name, v in self.evaluate_at_k(eval_env, samples).items() if "@" in name)
+        return out
+
+    def evaluate_at_k(self, eval_env, samples: list) -> dict[str, Any]:
+        """:func:`~tokengym.agents.engine.rollout.evaluate_at_k` of ``samples`` with ``eval_k`` and its n, sampled
+        at the policy's temperature from the seed ``seed + EVAL_SAMPLING_SEED`` as rows 0.. of a one-process batch;
+        the policy's generator and row offset are restored afterwards, so that training samples what it would have
+        without this evaluation. Same weights, same results: a call after the run recomputes its last evaluation."""
+        cfg, policy = self.config, self.policy
+        if not cfg.eval_k:
+            raise ValueError(f"{type(self).__name__}.evaluate_at_k() needs eval_k >= 1 in its config (0 = off)")
+        state, offset = policy.generator.get_state(), policy.row_offset
+        self.train_mode(False)
+        try:
+            policy.seed(cfg.seed + EVAL_SAMPLING_SEED)
+            policy.row_offset = 0
+            return evaluate_at_k(self.rollout_backend(eval_env), eval_env, samples, n=cfg.eval_samples_per_prompt,
+                                 k=cfg.eval_k)
+        finally:
+            policy.generator.set_state(state)
+            policy.row_offset = offset

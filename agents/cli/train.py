@@ -101,6 +101,9 @@ def resolve(algo: str, values_file: dict[str, Any], values_flags: dict[str, Any]
     except (TypeError, ValueError) as e:
         raise R.UsageError(str(e)) from None
     _check_run(run, algo)
+    if getattr(cfg, "eval_k", 0) and run.eval_prompts == 0:
+        raise R.UsageError(f"eval_k={cfg.eval_k} samples the held-out prompts, and eval_prompts=0 turns held-out "
+                           "evaluation off; give eval_prompts >= 1 or drop eval_k")
     _check_sharding(run, algo, cfg)
     if saved:
         changed = [(k, saved[part][k], v) for part, obj in (("run", run), ("config", cfg))

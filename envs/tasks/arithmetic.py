@@ -16,7 +16,8 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from tokengym.rewards import arithmetic_correct, arithmetic_step_reward, number_match, solve_expression
+from tokengym.rewards import (arithmetic_correct, arithmetic_step_reward, extract_final_answer, extract_number,
+                              number_match, parse_int, solve_expression)
 
 from ..chat import user_prompt
 
@@ -174,6 +175,14 @@ class ArithmeticTask(Task):
         """:func:`tokengym.rewards.arithmetic_correct` (1.0 iff the final answer is right); for the chat form
         :func:`tokengym.rewards.number_match` (the number the reply answers with), as for the few-shot form."""
         return number_match if self.chat or self.few_shot else arithmetic_correct
+
+    def extract_answer(self, completion: str | None) -> int | None:
+        """The integer that :meth:`reward` reads as ``completion``'s answer (``None``: none it can read): the last
+        ``A: <n>`` line (:func:`~tokengym.rewards.extract_final_answer`), or for the chat and few-shot forms the
+        number the reply answers with (:func:`~tokengym.rewards.extract_number`). maj@k votes on these, so
+        ``"A: 49"`` and ``"A = 49."`` are one answer."""
+        read = extract_number if self.reward() is number_match else extract_final_answer
+        return parse_int(read(completion))
 
     def process_reward(self) -> Callable | None:
         """:data:`tokengym.rewards.arithmetic_step_reward` (rule-based 0/1 score per line); none for the chat and

@@ -128,5 +128,9 @@ class ReasoningGymTask(DatasetTask):
         """The reasoning-gym entry (``question``, ``answer``, ``metadata``) of row ``index``."""
         return self.entries[index]
 
+    def extract_answer(self, completion: str | None) -> str | None:
+        """The answer the dataset's verifier scores (:func:`tokengym.rewards.extract_answer`), ``None`` without one."""
+        return extract_answer(completion)
+
     def __repr__(self) -> str:
         return f"ReasoningGymTask({self.dataset_name!r}, size={len(self)}, config={self.config})"

@@ -68,5 +68,9 @@ class ReverseTask(Task):
         """Exact match, or the fraction of correct positions with ``partial_credit=True``."""
         return char_accuracy if self.partial_credit else exact_match
 
+    def extract_answer(self, completion: str | None) -> str | None:
+        """The completion without surrounding whitespace, as the rewards compare it (``None`` when empty)."""
+        return (completion or "").strip() or None
+
     def __repr__(self) -> str:
         return f"ReverseTask(length={self.length}, alphabet={self.alphabet!r}, partial_credit={self.partial_credit})"

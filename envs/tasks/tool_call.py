@@ -103,6 +103,11 @@ class ToolCallTask(ArithmeticTask):
     def reward(self) -> Callable:
         return tool_call_correct
 
+    def extract_answer(self, completion: str | None) -> int | None:
+        """The value of the completion's call (what :func:`tool_call_correct` compares), ``None`` without one."""
+        expr = parse_call(completion)
+        return None if expr is None else solve_expression(expr)[1]
+
     def process_reward(self) -> Callable | None:
         return None
 
