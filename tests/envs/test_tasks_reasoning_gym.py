@@ -59,3 +59,12 @@ def test_unknown_dataset_and_bad_size():
 def test_config_is_passed_to_reasoning_gym():
     small = ReasoningGymTask("leg_counting", size=5, seed=1, min_animals=1, max_animals=1)
     assert all(len(small.entry(i)["metadata"]["animals"]) == 1 for i in range(5))
+
+
+def test_extract_answer_is_what_the_verifier_scores(task):
+    s = task.batch(np.random.default_rng(0), 1)[0]
+    ans = s["answer"]
+    cases = {f"I count.\n<answer> {ans} </answer>": ans, f"Answer: {ans}.": ans, f"{ans}\nno wait, 3": "no wait, 3", "": None}
+    assert {c: task.extract_answer(c) for c in cases} == cases
+    scores = task.reward()([s["prompt"]] * len(cases), list(cases), index=[s["index"]] * len(cases))
+    assert scores == [1.0, 1.0, 0.0, 0.0]
