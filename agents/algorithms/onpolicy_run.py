@@ -84,8 +84,9 @@ class RunMixin:
 
         ``callback(record)`` is called once per step; returning ``False`` stops after that step. The first call
         after :meth:`load_state_dict` runs only the rest of the interrupted schedule. With ``eval_env``
-        (group_size 1) and ``eval_samples`` (e.g. :func:`heldout_samples`), greedy held-out accuracy is logged
-        every ``eval_every`` steps and after the last step (and before the first, with ``run_dir``).
+        (group_size 1) and ``eval_samples`` (e.g. :func:`heldout_samples`), greedy held-out accuracy (with ``eval_k``
+        also pass@k, maj@k and mean@k) is logged every ``eval_every`` steps and after the last step (and before the
+        first, with ``run_dir``).
 
         ``run_dir``: write the folder ``tokengym train`` writes (``config.json``, ``metrics.jsonl``, checkpoints every
         ``save_every`` steps, ``model/``), so that ``tokengym eval/plot/sample --run`` work on it. A folder that is
