@@ -88,51 +88,57 @@ def check(got, model, histories, what, diffs):
     assert diff < TOL, (what, diffs)
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
-def test_every_fast_path_equals_a_plain_forward(models, name):
-    """Prefill (left padding of different widths), decode, compaction, refill of a row, a multi-turn extend of two rows
-    and decode after it: each time the fast decoder's logits equal a ``transformers`` forward over the rows' histories."""
-    model, tok = models[name], char_tokenizer()
-    assert unsupported_reason(model, 64) is None
+def walk(policy, check):
+    """Drive ``policy``'s fast decoder through every path a rollout takes, from seeded random left-padded prompts of
+    different lengths: prefill, decode, compaction, refill of a row, a multi-turn extend of two rows and decode after it,
+    and a prefill of shared prompts (``copies``); ``check(logits, histories, what)`` after each."""
     g = torch.Generator().manual_seed(2)
     P, M = 7, 12
     hist = [torch.randint(4, V, (n,), generator=g).tolist() for n in (7, 3, 5, 6)]
     tokens, mask = left_padded(hist, P)
-    policy = Policy(model, tok)
-    diffs = {}
     rand = lambda n: torch.randint(4, V, (n,), generator=g)  # noqa: E731
     with torch.inference_mode():
-        check(policy.prefill(tokens, mask, max_new_tokens=M), model, hist, "prefill", diffs)
+        check(policy.prefill(tokens, mask, max_new_tokens=M), hist, "prefill")
         assert policy.fast_path_active
         for step in range(3):
             t = rand(len(hist))
             hist = [h + [int(x)] for h, x in zip(hist, t)]
-            check(policy.decode(t), model, hist, f"decode{step}", diffs)
+            check(policy.decode(t), hist, f"decode{step}")
         keep = [0, 2, 3]  # row 1 leaves the batch
         assert policy.compact(torch.tensor(keep))
         hist = [hist[i] for i in keep]
         for step in range(2):
             t = rand(len(hist))
             hist = [h + [int(x)] for h, x in zip(hist, t)]
-            check(policy.decode(t), model, hist, f"compacted{step}", diffs)
+            check(policy.decode(t), hist, f"compacted{step}")
         new = rand(4).tolist()  # a new episode in row 1 while the others go on
         hist[1] = new
-        check(policy.refill(torch.tensor([1]), *left_padded([new], P)), model, [new], "refill", diffs)
+        check(policy.refill(torch.tensor([1]), *left_padded([new], P)), [new], "refill")
         for step in range(2):
             t = rand(len(hist))
             hist = [h + [int(x)] for h, x in zip(hist, t)]
-            check(policy.decode(t), model, hist, f"refilled{step}", diffs)
+            check(policy.decode(t), hist, f"refilled{step}")
         reply, lengths = rand(6).view(2, 3), torch.tensor([3, 1])  # env replies to rows 0 and 2
         hist[0] += reply[0].tolist()
         hist[2] += reply[1, :1].tolist()
-        check(policy.extend(torch.tensor([0, 2]), reply, lengths), model, [hist[0], hist[2]], "extend", diffs)
+        check(policy.extend(torch.tensor([0, 2]), reply, lengths), [hist[0], hist[2]], "extend")
         t = rand(len(hist))
         hist = [h + [int(x)] for h, x in zip(hist, t)]
-        check(policy.decode(t), model, hist, "after_extend", diffs)
+        check(policy.decode(t), hist, "after_extend")
         # a GRPO batch: two groups of two identical prompts, each prompt encoded once
         group = [hist[0][:5], hist[0][:5], hist[1][:2], hist[1][:2]]
-        check(policy.prefill(*left_padded(group, P), max_new_tokens=M, copies=2), model, group, "copies", diffs)
+        check(policy.prefill(*left_padded(group, P), max_new_tokens=M, copies=2), group, "copies")
     policy.end_rollout()
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_every_fast_path_equals_a_plain_forward(models, name):
+    """Prefill (left padding of different widths), decode, compaction, refill of a row, a multi-turn extend of two rows
+    and decode after it: each time the fast decoder's logits equal a ``transformers`` forward over the rows' histories."""
+    model, tok = models[name], char_tokenizer()
+    assert unsupported_reason(model, 64) is None
+    diffs = {}
+    walk(Policy(model, tok), lambda got, hist, what: check(got, model, hist, what, diffs))
 
 
 @pytest.mark.parametrize("name", [n for n in FAMILIES if n != "gemma3"])
