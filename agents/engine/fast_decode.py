@@ -29,10 +29,14 @@ model's own weights, with everything that does not change from step to step prep
   at least ``_PACK_MIN_NUMEL`` entries; smaller ones (e.g. all of the ``tiny`` preset's) stay on
   ``torch.mm`` (measurements in ``bench/RESULTS.md``). Elsewhere (GPU, other builds) the matrices are plain
   ``[in, out]`` tensors for ``torch.mm``.
-* **bf16 weights under autocast.** A prefill inside ``torch.autocast(device, dtype=torch.bfloat16)``
-  (what ``GRPOConfig(bf16=True)`` wraps its rollout in) keeps the fused matrices in bf16 and multiplies
-  in bf16, as autocast would; the residual stream, norms, RoPE, attention and the KV cache stay fp32.
-  The small preset's decode is bound by its weight GEMMs, which then read half the bytes.
+* **bf16 weights, KV cache and attention under autocast.** A prefill inside ``torch.autocast(device,
+  dtype=torch.bfloat16)`` (what ``GRPOConfig(bf16=True)`` wraps its rollout in) keeps the fused matrices in bf16 and
+  multiplies in bf16, as autocast would. Where bf16 is native (CUDA; CPUs with AVX512-BF16 or AMX, detected once by
+  :mod:`~tokengym.agents.runtime.hardware`) the KV cache is bf16 too, and so is attention in prefill, decode, refill
+  and extend: scores and probabilities in bf16, the softmax computed in fp32 by its kernel (as an eager autocast
+  forward does), the output back in the residual dtype. That halves the cache and the bytes a decode step reads from
+  it. Where bf16 is emulated the cache and attention stay fp32, where they are faster (``kv_dtype``: :data:`KV_DTYPES`).
+  The residual stream, norms and RoPE stay fp32 either way, and outside autocast nothing changes.
 * **Rows come and go.** :meth:`StaticDecoder.compact` keeps only the live rows (moved to the front of the same
   storage), :meth:`StaticDecoder.refill` encodes a new prompt into a row while the others go on (continuous
   batching), and ``prefill(copies=G)`` encodes a group's shared prompt once for its G rows.
