@@ -29,10 +29,14 @@ model's own weights, with everything that does not change from step to step prep
   at least ``_PACK_MIN_NUMEL`` entries; smaller ones (e.g. all of the ``tiny`` preset's) stay on
   ``torch.mm`` (measurements in ``bench/RESULTS.md``). Elsewhere (GPU, other builds) the matrices are plain
   ``[in, out]`` tensors for ``torch.mm``.
-* **bf16 weights under autocast.** A prefill inside ``torch.autocast(device, dtype=torch.bfloat16)``
-  (what ``GRPOConfig(bf16=True)`` wraps its rollout in) keeps the fused matrices in bf16 and multiplies
-  in bf16, as autocast would; the residual stream, norms, RoPE, attention and the KV cache stay fp32.
-  The small preset's decode is bound by its weight GEMMs, which then read half the bytes.
+* **bf16 weights, KV cache and attention under autocast.** A prefill inside ``torch.autocast(device,
+  dtype=torch.bfloat16)`` (what ``GRPOConfig(bf16=True)`` wraps its rollout in) keeps the fused matrices in bf16 and
+  multiplies in bf16, as autocast would. Where bf16 is native (CUDA; CPUs with AVX512-BF16 or AMX, detected once by
+  :mod:`~tokengym.agents.runtime.hardware`) the KV cache is bf16 too, and so is attention in prefill, decode, refill
+  and extend: scores and probabilities in bf16, the softmax computed in fp32 by its kernel (as an eager autocast
+  forward does), the output back in the residual dtype. That halves the cache and the bytes a decode step reads from
+  it. Where bf16 is emulated the cache and attention stay fp32, where they are faster (``kv_dtype``: :data:`KV_DTYPES`).
+  The residual stream, norms and RoPE stay fp32 either way, and outside autocast nothing changes.
 * **Rows come and go.** :meth:`StaticDecoder.compact` keeps only the live rows (moved to the front of the same
   storage), :meth:`StaticDecoder.refill` encodes a new prompt into a row while the others go on (continuous
   batching), and ``prefill(copies=G)`` encodes a group's shared prompt once for its G rows.
@@ -63,9 +67,15 @@ from torch import nn
 
 from tokengym.agents.engine.families import (FAMILIES, Family, layer_reason, layer_rope, layer_weights, layer_window,
                                               linear_bias, linear_weight, norm_weight)
+from tokengym.agents.runtime.hardware import half_is_fast
 from tokengym.agents.runtime.sharding import unwrapped_class
 
-__all__ = ["StaticDecoder", "plain_weights", "unsupported_reason"]
+__all__ = ["KV_DTYPES", "StaticDecoder", "check_kv_dtype", "kv_cache_dtype", "plain_weights", "unsupported_reason"]
+
+KV_DTYPES = ("auto", "model", "autocast")
+"""``kv_dtype`` choices: ``"auto"`` keeps the KV cache and attention in the autocast dtype where that dtype is native
+(:func:`~tokengym.agents.runtime.hardware.half_is_fast`), else in the model's dtype; ``"model"``: always the model's
+dtype (the residual stream's); ``"autocast"``: the autocast dtype even where it is emulated."""
 
 _PACK_MIN_NUMEL = 1 << 17
 """Smaller matrices stay on ``torch.mm``: below 2^17 entries oneDNN's per-call cost outweighs its faster GEMM."""
@@ -180,6 +190,8 @@ class StaticDecoder:
 
     Args:
         model: a supported ``transformers`` causal LM (see :func:`unsupported_reason`).
+        kv_dtype: the KV cache's and attention's dtype under autocast, one of :data:`KV_DTYPES` (see
+            :func:`kv_cache_dtype`); outside autocast they are in the model's dtype.
 
     Usage (what ``Policy.prefill(..., max_new_tokens=M)`` / ``Policy.decode`` do)::
 
@@ -188,10 +200,13 @@ class StaticDecoder:
         logits = dec.decode(next_tokens)                      # token written at column P + t
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, kv_dtype: str = "auto"):
+        check_kv_dtype(kv_dtype)
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"StaticDecoder cannot run this model: {reason}")
+        self.kv_dtype = kv_dtype
+        self._kv = torch.float32  # the KV cache's and attention's dtype, fixed at each prefill (kv_cache_dtype)
         self.source = model  # what the Policy holds (a peft model for LoRA)
         model = _unwrap_lora(model)[0]  # LoRA adapters are added to the fused weights in _refresh
         cfg = model.config
@@ -369,6 +384,7 @@ class StaticDecoder:
         if copies < 1 or tokens.shape[0] % copies:
             raise ValueError(f"copies={copies} must divide the {tokens.shape[0]} rows")
         self._refresh(amp, rows=tokens.shape[0])
+        self._kv = kv_cache_dtype(self.kv_dtype, amp, self._embed.dtype, self._embed.device)
         with torch.autocast(dev_type, enabled=False):  # dtypes are explicit below
             return self._prefill(tokens, mask, int(max_new_tokens), width, int(copies))
 
@@ -377,7 +393,7 @@ class StaticDecoder:
         N, P = tokens.shape[0] // copies, tokens.shape[1]
         G, hd = self.n_kv, self.head_dim
         dtype, device = self._embed.dtype, self._embed.device
-        self._alloc(N * copies, width, dtype, device)
+        self._alloc(N * copies, width, self._kv, device)
         ropes = self._rope_tables(width, dtype, device)
 
         def write(li: int, k: torch.Tensor, v: torch.Tensor) -> None:  # row r * copies + c holds prompt r
@@ -391,7 +407,7 @@ class StaticDecoder:
         # decode state, prepared once: attention bias over cache columns, per-step positions, signed RoPE table
         col_ok = torch.ones(N, width, dtype=torch.bool, device=device)
         col_ok[:, :P] = mask
-        self._bias = (torch.zeros(N, width, dtype=dtype, device=device).masked_fill_(~col_ok, float("-inf"))
+        self._bias = (torch.zeros(N, width, dtype=self._kv, device=device).masked_fill_(~col_ok, float("-inf"))
                       .repeat_interleave(G, 0)[:, None, :].contiguous())  # [N * G, 1, W]
         # step t of a slot with n real prompt tokens is at position n + t (= cumsum(mask) - 1 at column P + t)
         self._pos = mask.long().sum(1)[None, :] + torch.arange(max_new_tokens, device=device)[:, None]  # [M, N]
@@ -420,20 +436,20 @@ class StaticDecoder:
         bias = torch.zeros(N, 1, 1, P, P, dtype=dtype, device=device).masked_fill_(~allowed[:, None, None], float("-inf"))
         ar = torch.arange(P, device=device)
         biases = self._per_layer(bias, lambda w: bias.masked_fill((ar[:, None] - ar[None, :]) >= w, float("-inf")))
-        rope_of, swap = self._rope_of, self._swap
+        rope_of, swap, kv = self._rope_of, self._swap, self._kv
 
         def attend(li: int, qkv: torch.Tensor) -> torch.Tensor:  # qkv [N, P, G, rep + 2, hd]
             qk = qkv[:, :, :, : rep + 1]
             if rope_of[li] is not None:
                 cos, sin = css[rope_of[li]]
                 qk = qk * cos + swap(qk) * sin  # HF's apply_rotary_pos_emb (the sign of rotate_half is in sin)
-            q, k, v = qk[:, :, :, :rep], qk[:, :, :, rep], qkv[:, :, :, rep + 1]
+            q, k, v = qk[:, :, :, :rep].to(kv), qk[:, :, :, rep].to(kv), qkv[:, :, :, rep + 1].to(kv)  # (no-ops in fp32)
             write(li, k, v)
             qh = q.permute(0, 2, 3, 1, 4)  # [N, G, rep, P, hd]
             kh = k.permute(0, 2, 1, 3)[:, :, None]  # [N, G, 1, P, hd]
             vh = v.permute(0, 2, 1, 3)[:, :, None]
-            att = torch.softmax((qh @ kh.transpose(-1, -2)) * self.scaling + biases[li], -1, dtype=torch.float32).to(dtype)
-            return (att @ vh).permute(0, 3, 1, 2, 4).reshape(N, P, H * hd)
+            att = torch.softmax((qh @ kh.transpose(-1, -2)) * self.scaling + biases[li], -1, dtype=torch.float32).to(kv)
+            return (att @ vh).permute(0, 3, 1, 2, 4).reshape(N, P, H * hd).to(dtype)
 
         return self._head(self._run_layers(F.embedding(tokens, self._embed), attend)[:, -1])
 
@@ -607,7 +623,7 @@ class StaticDecoder:
         ``[los[layer], T)`` with the layer's ``biases[layer]`` (``T`` their width)."""
         N, G, rep, hd, scale = self._N, self.n_kv, self.rep, self.head_dim, self.scaling
         T = biases[0].shape[-1] if biases else 0
-        rope_of, swap = self._rope_of, self._swap
+        rope_of, swap, kv = self._rope_of, self._swap, self._kv
         css = [(cs[:, 0, None, None], cs[:, 1, None, None]) for cs in css]
 
         def attend(li: int, qkv: torch.Tensor) -> torch.Tensor:
@@ -622,11 +638,11 @@ class StaticDecoder:
                 k_t[:, :, col].copy_(r[:, :, rep].view(N * G, hd))
                 v_c[:, col].copy_(qkv[:, :, rep + 1].view(N * G, hd))
             else:
-                k_t[col[0], :, col[1]] = r[:, :, rep].view(N * G, hd)
-                v_c[col] = qkv[:, :, rep + 1].view(N * G, hd)
-            lo = los[li]
-            s = torch.baddbmm(biases[li][..., lo:], r[:, :, :rep].reshape(N * G, rep, hd), k_t[:, :, lo:T], alpha=scale)
-            return torch.bmm(torch.softmax(s, -1), v_c[:, lo:T]).view(N, -1)
+                k_t[col[0], :, col[1]] = r[:, :, rep].view(N * G, hd).to(kv)
+                v_c[col] = qkv[:, :, rep + 1].view(N * G, hd).to(kv)
+            lo = los[li]  # in a bf16 cache: scores and probabilities in bf16, the softmax computed in fp32 by its kernel
+            s = torch.baddbmm(biases[li][..., lo:], r[:, :, :rep].reshape(N * G, rep, hd).to(kv), k_t[:, :, lo:T], alpha=scale)
+            return torch.bmm(torch.softmax(s, -1), v_c[:, lo:T]).view(N, -1).to(qkv.dtype)
 
         return attend
 
@@ -663,8 +679,8 @@ class StaticDecoder:
         # attention over the row's own written columns, causal among the new tokens
         allowed = (self._bias[rows_g, 0, :T].view(R, G, T)[:, 0] == 0)[:, None, :] & \
             (torch.arange(T, device=device)[None, None] <= cols[:, :, None])  # [R, K, T]
-        dtype = self._embed.dtype
-        att_bias = torch.zeros(R, 1, 1, K, T, dtype=dtype, device=device).masked_fill_(~allowed[:, None, None], float("-inf"))
+        kv = self._kv
+        att_bias = torch.zeros(R, 1, 1, K, T, dtype=kv, device=device).masked_fill_(~allowed[:, None, None], float("-inf"))
         at = (self._n_prompt[rows][:, None] + cols - P).clamp(max=W - 1)
         css = [(cs[:, :, 0, None, None], cs[:, :, 1, None, None]) for cs in (rope[at] for rope in self._ropes)]  # [R, K, 2, hd]
         ar_t = torch.arange(T, device=device)
@@ -680,17 +696,33 @@ class StaticDecoder:
             else:
                 cos, sin = css[rope_of[li]]
                 r = torch.addcmul(qk * cos, swap(qk), sin)
-            k_t[rg, :, cg] = r[vr, vk, :, rep].reshape(-1, hd)
-            v_c[rg, cg] = qkv[vr, vk, :, rep + 1].reshape(-1, hd)
+            k_t[rg, :, cg] = r[vr, vk, :, rep].reshape(-1, hd).to(kv)
+            v_c[rg, cg] = qkv[vr, vk, :, rep + 1].reshape(-1, hd).to(kv)
             keys = k_t[rows_g, :, :T].view(R, G, 1, hd, T)
             vals = v_c[rows_g, :T].view(R, G, 1, T, hd)
-            q = r[:, :, :, :rep].permute(0, 2, 3, 1, 4)  # [R, G, rep, K, hd]
+            q = r[:, :, :, :rep].permute(0, 2, 3, 1, 4).to(kv)  # [R, G, rep, K, hd]
             att = torch.softmax((q @ keys) * self.scaling + biases[li], -1)
-            return (att @ vals).permute(0, 3, 1, 2, 4).reshape(R, K, H * hd)
+            return (att @ vals).permute(0, 3, 1, 2, 4).reshape(R, K, H * hd).to(qkv.dtype)
 
         x = self._run_layers(F.embedding(tokens, self._embed), attend)  # [R, K, D]
         self._cur[rows] = cur + lengths
         return self._head(x[torch.arange(R, device=device), (lengths - 1).clamp(min=0)]).float()
+
+
+def check_kv_dtype(kv_dtype: str) -> str:
+    """``kv_dtype`` if it is one of :data:`KV_DTYPES`, else ``ValueError`` naming the choices."""
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}; got {kv_dtype!r}")
+    return kv_dtype
+
+
+def kv_cache_dtype(kv_dtype: str, amp: torch.dtype | None, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype of the KV cache and of attention for a prefill under autocast to ``amp`` (``None``: no autocast) of a
+    model in ``model_dtype``: ``amp`` under ``kv_dtype="autocast"``, or under ``"auto"`` where ``amp`` is native on
+    ``device``; else ``model_dtype`` (where bf16 is emulated a bf16 cache saves memory but costs time)."""
+    if amp is None or kv_dtype == "model" or amp == model_dtype:
+        return model_dtype
+    return amp if kv_dtype == "autocast" or half_is_fast(device, amp) else model_dtype
 
 
 def _lin(a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 import tokengym.agents.functional as Fn
-from tokengym.agents.engine.fast_decode import StaticDecoder, unsupported_reason
+from tokengym.agents.engine.fast_decode import StaticDecoder, check_kv_dtype, unsupported_reason
 from tokengym.agents.engine.models import load_model, use_tokengym_attention
 from tokengym.agents.engine.sampler import SamplerCapabilities
 from tokengym.agents.runtime.sharding import unwrapped_class
@@ -173,6 +173,9 @@ class Policy(nn.Module):
         fast_decode: use the static-cache decode step for supported models when ``prefill`` is given
             ``max_new_tokens`` (see :mod:`tokengym.agents.engine.fast_decode`); ``False`` always takes the
             generic ``transformers`` path.
+        kv_dtype: the fast decoder's KV cache and attention under autocast: ``"auto"`` (the autocast dtype where it is
+            native: CUDA, CPUs with AVX512-BF16 or AMX; else the model's dtype), ``"model"`` or ``"autocast"``
+            (:data:`~tokengym.agents.engine.fast_decode.KV_DTYPES`).
         packing: how :meth:`forward` lays out a batch: ``"off"`` (padded), ``"bins"`` (the real tokens packed
             into bins) or ``"auto"`` (bins where they save a fifth of the tokens); trainers set it from their
             config (:mod:`tokengym.rewards.packing`).
@@ -189,7 +192,7 @@ class Policy(nn.Module):
     """
 
     def __init__(self, model: nn.Module, tokenizer: Any, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-                 fast_decode: bool = True, packing: str = "off"):
+                 fast_decode: bool = True, packing: str = "off", kv_dtype: str = "auto"):
         super().__init__()
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0 (use greedy=True for argmax), got {temperature}")
@@ -207,6 +210,7 @@ class Policy(nn.Module):
         self._pos: torch.Tensor | None = None
         self._seen: torch.Tensor | None = None
         self.fast_decode = bool(fast_decode)
+        self.kv_dtype = check_kv_dtype(kv_dtype)
         self.packing = check_packing(packing)  # training forwards: off, bins or auto; trainers set it from their config
         self._fast: StaticDecoder | None = None
         self._fast_active = False
@@ -286,8 +290,8 @@ class Policy(nn.Module):
                 warnings.warn(f"{unwrapped_class(self.model).__name__} rolls out on the generic transformers path "
                               f"(several times slower than the fast decoder): {why}", stacklevel=4)
             return None
-        if self._fast is None or self._fast.source is not self.model:
-            self._fast = StaticDecoder(self.model)
+        if self._fast is None or self._fast.source is not self.model or self._fast.kv_dtype != self.kv_dtype:
+            self._fast = StaticDecoder(self.model, kv_dtype=self.kv_dtype)
         return self._fast
 
     def end_rollout(self) -> None:
