@@ -30,6 +30,17 @@ __all__ = ["ArithmeticTask"]
 _OPERATORS = "+-*"
 
 
+def _first_line(completion: str | None) -> str | None:
+    return completion.split("\n", 1)[0] if isinstance(completion, str) else completion
+
+
+def few_shot_number_match(prompts: list[str], completions: list[str], answer: Any = None, **kw: Any) -> list[float]:
+    """:func:`tokengym.rewards.number_match` on the reply's first line: the few-shot form's answer. A base model goes
+    on past it when its tokenizer folds the ending newline into a longer token (Gemma's ``"\\n\\n"``), and the
+    next made-up example must not be read as the answer."""
+    return number_match(prompts, [_first_line(c) for c in completions], answer=answer, **kw)
+
+
 @register_task(
     "arithmetic", description="multi-step integer arithmetic, one step per line; verifier + rule-based PRM",
     prompt_format="completion: one reduction per line, then 'A: <answer>'; reward 1 iff the answer is right",
@@ -55,7 +66,8 @@ class ArithmeticTask(Task):
         system_prompt: an optional system message for the chat form.
         few_shot: for a base model (no chat template): pose the problem as ``few_shot`` solved examples and the
             expression, one per line (``"3+45=48\\n12+7=19\\n17+25="``), drawn from the same generator. The reply
-            ends at its first newline and is judged by :func:`tokengym.rewards.number_match`; no process reward.
+            ends at a newline, and the number on its first line is the answer (:func:`few_shot_number_match`); no
+            process reward.
 
     Samples: ``{"prompt": "12+7+30\\n", "solution": "12+7=19\\n19+30=49\\nA: 49", "answer": 49}``.
 
@@ -118,7 +130,7 @@ class ArithmeticTask(Task):
             m = 10 ** self.digits[1] - 1
             answer_chars = len(str(m ** n if "*" in operators else n * m)) + ("-" in operators)
             self.max_prompt_chars = (few_shot + 1) * (self.max_prompt_chars + answer_chars + 1)
-            self.step_delimiter, self.bundled_data, self.stop_strings = None, (), ("\n",)
+            self.step_delimiter, self.bundled_data, self.stop_strings = None, (), ("\n", "\n\n")
             self.max_solution_chars, self.default_max_new_tokens = answer_chars, answer_chars + 4
 
     @staticmethod
@@ -174,13 +186,17 @@ class ArithmeticTask(Task):
     def reward(self) -> Callable:
         """:func:`tokengym.rewards.arithmetic_correct` (1.0 iff the final answer is right); for the chat form
         :func:`tokengym.rewards.number_match` (the number the reply answers with), as for the few-shot form."""
-        return number_match if self.chat or self.few_shot else arithmetic_correct
+        if self.few_shot:
+            return few_shot_number_match
+        return number_match if self.chat else arithmetic_correct
 
     def extract_answer(self, completion: str | None) -> int | None:
         """The integer that :meth:`reward` reads as ``completion``'s answer (``None``: none it can read): the last
         ``A: <n>`` line (:func:`~tokengym.rewards.extract_final_answer`), or for the chat and few-shot forms the
         number the reply answers with (:func:`~tokengym.rewards.extract_number`). maj@k votes on these, so
         ``"A: 49"`` and ``"A = 49."`` are one answer."""
+        if self.few_shot:
+            return parse_int(extract_number(_first_line(completion)))
         read = extract_number if self.reward() is number_match else extract_final_answer
         return parse_int(read(completion))
 

@@ -25,6 +25,8 @@ TABLE = [  # (task, completion, the answer by hand, the reference the reward com
     ("chat", "no digits", None, 3),
     ("few_shot", "42\n", 42, 42),
     ("few_shot", "42", 42, 41),
+    ("few_shot", "42\n\n17+3=20", 42, 42),  # a base model goes on past "\n\n" (one Gemma token): the first line answers
+    ("few_shot", "\n42", None, 42),
     ("tool_call", '{"expression":"12+7"}', 19, 19),
     ("tool_call", '{"expression":"2*3+4"}', 10, 10),  # the call's value, not its text
     ("tool_call", '{"expression": "12+7"} extra', None, 19),

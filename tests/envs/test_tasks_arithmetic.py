@@ -154,10 +154,12 @@ def test_the_few_shot_form_for_base_models(operators):
         assert solve_expression_value(question[:-1]) == s["answer"]
     assert max(len(s["prompt"]) for s in samples) <= task.max_prompt_chars
     assert max(len(s["solution"]) for s in samples) <= task.max_solution_chars
-    assert task.stop_strings == ("\n",) and task.process_reward() is None
+    assert task.stop_strings == ("\n", "\n\n") and task.process_reward() is None
     reward = task.reward()([s["prompt"] for s in samples[:2]], [f"{samples[0]['answer']}\n", "7"],
                            answer=[s["answer"] for s in samples[:2]])
     assert reward == [1.0, float(samples[1]["answer"] == 7)]
+    went_on = task.reward()(["x"], [f"{samples[0]['answer']}\n\n3+4=7"], answer=[samples[0]["answer"]])
+    assert went_on == [1.0]  # the first line answers, not the made-up example after it
     assert ArithmeticTask().stop_strings == () and ArithmeticTask().process_reward() is not None  # default unchanged
 
 
