@@ -38,6 +38,8 @@ import dataclasses
 import datetime
 import os
 import random
+import signal
+import sys
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -49,7 +51,7 @@ import torch.distributed as dist
 from tokengym.envs.masks import TokenMasks
 
 __all__ = ["DataParallel", "LOCAL", "init", "shutdown", "prepare", "ShardedTask", "seed_rank",
-           "aggregation_weights"]
+           "aggregation_weights", "die_with_parent"]
 
 
 @dataclass(frozen=True)
@@ -260,15 +262,37 @@ def is_timeout(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and "timed out" in text and any(w in text for w in ("gloo", "nccl", "waiting"))
 
 
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when its parent dies (Linux ``PR_SET_PDEATHSIG``; elsewhere a no-op).
+
+    For processes whose parent is their only supervisor: a rollout worker (its learner) and a rank under ``torchrun``
+    (the agent starts each rank in a session of its own, so a SIGKILLed torchrun would leave its ranks training).
+    SIGKILL also ends a stopped process. If the parent died before the call, the process ends at once."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    parent = os.getppid()
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died in between: re-parented, no signal will come
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def init(device: str = "cpu", timeout: float | None = None) -> tuple[DataParallel, str]:
     """Join the ``torchrun`` process group when ``WORLD_SIZE`` is set; return ``(dp, device)``.
 
     The backend is nccl for a CUDA device and gloo otherwise; ``device="cuda"`` becomes
-    ``cuda:<LOCAL_RANK>``. Without ``WORLD_SIZE`` (a plain run) returns ``(LOCAL, device)``.
+    ``cuda:<LOCAL_RANK>``. Without ``WORLD_SIZE`` (a plain run) returns ``(LOCAL, device)``. A rank that
+    ``torchrun`` started (``TORCHELASTIC_RUN_ID`` set) dies with it (:func:`die_with_parent`).
     """
     global _OWNED
     if "WORLD_SIZE" not in os.environ:
         return DataParallel.current(), device
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        die_with_parent()
     if device == "cuda":
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
     if not dist.is_initialized():
