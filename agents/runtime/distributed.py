@@ -268,7 +268,7 @@ def die_with_parent() -> None:
 
     For processes whose parent is their only supervisor: a rollout worker (its learner) and a rank under ``torchrun``
     (the agent starts each rank in a session of its own, so a SIGKILLed torchrun would leave its ranks training).
-    SIGKILL also ends a stopped process. If the parent died before the call, the process ends at once."""
+    SIGKILL also ends a stopped process. A parent that dies while the signal is being set up ends it at once."""
     if not sys.platform.startswith("linux"):
         return
     import ctypes
