@@ -1,8 +1,11 @@
-"""Shared test set-up: deterministic hypothesis profiles and seeded torch/numpy."""
+"""Shared test set-up: deterministic hypothesis profiles, seeded torch/numpy, and no process left behind."""
 
+import importlib.util
 import json
 import os
+import pathlib
 import random
+import sys
 
 import numpy as np
 import pytest
@@ -29,6 +32,37 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 else:
     torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+_spec = importlib.util.spec_from_file_location("_processes", pathlib.Path(__file__).parent / "_processes.py")
+processes = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(processes)
+
+
+_LEFT_BY_WORKERS: list[str] = []  # (the xdist controller: what its workers reported)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fail the run if a test left a process behind (a rank, a worker, a server; a stopped one too): each process
+    that runs tests (every xdist worker, or the one process of ``-n 0``) lists its live descendants after a short
+    grace period and ends them; the run then prints them and exits 1. (An xdist worker's exit status is not the run's:
+    it hands its list to the controller, whose own children are the workers.)"""
+    if not sys.platform.startswith("linux"):
+        return
+    controller = not os.environ.get("PYTEST_XDIST_WORKER") and session.config.pluginmanager.has_plugin("dsession")
+    left = list(_LEFT_BY_WORKERS) if controller else processes.leftovers(os.getpid())
+    if hasattr(session.config, "workeroutput"):  # an xdist worker
+        session.config.workeroutput["left_processes"] = left
+        return
+    if left:
+        print(f"\ntests left {len(left)} process(es) behind (now killed):\n  " + "\n  ".join(left), file=sys.stderr)
+        session.exitstatus = 1
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """(xdist controller) Collect what a finished worker left behind."""
+    _LEFT_BY_WORKERS.extend(f"[{node.gateway.id}] {p}" for p in getattr(node, "workeroutput", {}).get("left_processes", []))
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -1,7 +1,6 @@
 """``python -m tokengym.agents.cli`` (what ``torchrun -m`` runs): the ``tokengym`` command."""
 
-import sys
-
 from tokengym.agents.cli.command import main
+from tokengym.agents.runtime.distributed import exit_process
 
-sys.exit(main())
+exit_process(main())  # (a torchrun rank skips the interpreter's teardown: see exit_process)

@@ -104,7 +104,7 @@ def resolve(algo: str, values_file: dict[str, Any], values_flags: dict[str, Any]
     if getattr(cfg, "eval_k", 0) and run.eval_prompts == 0:
         raise R.UsageError(f"eval_k={cfg.eval_k} samples the held-out prompts, and eval_prompts=0 turns held-out "
                            "evaluation off; give eval_prompts >= 1 or drop eval_k")
-    _check_sharding(run, algo, cfg)
+    _check_sharding(run, algo, cfg, saved, resume_dir)
     if saved:
         changed = [(k, saved[part][k], v) for part, obj in (("run", run), ("config", cfg))
                    for k, v in _jsonable(dataclasses.asdict(obj)).items()
@@ -146,15 +146,25 @@ def _check_run(run: RunConfig, algo: str) -> None:
     resolve_env_id(run)  # a bad env (module, class, id) is one line before anything loads
 
 
-def _check_sharding(run: RunConfig, algo: str, cfg: Any = None) -> None:
+def _check_sharding(run: RunConfig, algo: str, cfg: Any = None, saved: dict[str, Any] | None = None,
+                    resume_dir: str | None = None) -> None:
     """``--sharding``: a known value; fsdp2 only under torchrun with 2+ processes, on a torch with FSDP2, and not
-    with a setting it cannot serve (one line each, before anything is built or written)."""
+    with a setting it cannot serve (one line each, before anything is built or written). A resumed run's sharding
+    may come from its ``config.json``: then the line says how to resume it (checkpoints hold full state, so
+    ``--sharding none`` resumes it in one process)."""
     from tokengym.agents.runtime.sharding import SHARDINGS, unsupported_reason
 
     if run.sharding not in SHARDINGS:
         raise R.UsageError(f"invalid sharding={run.sharding!r}; choose one of {', '.join(SHARDINGS)}")
     if run.sharding == "none":
         return
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2 and saved and saved["run"].get("sharding") == run.sharding:
+        k = saved.get("processes")
+        over = f" over {k} processes" if isinstance(k, int) and k >= 2 else ""
+        raise R.UsageError(f"{resume_dir} was trained with --sharding {run.sharding}{over}: resume it under "
+                           f"`torchrun --nproc_per_node={k if over else 'K'} -m tokengym.agents.cli train {algo} --resume "
+                           f"{resume_dir}`{'' if over else ' (K >= 2)'}, or pass --sharding none to resume it in one "
+                           "process (its checkpoints hold the full, unsharded state)")
     if int(os.environ.get("WORLD_SIZE", "1")) < 2:
         raise R.UsageError(f"--sharding {run.sharding} shards the model over the processes of a torchrun launch, and this "
                            "is a single process: run `torchrun --nproc_per_node=K -m tokengym.agents.cli train ...` with "
@@ -207,6 +217,8 @@ def train(algo: str, values_file: dict[str, Any], values_flags: dict[str, Any], 
     """
     from tokengym.agents.runtime import distributed
 
+    if resume_dir is not None and _finished(algo, resume_dir):
+        return 0
     run, cfg, run_dir = resolve(algo, values_file, values_flags, resume_dir, preset)
     use_threads(run.threads)
     dp, device = distributed.init(run.device, run.dist_timeout)
@@ -223,6 +235,20 @@ def train(algo: str, values_file: dict[str, Any], values_flags: dict[str, Any], 
     return code
 
 
+def _finished(algo: str, resume_dir: str) -> bool:
+    """Whether the run to resume has finished (its ``model/`` is written); if so say so (rank 0) and how to train it
+    further. Checked before any setting (a finished run needs none: its saved ``--sharding fsdp2`` is no reason to
+    refuse it outside torchrun)."""
+    _saved_config(resume_dir, algo)  # an algo run (one line otherwise)
+    if not os.path.isdir(os.path.join(resume_dir, "model")):
+        return False
+    if os.environ.get("RANK", "0") == "0":
+        print(f"{resume_dir} already finished; nothing to resume (the trained model is in {resume_dir}/model). To train "
+              f"it further, start a new run from it: tokengym train {algo} --model {resume_dir}/model --steps N "
+              "--name NEW and the run's other settings (a fresh optimiser and schedule)")
+    return True
+
+
 def _train(algo: str, run: RunConfig, cfg: Any, run_dir: str, resume: bool, dp: Any, device: str,
            preset: str | None = None, verbose: bool = False) -> int:
     from tokengym.agents.runtime import distributed
@@ -234,9 +260,6 @@ def _train(algo: str, run: RunConfig, cfg: Any, run_dir: str, resume: bool, dp: 
                            f"(torchrun with several processes supports {', '.join(parallel)})")
     run_dir = dp.broadcast_object(run_dir)  # rank 0's (timestamped) name
     say = print if dp.is_main else (lambda *a, **k: None)
-    if resume and os.path.isdir(os.path.join(run_dir, "model")):
-        say(f"{run_dir} already finished; nothing to resume (the trained model is in {run_dir}/model)")
-        return 0
     if dp.distributed:
         distributed.seed_rank(getattr(cfg, "seed", 0), dp)
         run = dataclasses.replace(run, device=device)
@@ -253,7 +276,7 @@ def _train(algo: str, run: RunConfig, cfg: Any, run_dir: str, resume: bool, dp: 
             else:  # creates and locks the folder (another run may have taken the name meanwhile), writes config.json
                 held.callback(create_run_folder(run_dir, {
                     "algorithm": algo, "preset": preset, "run": _jsonable(dataclasses.asdict(run)),
-                    "config": _jsonable(dataclasses.asdict(cfg))}).release)
+                    "config": _jsonable(dataclasses.asdict(cfg)), "processes": dp.world_size}).release)
         if dp.distributed:
             say(f"data parallel: {dp.world_size} processes, {run.device} (rank 0 writes the run)", flush=True)
         dp.barrier()

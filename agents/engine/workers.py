@@ -45,19 +45,11 @@ from tokengym.agents.engine.messages import encode_rollout
 from tokengym.agents.engine.remote import model_name
 from tokengym.agents.engine.worker_pool import WorkerError, WorkerPool, full_named
 from tokengym.agents.engine.worker_loop import WorkerLoop, weight_manifest
+from tokengym.agents.runtime.distributed import die_with_parent
 from tokengym.agents.runtime.weight_sync import DEFAULT_BUCKET, STOP, WeightSync, send
 
 __all__ = ["ASYNC_MODES", "RolloutWorkers", "WorkerError", "check_crosses", "check_workers"]
 
-
-
-def _die_with_parent() -> None:
-    """Ask the kernel to SIGKILL this process when its parent dies (Linux), so no worker outlives a killed learner."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 class RolloutWorkers(WorkerPool):
@@ -306,7 +298,7 @@ def _unpack(data: bytes) -> Any:
 
 def _worker_main(spec_in: Any, results: Any) -> None:
     """A local rollout worker's process: :class:`WorkerLoop` with the learner's queue as its outbox."""
-    _die_with_parent()
+    die_with_parent()  # no worker outlives a killed learner
     spec = _unpack(spec_in.recv_bytes())
     spec_in.close()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the learner stops us

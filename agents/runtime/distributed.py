@@ -38,6 +38,8 @@ import dataclasses
 import datetime
 import os
 import random
+import signal
+import sys
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -49,7 +51,7 @@ import torch.distributed as dist
 from tokengym.envs.masks import TokenMasks
 
 __all__ = ["DataParallel", "LOCAL", "init", "shutdown", "prepare", "ShardedTask", "seed_rank",
-           "aggregation_weights"]
+           "aggregation_weights", "die_with_parent", "exit_process"]
 
 
 @dataclass(frozen=True)
@@ -248,6 +250,7 @@ def aggregation_weights(mask: torch.Tensor, aggregation: str) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------- process group
 _OWNED = False  # whether init() created the process group (then shutdown() destroys it)
+_LAUNCHED = False  # whether this process joined a torchrun launch in init() (then exit_process() ends it hard)
 
 
 class RankTimeout(RuntimeError):
@@ -260,15 +263,38 @@ def is_timeout(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and "timed out" in text and any(w in text for w in ("gloo", "nccl", "waiting"))
 
 
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when its parent dies (Linux ``PR_SET_PDEATHSIG``; elsewhere a no-op).
+
+    For processes whose parent is their only supervisor: a rollout worker (its learner) and a rank under ``torchrun``
+    (the agent starts each rank in a session of its own, so a SIGKILLed torchrun would leave its ranks training).
+    SIGKILL also ends a stopped process. A parent that dies while the signal is being set up ends it at once."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    parent = os.getppid()
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died in between: re-parented, no signal will come
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def init(device: str = "cpu", timeout: float | None = None) -> tuple[DataParallel, str]:
     """Join the ``torchrun`` process group when ``WORLD_SIZE`` is set; return ``(dp, device)``.
 
     The backend is nccl for a CUDA device and gloo otherwise; ``device="cuda"`` becomes
-    ``cuda:<LOCAL_RANK>``. Without ``WORLD_SIZE`` (a plain run) returns ``(LOCAL, device)``.
+    ``cuda:<LOCAL_RANK>``. Without ``WORLD_SIZE`` (a plain run) returns ``(LOCAL, device)``. A rank that
+    ``torchrun`` started (``TORCHELASTIC_RUN_ID`` set) dies with it (:func:`die_with_parent`).
     """
-    global _OWNED
+    global _OWNED, _LAUNCHED
     if "WORLD_SIZE" not in os.environ:
         return DataParallel.current(), device
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        die_with_parent()
+        _LAUNCHED = True
     if device == "cuda":
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
     if not dist.is_initialized():
@@ -290,6 +316,31 @@ def shutdown(done: bool = False) -> None:
             dist.barrier()
         dist.destroy_process_group()
     _OWNED = False
+
+
+def exit_process(code: int) -> None:
+    """End the ``python -m tokengym.agents.cli`` process with ``code``: ``sys.exit`` in a plain run or on an error; in
+    a rank that joined a ``torchrun`` launch and finished (code 0), the Python exit handlers (trackers, child
+    processes), then ``os._exit`` with flushed stdout and stderr.
+
+    Why: what a rank leaves to interpreter teardown are the C++ objects of its process group and FSDP2 mesh, whose
+    destructors run at exit in no set order; one that still owns a joinable ``std::thread`` (gloo's) calls
+    ``std::terminate``: "terminate called without an active exception", SIGABRT, and torchrun reports a finished run
+    as failed. Everything a run writes is durable before this point (checkpoints and the model are fsynced, the
+    logger is closed), so nothing is lost by skipping that teardown."""
+    if not _LAUNCHED or code != 0:  # (an error may leave files to the teardown; its exit is a failure anyway)
+        sys.exit(code)
+    import atexit
+
+    try:
+        atexit._run_exitfuncs()  # (what a normal exit runs first; _exit skips it)
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError, AttributeError):
+                pass
+        os._exit(code)
 
 
 _ENGINE_GROUP: list[Any] = []  # the default process group an in-process inference engine made for itself

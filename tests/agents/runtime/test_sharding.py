@@ -6,6 +6,7 @@ an unsharded run in this process, in lockstep with it (``_numerics.Lockstep``). 
 a checkpoint and resumed ends exactly where the uninterrupted one did.
 """
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -26,6 +27,9 @@ NUMERICS = pathlib.Path(__file__).parents[1] / "_numerics.py"
 _spec = importlib.util.spec_from_file_location("_numerics", NUMERICS)
 numerics = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(numerics)
+_spec = importlib.util.spec_from_file_location("_processes", pathlib.Path(__file__).parents[2] / "_processes.py")
+processes = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(processes)
 
 pytestmark = pytest.mark.skipif(S.unsupported_reason() is not None, reason="this torch has no FSDP2")
 
@@ -277,8 +281,12 @@ def test_a_stopped_rank_stops_the_run_after_dist_timeout_in_one_line(tmp_path):
                 break
             time.sleep(0.5)
         text = log.read_text()
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the stopped rank too
+    finally:  # torchrun and its ranks (each in a session of its own): the stopped one continued, then killed
+        ranks = processes.descendants(proc.pid)
+        for pid in [proc.pid, *ranks]:
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                with contextlib.suppress(OSError):
+                    os.kill(pid, sig)
         proc.wait()
     assert want in text, text[-3000:]
     assert "Traceback" not in text.split(want)[0][-2000:]  # rank 0's own error is the one line
