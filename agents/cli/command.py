@@ -5,7 +5,7 @@
     tokengym sample [--run R | --env ID] [--model M] [...]  completions with their rewards and step scores
     tokengym plot runs/NAME                                 PNG learning curves from the run's metrics
     tokengym envs [--import MODULE]                         list the registered environment ids
-    tokengym convert FILE.gguf|smollm2-135m-instruct [--out DIR]   a GGUF model as a save_pretrained folder
+    tokengym convert FILE.gguf|smollm2-135m-instruct|gemma3-270m [--out DIR]   a GGUF model as a save_pretrained folder
     tokengym serve --model M [--listen HOST:PORT] [--secret-file F]   the OpenAI HTTP API on a model
 
 ``--env`` takes a registered id, ``module:Class`` (a Task class of your own) or ``module:EnvId-v0``; ``--import
@@ -462,8 +462,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("run", help="the run folder")
     p.add_argument("--out", help="output folder (default: RUN/plots)")
     p.set_defaults(fn=_cmd_plot)
-    p = sub.add_parser("convert", help="convert a GGUF model (a .gguf file, or smollm2-135m-instruct) to a save_pretrained folder")
-    p.add_argument("source", help="a .gguf file, or the name of a GGUF shipped in a Python wheel (smollm2-135m-instruct)")
+    p = sub.add_parser("convert", help="convert a GGUF model (a .gguf file, smollm2-135m-instruct or gemma3-270m) to a save_pretrained folder")
+    p.add_argument("source", help="a .gguf file, or the name of a GGUF shipped in Python wheels (smollm2-135m-instruct, gemma3-270m)")
     p.add_argument("--out", help="the folder to write (default: the cache, $TOKENGYM_CACHE or ~/.cache/tokengym, "
                    "which --model NAME.gguf also uses)")
     p.set_defaults(fn=_cmd_convert)
