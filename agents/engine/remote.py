@@ -105,17 +105,20 @@ def worker_env_spec(env: Any, num_envs: int) -> dict[str, Any]:
         why = str(caught[0].message).split(";")[0].removeprefix("config.json ")
         raise ValueError(f"remote rollout workers build the env from its id and JSON arguments, and they {why}: make "
                          "the env from an id with JSON arguments, or use local workers (rollout_workers=N)")
-    return {"env": record["env"], "env_kwargs": record["env_kwargs"] or {}, "num_envs": int(num_envs),
+    from tokengym.envs.tasks.registry import env_source, imported_modules
+
+    return {"env": env_source(record["env"]), "imports": imported_modules(),
+            "env_kwargs": record["env_kwargs"] or {}, "num_envs": int(num_envs),
             "group_size": int(env.group_size), "device": str(env.device)}
 
 
 def build_env(spec: dict[str, Any], tokenizer: Any) -> Any:
-    """The env of a :func:`worker_env_spec`."""
+    """The env of a :func:`worker_env_spec` (its modules imported first: a task of the user's own)."""
     import gymnasium as gym
 
     from tokengym.envs import resolve_env
 
-    env_id = resolve_env(spec["env"], ())
+    env_id = resolve_env(spec["env"], spec.get("imports") or ())
     return gym.make_vec(env_id, num_envs=spec["num_envs"], vectorization_mode="vector_entry_point",
                         group_size=spec["group_size"], device=spec["device"], tokenizer=tokenizer, **spec["env_kwargs"])
 
@@ -212,8 +215,20 @@ class WorkerServer:
 
     # ------------------------------------------------------------------ messages
     def hello(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The worker's protocol and whether it is busy; given a learner's ``env`` (a :func:`worker_env_spec`), also
+        ``env_error``: why this worker cannot make it (a module of the user's it cannot import), or None."""
         busy = self.session is not None and not self.session.done.is_set()
-        return {"protocol": PROTOCOL, "busy": busy, "session": self.session.id if busy else None}
+        reply = {"protocol": PROTOCOL, "busy": busy, "session": self.session.id if busy else None}
+        env = body.get("env")
+        if isinstance(env, dict) and isinstance(env.get("env"), str):
+            from tokengym.envs import resolve_env
+
+            try:
+                resolve_env(env["env"], [m for m in env.get("imports") or () if isinstance(m, str)])
+                reply["env_error"] = None
+            except ValueError as e:
+                reply["env_error"] = str(e).splitlines()[0][:400]
+        return reply
 
     def join(self, body: dict[str, Any]) -> dict[str, Any]:
         need = {"protocol": int, "session": str, "env": dict, "model": (str, type(None)), "temperature": (int, float),
@@ -363,12 +378,12 @@ def call(address: str, path: str, body: dict[str, Any], secret: bytes, timeout: 
         conn.close()
 
 
-def check_workers_reachable(addresses: list[str], secret: bytes) -> None:
-    """``ValueError`` (one line) for a worker that does not answer, refuses the secret or speaks another protocol,
-    before anything of a run is made."""
+def check_workers_reachable(addresses: list[str], secret: bytes, env: dict[str, Any] | None = None) -> None:
+    """``ValueError`` (one line) for a worker that does not answer, refuses the secret, speaks another protocol or
+    (given ``env``, a :func:`worker_env_spec`) cannot make the env, before anything of a run is made."""
     for address in addresses:
         try:
-            status, reply = call(address, "/v1/hello", {}, secret, 10.0)
+            status, reply = call(address, "/v1/hello", {} if env is None else {"env": env}, secret, 10.0)
         except OSError as e:
             raise ValueError(f"rollout worker {address} cannot be reached ({type(e).__name__}: {e}); is `tokengym "
                              "worker` running there, and is the port open?") from None
@@ -378,6 +393,9 @@ def check_workers_reachable(addresses: list[str], secret: bytes) -> None:
         if theirs != PROTOCOL:
             raise ValueError(f"rollout worker {address} speaks protocol {theirs}, this learner {PROTOCOL}: install the "
                              "same tokengym on both")
+        why = json.loads(reply).get("env_error")
+        if why:
+            raise ValueError(f"rollout worker {address} cannot make this run's env on its machine: {why}")
 
 
 def _error_text(reply: bytes) -> str:

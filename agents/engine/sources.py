@@ -150,8 +150,8 @@ def check_source(cfg: EngineConfig, env: Any, policy: Any, dp: Any) -> None:
     if cfg.remote_workers:
         from tokengym.agents.engine.remote import check_workers_reachable, read_secret, worker_env_spec
 
-        worker_env_spec(env, env.num_envs * dp.world_size)
-        check_workers_reachable(cfg.worker_addresses, read_secret(cfg.worker_secret_file or None))
+        spec = worker_env_spec(env, env.num_envs * dp.world_size)
+        check_workers_reachable(cfg.worker_addresses, read_secret(cfg.worker_secret_file or None), spec)
         return
     from tokengym.agents.engine.workers import check_crosses, check_workers
 
