@@ -32,6 +32,8 @@ def _files(root):
                           "rejected": [{"role": "assistant", "content": "4"}]}])
     jsonl("no_prompt.jsonl", [{"question": "1+2", "answer": "3"}])
     jsonl("long_prompt.jsonl", [{"prompt": "x" * 2000, "answer": "1"}])
+    jsonl("long_pairs.jsonl", [{"prompt": "1+2" * 1000 + f"{i}\n", "chosen": f"A: {i}", "rejected": f"A: {i + 1}"}
+                               for i in range(4)])  # rows of 3,008 tokens, on a model of 512 positions
     jsonl("bad_labels.jsonl", [{"prompt": "1+2\n", "steps": ["1+2=3"], "labels": [2.0]}])
     with open(os.path.join(root, "not_json.json"), "w") as f:
         f.write('{"lr": 1e-4,')
@@ -90,6 +92,14 @@ CASES = {  # id -> (argv, a piece of the one-line message); {root} is a folder o
     "chat pairs, plain model": (["train", "dpo", *B, "--pairs", "{root}/chat.jsonl"], "chat messages"),
     "chat pairs, no template": (["train", "dpo", *B, "--pairs", "{root}/chat.jsonl", "--chat-template", "true"],
                                 "has no chat template"),
+    "dpo pairs past the positions": (["train", "dpo", *B, "--pairs", "{root}/long_pairs.jsonl"],
+                                     "is 3008 tokens long, over the model's 512 positions (max_position_embeddings): set "
+                                     "max_length (--max-length)"),
+    "rm pairs past the positions": (["train", "rm", *F, "--pairs", "{root}/long_pairs.jsonl"],
+                                    "the longest row (pair 0: prompt + chosen + EOS) is 3008 tokens long, over the "
+                                    "model's 512 positions (max_position_embeddings): set max_length (--max-length)"),
+    "rm pairs past the positions, max_length too": (["train", "rm", *F, "--pairs", "{root}/long_pairs.jsonl",
+                                                     "--max-length", "600"], "is 600 tokens long"),
     "rm pairs missing a column": (["train", "rm", *F, "--pairs", "{root}/missing_column.jsonl"], "no 'rejected' column"),
     "rm chat pairs": (["train", "rm", *F, "--pairs", "{root}/chat.jsonl"], "chat messages"),
     "step labels missing": (["train", "prm", *F, "--step-labels", "{root}/nope.jsonl"], "does not exist"),
