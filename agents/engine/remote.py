@@ -48,7 +48,7 @@ from tokengym.agents.engine.worker_loop import WorkerLoop, weight_manifest
 from tokengym.agents.runtime.weight_sync import DEFAULT_BUCKET, STOP, WeightSync, WeightSyncError, send
 
 __all__ = ["WorkerServer", "RemoteWorkers", "parse_address", "read_secret", "worker_env_spec", "build_env", "PROTOCOL",
-           "check_workers_reachable"]
+           "check_workers_reachable", "check_sync_dir"]
 
 PROTOCOL = 1
 MAX_BODY = 16 << 20  # a control message's limit (a join's manifest and stream are far smaller)
@@ -80,6 +80,27 @@ def read_secret(path: str | None, missing: str = "rollout workers need a shared 
     if not secret:
         raise ValueError(f"{missing} or TOKENGYM_SECRET")
     return secret.encode()
+
+
+def check_sync_dir(path: str) -> None:
+    """``ValueError`` (one line) unless ``path`` (``sync_dir``) is an existing folder on a disk that this learner can
+    write a file in (each weight version goes there for the workers to read)."""
+    import tempfile
+
+    real = os.path.realpath(path)
+    if not os.path.exists(path):
+        raise ValueError(f"--sync-dir {path} does not exist: create the shared folder (every worker reads it at the same "
+                         "path)")
+    if not os.path.isdir(path):
+        raise ValueError(f"--sync-dir {path} is a file, not a folder")
+    if any(real == v or real.startswith(v + os.sep) for v in ("/proc", "/sys", "/dev")):
+        raise ValueError(f"--sync-dir {path} is on a virtual filesystem ({real}); pick a folder on a shared disk")
+    try:
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".tokengym-probe-"):
+            pass
+    except OSError as e:
+        raise ValueError(f"--sync-dir {path} is not writable ({e.strerror or e}); pick a folder this learner can write "
+                         "and every worker can read") from None
 
 
 def _route_to(host: str) -> str:

@@ -51,6 +51,8 @@ def _files(root):
 
 NAMED = ["train", "grpo", *B, "--runs-dir", "{root}/../runs"]  # the run name comes next
 
+REMOTE = ["train", "grpo", *B, "--async-mode", "one-step", "--rollout-workers", "127.0.0.1:9"]
+
 CASES = {  # id -> (argv, a piece of the one-line message); {root} is a folder of input files beside the runs folder
     # bad values the configs themselves refuse
     "grpo group of 1": (["train", "grpo", *B, "--group-size", "1"], "group_size=1"),
@@ -124,6 +126,10 @@ CASES = {  # id -> (argv, a piece of the one-line message); {root} is a folder o
                                          '{"length": 3000}'], "max_position_embeddings"),
     "eval prompt over the positions": (["eval", "--model", "tiny-arithmetic", "--env", "tokengym/Reverse-v0",
                                         "--env-kwargs", '{"length": 3000}', "--prompts", "2"], "max_position_embeddings"),
+    # the learner's remote-worker flags (checked before any worker is called: the address answers nothing)
+    "sync dir in /proc": ([*REMOTE, "--sync-dir", "/proc"], "--sync-dir /proc is on a virtual filesystem"),
+    "sync dir is a file": ([*REMOTE, "--sync-dir", "{root}/a_file"], "a_file is a file, not a folder"),
+    "sync dir missing": ([*REMOTE, "--sync-dir", "{root}/nope"], "nope does not exist"),
     "convert a folder": (["convert", "{root}/a_folder"], "is a folder, not a GGUF file"),
 }
 
