@@ -48,7 +48,7 @@ from tokengym.agents.engine.worker_loop import WorkerLoop, weight_manifest
 from tokengym.agents.runtime.weight_sync import DEFAULT_BUCKET, STOP, WeightSync, WeightSyncError, send
 
 __all__ = ["WorkerServer", "RemoteWorkers", "parse_address", "read_secret", "worker_env_spec", "build_env", "PROTOCOL",
-           "check_workers_reachable", "check_sync_dir"]
+           "check_workers_reachable", "check_sync_dir", "check_sync_host"]
 
 PROTOCOL = 1
 MAX_BODY = 16 << 20  # a control message's limit (a join's manifest and stream are far smaller)
@@ -101,6 +101,23 @@ def check_sync_dir(path: str) -> None:
     except OSError as e:
         raise ValueError(f"--sync-dir {path} is not writable ({e.strerror or e}); pick a folder this learner can write "
                          "and every worker can read") from None
+
+
+def check_sync_host(host: str) -> None:
+    """``ValueError`` (one line) unless ``host`` (``sync_host``) resolves to an address of this machine: the learner's
+    weight store listens there."""
+    try:
+        infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        raise ValueError(f"--sync-host {host} is not a host name or address this machine can resolve ({e}); give the "
+                         "address the workers reach this learner at, or leave it out") from None
+    family, _, _, _, address = infos[0]
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind(address)
+    except OSError as e:
+        raise ValueError(f"--sync-host {host} ({address[0]}) is not an address of this machine ({e.strerror or e}); the "
+                         "learner's weight store listens there: give one of its own addresses, or leave it out") from None
 
 
 def _route_to(host: str) -> str:

@@ -148,10 +148,13 @@ def check_source(cfg: EngineConfig, env: Any, policy: Any, dp: Any) -> None:
     if cfg.async_mode == "off" or not dp.is_main:
         return
     if cfg.remote_workers:
-        from tokengym.agents.engine.remote import check_sync_dir, check_workers_reachable, read_secret, worker_env_spec
+        from tokengym.agents.engine.remote import (check_sync_dir, check_sync_host, check_workers_reachable,
+                                                   read_secret, worker_env_spec)
 
         if cfg.sync_dir:
             check_sync_dir(cfg.sync_dir)
+        if cfg.sync_host:
+            check_sync_host(cfg.sync_host)
         spec = worker_env_spec(env, env.num_envs * dp.world_size)
         check_workers_reachable(cfg.worker_addresses, read_secret(cfg.worker_secret_file or None), spec)
         return

@@ -130,6 +130,11 @@ CASES = {  # id -> (argv, a piece of the one-line message); {root} is a folder o
     "sync dir in /proc": ([*REMOTE, "--sync-dir", "/proc"], "--sync-dir /proc is on a virtual filesystem"),
     "sync dir is a file": ([*REMOTE, "--sync-dir", "{root}/a_file"], "a_file is a file, not a folder"),
     "sync dir missing": ([*REMOTE, "--sync-dir", "{root}/nope"], "nope does not exist"),
+    "sync host out of range": ([*REMOTE, "--sync-host", "999.1.1.1"], "--sync-host 999.1.1.1 is not a host name or "
+                               "address this machine can resolve"),
+    "sync host unknown": ([*REMOTE, "--sync-host", "no.such.host.invalid"], "--sync-host no.such.host.invalid is not"),
+    "sync host of another machine": ([*REMOTE, "--sync-host", "192.0.2.1"], "(192.0.2.1) is not an address of this "
+                                     "machine"),
     "convert a folder": (["convert", "{root}/a_folder"], "is a folder, not a GGUF file"),
 }
 
