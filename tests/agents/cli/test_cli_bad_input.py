@@ -135,6 +135,8 @@ CASES = {  # id -> (argv, a piece of the one-line message); {root} is a folder o
     "sync host unknown": ([*REMOTE, "--sync-host", "no.such.host.invalid"], "--sync-host no.such.host.invalid is not"),
     "sync host of another machine": ([*REMOTE, "--sync-host", "192.0.2.1"], "(192.0.2.1) is not an address of this "
                                      "machine"),
+    "the same worker twice": (["train", "grpo", *B, "--async-mode", "one-step", "--rollout-workers",
+                               "127.0.0.1:9,127.0.0.1:8,127.0.0.1:9"], "remote_workers names 127.0.0.1:9 twice"),
     "convert a folder": (["convert", "{root}/a_folder"], "is a folder, not a GGUF file"),
 }
 
