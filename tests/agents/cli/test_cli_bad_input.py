@@ -137,6 +137,11 @@ CASES = {  # id -> (argv, a piece of the one-line message); {root} is a folder o
                                      "machine"),
     "the same worker twice": (["train", "grpo", *B, "--async-mode", "one-step", "--rollout-workers",
                                "127.0.0.1:9,127.0.0.1:8,127.0.0.1:9"], "remote_workers names 127.0.0.1:9 twice"),
+    "workers without an async mode": (["train", "grpo", *B, "--rollout-workers", "2"], "rollout_workers=2 "
+                                      "(--rollout-workers) samples in worker processes while the learner updates, which "
+                                      "needs an async mode: add --async-mode one-step"),
+    "remote workers without an async mode": (["train", "grpo", *B, "--rollout-workers", "127.0.0.1:9"],
+                                             "remote_workers='127.0.0.1:9' (--rollout-workers) samples"),
     "convert a folder": (["convert", "{root}/a_folder"], "is a folder, not a GGUF file"),
 }
 
