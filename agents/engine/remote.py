@@ -4,7 +4,8 @@ A worker (:class:`WorkerServer`) listens for one learner at a time on HTTP (loop
 carries the shared secret (``Authorization: Bearer ...``); control messages are JSON, rollouts come back as typed
 messages (:mod:`~tokengym.agents.engine.messages`). Paths:
 
-* ``POST /v1/hello``: the worker's protocol, device and whether it serves a learner now.
+* ``POST /v1/hello``: the worker's protocol, device and whether it serves a learner now; given the learner's env
+  (its ``module:Class`` or id and the modules to import), whether this worker can make it.
 * ``POST /v1/join``: serve a learner. The message says how to build the env (its id and JSON arguments) and the model
   (a preset or a folder on the worker's machine; ``tokengym worker --model`` overrides it), the worker's place in the
   version schedule, its stream, the weight manifest (checked against the model: names, shapes, dtypes) and where
@@ -425,15 +426,28 @@ def check_workers_reachable(addresses: list[str], secret: bytes, env: dict[str, 
         except OSError as e:
             raise ValueError(f"rollout worker {address} cannot be reached ({type(e).__name__}: {e}); is `tokengym "
                              "worker` running there, and is the port open?") from None
+        hello = _json_object(reply)
+        if hello is None or ("error" if status != 200 else "protocol") not in hello:  # another server on that port
+            raise ValueError(f"{address} answered but is not a tokengym worker (HTTP {status}); is the address right, "
+                             "and is `tokengym worker` running there?")
         if status != 200:
             raise ValueError(f"rollout worker {address} refused this learner: {_error_text(reply)}")
-        theirs = json.loads(reply).get("protocol")
+        theirs = hello.get("protocol")
         if theirs != PROTOCOL:
             raise ValueError(f"rollout worker {address} speaks protocol {theirs}, this learner {PROTOCOL}: install the "
                              "same tokengym on both")
-        why = json.loads(reply).get("env_error")
+        why = hello.get("env_error")
         if why:
             raise ValueError(f"rollout worker {address} cannot make this run's env on its machine: {why}")
+
+
+def _json_object(reply: bytes) -> dict[str, Any] | None:
+    """A reply's JSON object, or None (not JSON, or not an object)."""
+    try:
+        value = json.loads(reply)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def _error_text(reply: bytes) -> str:

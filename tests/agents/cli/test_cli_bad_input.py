@@ -163,6 +163,32 @@ def test_bad_input_is_one_line_exit_2_and_leaves_no_folder(tmp_path, capsys, cas
     assert not runs.exists() or os.listdir(runs) == [], os.listdir(runs)
 
 
+def test_an_address_where_another_http_server_answers_is_not_a_worker(tmp_path, capsys, monkeypatch):
+    """A plain HTTP server at a --rollout-workers address: one line saying it is not a tokengym worker (not the first
+    line of its HTML page), exit 2, no run folder."""
+    import http.server
+    import threading
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):  # (its request log would be on this process's stderr)
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("TOKENGYM_SECRET", "x")
+    address = f"127.0.0.1:{server.server_address[1]}"
+    try:
+        code = main(["train", "grpo", *B, "--async-mode", "one-step", "--rollout-workers", address,
+                     "--runs-dir", str(tmp_path / "runs"), "--name", "x"])
+    finally:
+        server.shutdown()
+        server.server_close()
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err == (f"tokengym: error: {address} answered but is not a tokengym worker (HTTP 501); is the "
+                                 "address right, and is `tokengym worker` running there?"), err
+    assert not (tmp_path / "runs").exists()
+
+
 def test_the_fixed_command_reuses_the_name(tmp_path, capsys):
     """A typo leaves nothing behind, so the corrected command runs under the same name."""
     args = ["train", "grpo", *B, "--group-size", "2", "--prompts", "1", "--runs-dir", str(tmp_path), "--name", "r"]
