@@ -46,6 +46,9 @@ def _files(root):
     with open(os.path.join(root, "a_file"), "w") as f:
         f.write("not a folder\n")
     os.makedirs(os.path.join(root, "a_folder"), exist_ok=True)
+    os.makedirs(os.path.join(root, "training_run", "checkpoints"))  # a run still training: no model/ yet
+    with open(os.path.join(root, "training_run", "config.json"), "w") as f:
+        json.dump({"algorithm": "sft", "preset": None, "run": {}, "config": {}}, f)
     os.symlink(os.path.dirname(root), os.path.join(root, "a_link"))  # points out of the runs folder {root}
 
 
@@ -142,6 +145,8 @@ CASES = {  # id -> (argv, a piece of the one-line message); {root} is a folder o
                                       "needs an async mode: add --async-mode one-step"),
     "remote workers without an async mode": (["train", "grpo", *B, "--rollout-workers", "127.0.0.1:9"],
                                              "remote_workers='127.0.0.1:9' (--rollout-workers) samples"),
+    "teacher still training": (["train", "distill", *B, "--teacher", "{root}/training_run"],
+                               "training_run is a run with no model/ yet (still training?): wait for it to finish"),
     "convert a folder": (["convert", "{root}/a_folder"], "is a folder, not a GGUF file"),
 }
 
