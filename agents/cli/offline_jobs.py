@@ -87,7 +87,10 @@ def build_sft(run: RunConfig, cfg: Any) -> Job:
     task = make_env(run, 1, tokenizer=policy.tokenizer).task
     if not task.batch(np.random.default_rng(0), 1)[0].get("solution"):
         raise R.UsageError(f"sft needs reference solutions, and {run.env}'s samples have no 'solution' field")
-    learner = SFTLearner(policy, task, dataclasses.replace(cfg, run_dir=None))  # the Trainer gives it the run's logger
+    try:  # (a task whose rows are past the model's positions: one line)
+        learner = SFTLearner(policy, task, dataclasses.replace(cfg, run_dir=None))  # the Trainer gives it the run's logger
+    except ValueError as e:
+        raise R.UsageError(first_line(e)) from None
 
     def job(run_dir: str, resume: bool) -> dict[str, Any]:
         learner.fit_in_folder(Trainer(run, run_dir, resume, cfg.steps, learner), log=lambda step, metrics: None)

@@ -147,6 +147,9 @@ CASES = {  # id -> (argv, a piece of the one-line message); {root} is a folder o
                                              "remote_workers='127.0.0.1:9' (--rollout-workers) samples"),
     "teacher still training": (["train", "distill", *B, "--teacher", "{root}/training_run"],
                                "training_run is a run with no model/ yet (still training?): wait for it to finish"),
+    "sft rows over the positions, packed": (["train", "sft", *B, "--env", "tokengym/Reverse-v0", "--env-kwargs",
+                                             '{"length": 600}', "--packing", "bins"],
+                                            "need 1207 positions, but the model has 512 (max_position_embeddings)"),
     "convert a folder": (["convert", "{root}/a_folder"], "is a folder, not a GGUF file"),
 }
 
