@@ -44,7 +44,7 @@ from tokengym.agents.runtime.distributed import LOCAL
 from tokengym.agents.runtime.logger import RunLogger
 from tokengym.agents.runtime.optim import (LR_SCHEDULES, OptimizerStep, ScheduledOptimConfig, TrainLoopConfig,
                                           lr_factor as schedule_factor)
-from tokengym.rewards.packing import PACKING, set_packing
+from tokengym.rewards.packing import PACKING, packed_share, set_packing
 from tokengym.agents.engine.rollout import evaluate, heldout_samples
 from tokengym.envs.chat import encode_prompts
 from tokengym.envs.tasks.base import fresh_samples
@@ -412,6 +412,9 @@ class SFTLearner:
             if cfg.log_every and step % cfg.log_every == 0:
                 window = hist["loss"][-cfg.log_every :]
                 metrics = {"train/loss": sum(window) / len(window), "train/lr": lr, "train/grad_norm": float(gnorm)}
+                packed = packed_share(self.policy.model)  # the forwards since the last record
+                if cfg.packing == "auto" and packed is not None:
+                    metrics["train/packed"] = packed
                 self.logger.log(step, metrics)
                 log(step, metrics)
                 record.update(metrics)

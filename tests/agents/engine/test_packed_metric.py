@@ -7,6 +7,8 @@ import torch
 
 import tokengym.envs  # noqa: F401
 from tokengym.agents import GRPOAgent, GRPOConfig, Policy
+from tokengym.agents.algorithms.sft import SFTConfig, SFTLearner
+from tokengym.envs.tasks import ArithmeticTask
 from tokengym.rewards import packing
 from tokengym.rewards.packing import packed_share, plan
 
@@ -40,3 +42,13 @@ def test_grpo_logs_whether_auto_packed_its_update(monkeypatch, mode, fill, logge
                                                                            skip_zero_advantage=False))
     (record,) = agent.learn(env)
     assert record.get("train/packed") == logged, record
+
+
+@pytest.mark.parametrize("fill, logged", [(1.0, 1.0), (0.0, 0.0)])
+def test_sft_logs_whether_auto_packed_its_steps(monkeypatch, fill, logged):
+    monkeypatch.setattr(packing, "AUTO_FILL", fill)
+    cfg = SFTConfig(steps=1, batch_size=8, eval_prompts=0, packing="auto", seed=0, log_every=1)
+    learner = SFTLearner(Policy.from_pretrained("tiny"), ArithmeticTask(digits=(1, 3)), cfg)
+    records = []
+    learner.fit(callback=records.append)
+    assert [r.get("train/packed") for r in records if "train/loss" in r] == [logged]
