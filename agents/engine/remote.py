@@ -144,9 +144,9 @@ def worker_env_spec(env: Any, num_envs: int) -> dict[str, Any]:
         why = str(caught[0].message).split(";")[0].removeprefix("config.json ")
         raise ValueError(f"remote rollout workers build the env from its id and JSON arguments, and they {why}: make "
                          "the env from an id with JSON arguments, or use local workers (rollout_workers=N)")
-    from tokengym.envs.tasks.registry import env_source, imported_modules
+    from tokengym.envs.tasks.registry import env_imports, env_source
 
-    return {"env": env_source(record["env"]), "imports": imported_modules(),
+    return {"env": env_source(record["env"]), "imports": env_imports(record["env"]),
             "env_kwargs": record["env_kwargs"] or {}, "num_envs": int(num_envs),
             "group_size": int(env.group_size), "device": str(env.device)}
 

@@ -47,7 +47,7 @@ import gymnasium as gym
 from .base import Task
 
 __all__ = ["TaskSpec", "TASK_SPECS", "TASKS", "register_task", "unregister_task", "register_envs", "TableView",
-           "resolve_env", "import_modules", "imported_modules", "env_source", "load_entry_points", "ENTRY_POINT_GROUP"]
+           "resolve_env", "import_modules", "env_imports", "env_source", "load_entry_points", "ENTRY_POINT_GROUP"]
 
 KINDS = ("procedural", "data", "toy")
 """``procedural``: prompts drawn from the seed alone, scored by the task's own verifier (the :data:`TASKS`);
@@ -189,7 +189,7 @@ Task class (registered as ``module:Class`` is) or a function called with no argu
 _entry_points_loaded = False
 
 
-_IMPORTED: list[str] = []  # the modules import_modules imported, in order: another process (a remote worker) needs them
+_ENV_IMPORTS: dict[str, list[str]] = {}  # env id -> the modules resolve_env imported for it (--import)
 
 
 def import_modules(modules: Any) -> None:
@@ -197,13 +197,12 @@ def import_modules(modules: Any) -> None:
     cannot be imported raises ``ValueError`` naming it."""
     for name in modules or ():
         _import(name, "--import")
-        if name not in _IMPORTED:
-            _IMPORTED.append(name)
 
 
-def imported_modules() -> list[str]:
-    """The modules :func:`import_modules` has imported in this process (``--import``), in order."""
-    return list(_IMPORTED)
+def env_imports(env_id: str) -> list[str]:
+    """The modules :func:`resolve_env` imported before it resolved ``env_id`` (``--import``): another process (a
+    remote rollout worker) imports them too."""
+    return list(_ENV_IMPORTS.get(env_id, ()))
 
 
 def env_source(env_id: str) -> str:
@@ -334,4 +333,6 @@ def resolve_env(env: str, imports: Any = ()) -> str:
     if gym.registry[env_id].vector_entry_point is None:
         raise ValueError(f"env {env!r}: {env_id} has no vector entry point; register it with register_task (a Task "
                          "class) or give gymnasium.register a vector_entry_point such as TokenVectorEnv")
+    if imports:
+        _ENV_IMPORTS[env_id] = list(dict.fromkeys(imports))
     return env_id

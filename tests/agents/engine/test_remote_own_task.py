@@ -12,7 +12,7 @@ import gymnasium as gym
 import pytest
 
 from tokengym.agents.cli import main
-from tokengym.envs.tasks.registry import TASK_SPECS, env_source, unregister_task
+from tokengym.envs.tasks.registry import TASK_SPECS, env_imports, env_source, unregister_task
 
 SECRET = "own-task-secret"
 TASK = '''from tokengym.envs import Task
@@ -73,9 +73,6 @@ def learner_side(tmp_path, monkeypatch, worker):
         unregister_task(name)
     for module in [m for m in sys.modules if m.startswith("own_remote")]:
         del sys.modules[module]
-    from tokengym.envs.tasks import registry
-
-    registry._IMPORTED[:] = [m for m in registry.imported_modules() if not m.startswith("own_remote")]
 
 
 def _train(address, runs, name, *extra):
@@ -92,6 +89,7 @@ def test_env_source_names_what_another_process_imports(learner_side):
     assert env_id == "own_remote_task/SortLetters-v0" and env_source(env_id) == "own_remote_task:SortLetters"
     assert resolve_env("ownremote/Sort-v0", ["own_remote_reg"]) == "ownremote/Sort-v0"
     assert env_source("ownremote/Sort-v0") == "own_remote_task:ownremote/Sort-v0"
+    assert env_imports("ownremote/Sort-v0") == ["own_remote_reg"] and env_imports(env_id) == []
     gym.register("ownremote/Plain-v0", entry_point="tokengym.envs.token_env:TokenEnv",
                  vector_entry_point="own_remote_reg:Nothing")
     try:
