@@ -9,10 +9,10 @@ import math
 import types
 import typing
 import warnings
-from typing import Any, Callable, ClassVar, Iterable, Iterator, Mapping, NamedTuple
+from typing import Any, Callable, ClassVar, Iterable, Iterator, Mapping, NamedTuple, Sequence
 
 __all__ = ["PACKING", "F32_MAX", "TokengymWarning", "finite32", "TokengymDeprecationWarning", "check_config", "check_field_types", "quiet_transformers",
-           "FieldChecks", "Rename", "Renamed", "renamed_keys"]
+           "FieldChecks", "Rename", "Renamed", "renamed_keys", "max_positions", "check_rows_fit"]
 
 PACKING = ("off", "bins", "auto")
 """The values of every trainer's ``packing`` setting (``tokengym.rewards.packing``): padded forwards, forwards
@@ -222,3 +222,22 @@ def quiet_transformers() -> Iterator[None]:
     finally:
         if was_enabled:
             hf_logging.enable_progress_bar()
+
+
+def max_positions(model: Any) -> int | None:
+    """The model's position limit (``config.max_position_embeddings``, GPT-2's ``n_positions`` too), or None."""
+    n = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return int(n) if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
+def check_rows_fit(model: Any, lengths: Sequence[int], name: Callable[[int], str], fix: str) -> None:
+    """``ValueError`` (one line) when the longest row (``lengths``: token counts) is over the model's positions:
+    past them a model with learned positions raises an IndexError, one with rotary ones trains on garbage, silently.
+    The line names the row (``name(i)``), its tokens, the limit and ``fix`` (what to do)."""
+    limit = max_positions(model)
+    if limit is None or not lengths:
+        return
+    i = max(range(len(lengths)), key=lambda k: lengths[k])
+    if lengths[i] > limit:
+        raise ValueError(f"{name(i)} is {lengths[i]} tokens long, over the model's {limit} positions "
+                         f"(max_position_embeddings): {fix}")

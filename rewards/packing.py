@@ -31,8 +31,8 @@ from torch import nn
 
 from .common import PACKING, TokengymWarning
 
-__all__ = ["PACKING", "AUTO_FILL", "Bins", "check_packing", "set_packing", "pack", "place", "plan", "honours_mask",
-           "head_logits", "hidden_at", "classifier_at"]
+__all__ = ["PACKING", "AUTO_FILL", "Bins", "check_packing", "set_packing", "pack", "place", "plan", "packed_share",
+           "honours_mask", "head_logits", "hidden_at", "classifier_at"]
 
 AUTO_FILL = 0.8
 """``auto`` packs when the bins' tokens ``R * W`` are at most this fraction of the padded ``N * L`` (the gather, the
@@ -179,6 +179,23 @@ def honours_mask(model: nn.Module) -> str | None:
     return reason
 
 
+_PLANNED: "weakref.WeakKeyDictionary[nn.Module, list[int]]" = weakref.WeakKeyDictionary()  # model -> [packed, planned]
+
+
+def packed_share(model: nn.Module) -> float | None:
+    """The fraction of ``model``'s forwards that :func:`plan` packed since the last call (None: it planned none), and
+    a fresh count from here: under ``auto`` a trainer logs it (``train/packed``) to say whether its steps ran packed."""
+    packed, planned = _PLANNED.pop(model, (0, 0))
+    return packed / planned if planned else None
+
+
+def _count(model: nn.Module, bins: Bins | None) -> Bins | None:
+    counts = _PLANNED.setdefault(model, [0, 0])
+    counts[0] += bins is not None
+    counts[1] += 1
+    return bins
+
+
 def plan(mode: str, model: nn.Module, tokens: torch.Tensor, mask: torch.Tensor) -> Bins | None:
     """The bins a forward of ``model`` over ``tokens``/``mask`` should use under ``mode``, or ``None`` for the
     padded batch. Any ``mode`` but ``off`` checks the model first (so that data-parallel ranks, which may decide
@@ -193,14 +210,14 @@ def plan(mode: str, model: nn.Module, tokens: torch.Tensor, mask: torch.Tensor) 
         if model not in _WARNED:  # once per model
             _WARNED.add(model)
             warnings.warn(f"packing='auto' runs padded: {type(model).__name__} {reason}", TokengymWarning, stacklevel=3)
-        return None
+        return _count(model, None)
     real = mask.bool()
     if not bool(real.any()):
-        return None
+        return _count(model, None)
     layout = _layout(real)  # the decision needs only the bins' count and width: no tensors built for a padded batch
     if mode == "auto" and layout[2] * layout[3] > AUTO_FILL * tokens.numel():
-        return None
-    return pack(tokens, real, layout=layout)
+        return _count(model, None)
+    return _count(model, pack(tokens, real, layout=layout))
 
 
 @contextlib.contextmanager

@@ -33,11 +33,12 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from .common import quiet_transformers
+from .common import check_rows_fit, quiet_transformers
 from .packing import classifier_at, head_logits, place, plan, set_packing
 from .training import OptimConfig, OptimizerStep, TrainLoopConfig
 
-__all__ = ["RewardModel", "LikelihoodRewardModel", "RewardModelConfig", "train_reward_model", "load_rows", "split_rows"]
+__all__ = ["RewardModel", "LikelihoodRewardModel", "RewardModelConfig", "train_reward_model", "check_pairs_fit", "load_rows",
+           "split_rows"]
 
 
 # ============================================================================== rows
@@ -101,9 +102,10 @@ def _eos(tokenizer: Any) -> list[int]:
 
 
 def encode_texts(tokenizer: Any, prompts: Sequence[str], completions: Sequence[str], max_length: int | None = None) -> list[list[int]]:
-    """Token ids of ``prompt + completion + <eos>`` per row (see the module docstring); longer rows keep their last ``max_length``."""
-    p = tokenizer(list(prompts), add_special_tokens=True)["input_ids"]
-    c = tokenizer(list(completions), add_special_tokens=False)["input_ids"]
+    """Token ids of ``prompt + completion + <eos>`` per row (see the module docstring); longer rows keep their last
+    ``max_length`` (no tokenizer warning about its own limit: the trainers check rows against the model's positions)."""
+    p = tokenizer(list(prompts), add_special_tokens=True, verbose=False)["input_ids"]
+    c = tokenizer(list(completions), add_special_tokens=False, verbose=False)["input_ids"]
     eos = _eos(tokenizer)
     ids = [list(a) + list(b) + eos for a, b in zip(p, c)]
     return [x[-max_length:] for x in ids] if max_length else ids
@@ -314,7 +316,7 @@ class LikelihoodRewardModel(RewardModel):
 
     def encode(self, prompts: Sequence[str], completions: Sequence[str]) -> list[list[int]]:
         """Token ids of each row (as :meth:`RewardModel.encode`), each knowing where its completion starts."""
-        p = self.tokenizer(list(prompts), add_special_tokens=True)["input_ids"]
+        p = self.tokenizer(list(prompts), add_special_tokens=True, verbose=False)["input_ids"]
         rows = []
         for a, ids in zip(p, encode_texts(self.tokenizer, prompts, completions, None)):
             cut = len(ids) - self.max_length if self.max_length and len(ids) > self.max_length else 0
@@ -465,11 +467,13 @@ def train_reward_model(model: torch.nn.Module, tokenizer: Any, pairs: Any, confi
 
     Returns:
         The logged records: per step ``train/loss``, ``train/accuracy``, ``train/margin`` (mean
-        ``r_c - r_r``), ``train/reward_mean``; at evaluations ``eval/loss``, ``eval/accuracy`` (held-out
+        ``r_c - r_r``), ``train/reward_mean``, ``train/truncated`` (the fraction of the step's rows cut to
+        ``max_length``); at evaluations ``eval/loss``, ``eval/accuracy`` (held-out
         pairwise accuracy), ``eval/margin``, ``eval/reward_mean``. Each has ``step`` and ``epoch``.
     """
     cfg = config or RewardModelConfig()
     rows = load_rows(pairs, PAIR_COLUMNS, "preference pairs")
+    given = rows  # in their order (a message names a pair by its place)
     if eval_pairs is not None:
         held = load_rows(eval_pairs, PAIR_COLUMNS, "eval pairs")
     elif cfg.val_fraction > 0:
@@ -482,6 +486,9 @@ def train_reward_model(model: torch.nn.Module, tokenizer: Any, pairs: Any, confi
     else:
         rm = RewardModel(model, tokenizer, batch_size=2 * cfg.batch_size, max_length=cfg.max_length)
     set_packing(cfg.packing, rm)
+    check_pairs_fit(rm, given)
+    if eval_pairs is not None:
+        check_pairs_fit(rm, held, "eval pair")
 
     def encode(rs: list[dict]) -> tuple[list[list[int]], list[list[int]]]:
         prompts = [r["prompt"] for r in rs]
@@ -489,6 +496,7 @@ def train_reward_model(model: torch.nn.Module, tokenizer: Any, pairs: Any, confi
 
     train_c, train_r = encode(rows)
     held_c, held_r = encode(held) if held else ([], [])
+    cut = _cut_rows(rm, rows)  # [2, len(rows)]: rows that max_length cut (logged as train/truncated)
 
     def stats(rc: torch.Tensor, rr: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         loss = -F.logsigmoid(rc - rr).mean()
@@ -499,6 +507,7 @@ def train_reward_model(model: torch.nn.Module, tokenizer: Any, pairs: Any, confi
         r = rm.forward_ids([train_c[i] for i in idx] + [train_r[i] for i in idx])
         rc, rr = r[: len(idx)], r[len(idx):]
         loss, s = stats(rc, rr)
+        s["truncated"] = float(cut[:, idx].float().mean())
         if cfg.center_coef > 0:
             loss = loss + cfg.center_coef * ((rc + rr) ** 2).mean()
         return loss, s
@@ -508,6 +517,27 @@ def train_reward_model(model: torch.nn.Module, tokenizer: Any, pairs: Any, confi
         return stats(r[: len(held_c)], r[len(held_c):])[1]
 
     return fit(rm.model, len(train_c), step_loss, evaluate if held else None, cfg, callback)
+
+
+def check_pairs_fit(rm: RewardModel, pairs: Sequence[Mapping[str, Any]], what: str = "pair") -> None:
+    """``ValueError`` (one line) when a row of ``pairs`` (prompt + chosen or rejected + EOS, as ``rm`` encodes it,
+    after its ``max_length``) is longer than the model's positions: it names the longest and what to do."""
+    prompts = [r["prompt"] for r in pairs]
+    lengths = [len(x) for c in ("chosen", "rejected") for x in rm.encode(prompts, [r[c] for r in pairs])]
+    n = len(pairs)
+    fix = "set max_length (--max-length) to at most that: each row keeps its last tokens (train/truncated logs the " \
+        "fraction cut)" + (f"; max_length={rm.max_length} is over it" if rm.max_length else "")
+    check_rows_fit(rm.model, lengths, lambda i: f"the longest row ({what} {i % n}: prompt + "
+                   f"{'chosen' if i < n else 'rejected'} + EOS)", fix)
+
+
+def _cut_rows(rm: RewardModel, rows: list[dict]) -> torch.Tensor:
+    """``[2, N]`` bool: the chosen / rejected rows of ``rows`` longer than ``rm.max_length`` (cut to their end)."""
+    if not rm.max_length or not rows:
+        return torch.zeros(2, len(rows), dtype=torch.bool)
+    prompts = [r["prompt"] for r in rows]
+    return torch.tensor([[len(x) > rm.max_length for x in encode_texts(rm.tokenizer, prompts, [r[c] for r in rows])]
+                         for c in ("chosen", "rejected")], dtype=torch.bool)
 
 
 def fit(model: torch.nn.Module, n: int, step_loss: Callable[[list[int]], tuple[torch.Tensor, dict[str, float]]],

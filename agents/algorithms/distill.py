@@ -89,9 +89,22 @@ def past_length(action_mask: torch.Tensor, terminated: torch.Tensor, after: int)
 
 
 def _teacher_folder(name: str) -> str:
-    """A run folder's ``model/`` (what ``tokengym train`` writes), else ``name`` itself."""
+    """A run folder's ``model/`` (what ``tokengym train`` writes), else ``name`` itself; ``ValueError`` (one line) for
+    a run folder without one yet (its ``config.json`` is the run's, which no model loader recognizes)."""
+    import json
+
     inner = os.path.join(name, "model")
-    return inner if os.path.isfile(os.path.join(inner, "config.json")) else name
+    if os.path.isfile(os.path.join(inner, "config.json")):
+        return inner
+    try:
+        with open(os.path.join(name, "config.json"), encoding="utf-8") as f:
+            saved = json.load(f)
+    except (OSError, ValueError):
+        return name
+    if isinstance(saved, dict) and "algorithm" in saved and "run" in saved:
+        raise ValueError(f"teacher {name} is a run with no model/ yet (still training?): wait for it to finish, or "
+                         "pass a model folder")
+    return name
 
 
 def load_teacher(teacher: Any, policy: Any, cfg: DistillConfig) -> TeacherReward:
@@ -104,8 +117,9 @@ def load_teacher(teacher: Any, policy: Any, cfg: DistillConfig) -> TeacherReward
         raise ValueError("distillation needs a teacher: DistillConfig(teacher=RUN_OR_MODEL) or DistillAgent(..., "
                          "teacher=policy); on the command line, --teacher RUN_OR_MODEL")
     if isinstance(teacher, (str, os.PathLike)):
+        folder = _teacher_folder(os.fspath(teacher))
         try:
-            model, tok = load_model(_teacher_folder(os.fspath(teacher)), device=policy.device)
+            model, tok = load_model(folder, device=policy.device)
         except Exception as e:
             raise ValueError(f"cannot load teacher {os.fspath(teacher)!r}: {first_line(e)}") from None
     elif callable(getattr(teacher, "score", None)):  # an engine's scoring call (the generation seam)

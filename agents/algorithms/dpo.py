@@ -64,7 +64,7 @@ from tokengym.agents.algorithms.dpo_fit import DPOFit
 from tokengym.agents.algorithms.dpo_logps import shared_prefix_logps  # noqa: F401 (its home before the split)
 from tokengym.agents.algorithms.dpo_reference import DPOReference
 from tokengym.agents.algorithms.registry import register
-from tokengym.rewards.common import Renamed
+from tokengym.rewards.common import Renamed, check_rows_fit
 from tokengym.rewards.packing import set_packing
 
 __all__ = ["DPOConfig", "DPOLearner"]
@@ -224,6 +224,17 @@ class DPOLearner(DPOFit, DPOReference):
                                    max_prompt_len=cfg.max_prompt_len, max_length=cfg.max_length)
         if len(data) == 0:
             raise ValueError("no preference pairs to train or evaluate on (e.g. every mined group had the same reward)")
+        lengths = data.row_lengths().tolist()
+
+        def name(i: int) -> str:
+            prompt = data.records[i].get("prompt") if i < len(data.records) else None
+            return f"the longest pair{f' (prompt {prompt[:24]!r}...)' if isinstance(prompt, str) else ''}, prompt + " \
+                   "its longer completion,"
+
+        check_rows_fit(self.policy.model, lengths, name, "set max_length (--max-length) to at most that (it cuts the "
+                       "completions' ends) and, for long prompts, max_prompt_len (--max-prompt-len, which keeps a prompt's "
+                       "last tokens) below it; train/truncated logs the fraction of pairs cut"
+                       + (f" (max_length={cfg.max_length} now)" if cfg.max_length else ""))
         return data
 
     # ------------------------------------------------------------------ loss

@@ -138,6 +138,8 @@ class DPOFit:
             self.optim.zero_grad()
             (loss * share).backward()
             norm = self.optim.step()["grad_norm"]  # summed over ranks, clipped, stepped
+            if data.truncated is not None:  # the fraction of the step's pairs a length limit cut
+                stats["truncated"] = data.truncated[idx].float().mean()
             stats = self.dp.weighted(stats, share)  # global means of the batch's statistics
             run["pos"] += 1
             run["step"] += 1

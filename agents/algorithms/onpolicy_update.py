@@ -16,6 +16,7 @@ import torch
 from tokengym.agents import variants as V
 from tokengym.agents.runtime.distributed import aggregation_weights
 from tokengym.agents.engine.rollout import Rollout, trimmed_logprobs, used_slice
+from tokengym.rewards.packing import packed_share
 
 __all__ = ["Minibatch", "NonFiniteLoss", "TOKEN_MEAN_STATS", "UpdateMixin"]
 
@@ -135,6 +136,7 @@ class UpdateMixin:
         weights = {kind: aggregation_weights(ro.action_mask, kind) for kind in dict.fromkeys([*kinds, "token-mean"])}
         sums: dict[str, float] = {}
         count = 0
+        packed_share(self.policy.model)  # count this update's forwards only
         for _ in range(cfg.mu):
             order = torch.randperm(ro.num_episodes, generator=self._shuffle).to(ro.tokens.device)
             for rows in order.chunk(cfg.minibatches):
@@ -180,6 +182,9 @@ class UpdateMixin:
                     sums[k] = sums.get(k, 0.0) + float(v)
                 count += 1
         out = {f"train/{k}": v / count for k, v in sums.items()}
+        share = packed_share(self.policy.model)
+        if cfg.packing == "auto" and share is not None:  # did auto pack this step's forwards (the fraction that ran so)
+            out["train/packed"] = share
         if measure_mismatch:
             out.update({f"mismatch/{k}": float(v) for k, v in mismatch.items()})
         return out

@@ -44,7 +44,7 @@ from tokengym.agents.runtime.distributed import LOCAL
 from tokengym.agents.runtime.logger import RunLogger
 from tokengym.agents.runtime.optim import (LR_SCHEDULES, OptimizerStep, ScheduledOptimConfig, TrainLoopConfig,
                                           lr_factor as schedule_factor)
-from tokengym.rewards.packing import PACKING, set_packing
+from tokengym.rewards.packing import PACKING, packed_share, set_packing
 from tokengym.agents.engine.rollout import evaluate, heldout_samples
 from tokengym.envs.chat import encode_prompts
 from tokengym.envs.tasks.base import fresh_samples
@@ -258,6 +258,7 @@ class SFTLearner:
     """
 
     def __init__(self, policy: Any, task: Any, config: SFTConfig | None = None, prompt_len: int | None = None):
+        from tokengym.agents.engine.resources import check_fits
         from tokengym.envs import TokenVectorEnv
 
         self.policy, self.task = policy, task
@@ -266,6 +267,7 @@ class SFTLearner:
         self.heldout = heldout_samples(task, cfg.eval_prompts)
         self.eval_env = TokenVectorEnv(min(cfg.eval_batch_size, max(cfg.eval_prompts, 1)), task, tokenizer=policy.tokenizer,
                                        device=policy.device, max_prompt_len=prompt_len)
+        check_fits(policy, self.eval_env)  # rows past the model's positions: one line now, not mid-run (or silently)
         P = self.eval_env.max_prompt_len  # the env's default room for the task's prompts (chat templates included)
         self._rng = np.random.default_rng(cfg.seed)  # the data stream's only state (saved in checkpoints)
         exclude = {s["prompt"] for s in self.heldout} if cfg.exclude_heldout else None
@@ -410,6 +412,9 @@ class SFTLearner:
             if cfg.log_every and step % cfg.log_every == 0:
                 window = hist["loss"][-cfg.log_every :]
                 metrics = {"train/loss": sum(window) / len(window), "train/lr": lr, "train/grad_norm": float(gnorm)}
+                packed = packed_share(self.policy.model)  # the forwards since the last record
+                if cfg.packing == "auto" and packed is not None:
+                    metrics["train/packed"] = packed
                 self.logger.log(step, metrics)
                 log(step, metrics)
                 record.update(metrics)

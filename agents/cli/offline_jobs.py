@@ -87,7 +87,10 @@ def build_sft(run: RunConfig, cfg: Any) -> Job:
     task = make_env(run, 1, tokenizer=policy.tokenizer).task
     if not task.batch(np.random.default_rng(0), 1)[0].get("solution"):
         raise R.UsageError(f"sft needs reference solutions, and {run.env}'s samples have no 'solution' field")
-    learner = SFTLearner(policy, task, dataclasses.replace(cfg, run_dir=None))  # the Trainer gives it the run's logger
+    try:  # (a task whose rows are past the model's positions: one line)
+        learner = SFTLearner(policy, task, dataclasses.replace(cfg, run_dir=None))  # the Trainer gives it the run's logger
+    except ValueError as e:
+        raise R.UsageError(first_line(e)) from None
 
     def job(run_dir: str, resume: bool) -> dict[str, Any]:
         learner.fit_in_folder(Trainer(run, run_dir, resume, cfg.steps, learner), log=lambda step, metrics: None)
@@ -136,6 +139,7 @@ def build_rm(run: RunConfig, cfg: Any) -> Job:
     import math
 
     from tokengym.rewards import RewardModel, train_reward_model
+    from tokengym.rewards.reward_model import check_pairs_fit
 
     if run.rm_kind not in ("sequence", "likelihood"):
         raise R.UsageError(f"rm_kind must be 'sequence' or 'likelihood', got {run.rm_kind!r}")
@@ -154,6 +158,10 @@ def build_rm(run: RunConfig, cfg: Any) -> Job:
         target = model
     task = make_env(run, 1, tokenizer=tok).task
     pairs = _text_pairs(preference_pairs(run, task, heldout_prompts(run, task)))
+    try:  # a row past the model's positions: one line now, not an IndexError (or garbage) in the run
+        check_pairs_fit(target if run.rm_kind == "likelihood" else scorer, pairs)
+    except ValueError as e:
+        raise R.UsageError(str(e)) from None
 
     def fit(callback: Callable) -> list[dict[str, Any]]:
         history = train_reward_model(target, None if run.rm_kind == "likelihood" else tok, pairs, cfg, callback=callback)

@@ -257,7 +257,7 @@ class SharedPrefixBatch:
 
 
 def _encode(tokenizer: Any, texts: list[str], special: bool) -> list[list[int]]:
-    return [list(ids) for ids in tokenizer(texts, add_special_tokens=special)["input_ids"]] if texts else []
+    return [list(ids) for ids in tokenizer(texts, add_special_tokens=special, verbose=False)["input_ids"]] if texts else []
 
 
 def _eos_id(tokenizer: Any) -> int:
@@ -280,6 +280,8 @@ class PairData:
         records: optional per-pair metadata (texts, rewards, corruption kind, ...).
         completion_agent: ``[2, N, M]`` bool, True on the completion tokens the agent wrote; ``None``: all of them.
             Multi-turn episodes have env replies inside the completion: context that is never scored.
+        truncated: ``[N]`` bool, True on the pairs that ``max_prompt_len`` / ``max_length`` cut (:meth:`from_pairs`
+            given a limit; DPO logs their fraction as ``train/truncated``); ``None``: no limit was applied.
     """
 
     prompts: torch.Tensor
@@ -289,6 +291,7 @@ class PairData:
     pad_id: int
     records: list[dict[str, Any]] = field(default_factory=list)
     completion_agent: torch.Tensor | None = None
+    truncated: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         n = self.prompts.shape[0]
@@ -384,6 +387,7 @@ class PairData:
             chosen_ids = [c if c and c[-1] == eos else c + [eos] for c in chosen_ids]
             rejected_ids = [c if c and c[-1] == eos else c + [eos] for c in rejected_ids]
         keep, cut_prompts, dropped = [], 0, {"identical": [], "empty after truncation": [], "identical after truncation": []}
+        cut = []  # kept pairs that a limit shortened
         for i in range(len(rows)):
             p, c, r = prompt_ids[i], chosen_ids[i], rejected_ids[i]
             if c == r:
@@ -397,6 +401,7 @@ class PairData:
             if not c or not r or c == r:
                 dropped["empty after truncation" if not c or not r else "identical after truncation"].append(i)
                 continue
+            cut.append(len(p) < len(prompt_ids[i]) or len(c) < len(chosen_ids[i]) or len(r) < len(rejected_ids[i]))
             prompt_ids[i], chosen_ids[i], rejected_ids[i] = p, c, r
             keep.append(i)
         if cut_prompts:
@@ -409,8 +414,15 @@ class PairData:
         if not keep:
             raise ValueError(f"no preference pair is left to learn from: of {len(rows)}, {why} "
                              "(chosen and rejected must differ)")
-        return cls.from_token_ids([prompt_ids[i] for i in keep], [chosen_ids[i] for i in keep], [rejected_ids[i] for i in keep],
-                                  int(pad), [rows[i] for i in keep])
+        data = cls.from_token_ids([prompt_ids[i] for i in keep], [chosen_ids[i] for i in keep],
+                                  [rejected_ids[i] for i in keep], int(pad), [rows[i] for i in keep])
+        if max_prompt_len is not None or max_length is not None:
+            data.truncated = torch.tensor(cut, dtype=torch.bool)
+        return data
+
+    def row_lengths(self) -> torch.Tensor:
+        """``[N]`` tokens of each pair's longer row (prompt + the longer completion): what the model must position."""
+        return self.prompt_mask.sum(1) + self.completion_lens.max(0).values
 
     @classmethod
     def concat(cls, parts: Sequence["PairData"]) -> "PairData":

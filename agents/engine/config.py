@@ -88,11 +88,16 @@ class EngineConfig(SeedConfig):
         if self.remote_workers:
             from tokengym.agents.engine.remote import parse_address
 
+            seen: dict[tuple[str, int], str] = {}
             for a in self.worker_addresses or [self.remote_workers]:
                 try:
-                    parse_address(a)
+                    where = parse_address(a)
                 except ValueError as e:
                     raise ValueError(f"{type(self).__name__}: remote_workers: {e}; give host:port,host:port,...") from None
+                if where in seen:  # one worker would serve two slots: two sessions, each replacing the other
+                    raise ValueError(f"{type(self).__name__}: remote_workers names {seen[where]} twice; a worker serves "
+                                     "one learner slot: name each once (start more `tokengym worker`s for more)")
+                seen[where] = a
         if self.async_mode == "one-step" and self.max_staleness != 1:
             raise ValueError(f"{type(self).__name__}: async_mode='one-step' samples each rollout exactly one update "
                              f"behind (max_staleness=1), not max_staleness={self.max_staleness}; use async_mode='bounded'")

@@ -4,7 +4,8 @@ A worker (:class:`WorkerServer`) listens for one learner at a time on HTTP (loop
 carries the shared secret (``Authorization: Bearer ...``); control messages are JSON, rollouts come back as typed
 messages (:mod:`~tokengym.agents.engine.messages`). Paths:
 
-* ``POST /v1/hello``: the worker's protocol, device and whether it serves a learner now.
+* ``POST /v1/hello``: the worker's protocol, device and whether it serves a learner now; given the learner's env
+  (its ``module:Class`` or id and the modules to import), whether this worker can make it.
 * ``POST /v1/join``: serve a learner. The message says how to build the env (its id and JSON arguments) and the model
   (a preset or a folder on the worker's machine; ``tokengym worker --model`` overrides it), the worker's place in the
   version schedule, its stream, the weight manifest (checked against the model: names, shapes, dtypes) and where
@@ -48,7 +49,7 @@ from tokengym.agents.engine.worker_loop import WorkerLoop, weight_manifest
 from tokengym.agents.runtime.weight_sync import DEFAULT_BUCKET, STOP, WeightSync, WeightSyncError, send
 
 __all__ = ["WorkerServer", "RemoteWorkers", "parse_address", "read_secret", "worker_env_spec", "build_env", "PROTOCOL",
-           "check_workers_reachable"]
+           "check_workers_reachable", "check_sync_dir", "check_sync_host"]
 
 PROTOCOL = 1
 MAX_BODY = 16 << 20  # a control message's limit (a join's manifest and stream are far smaller)
@@ -82,6 +83,44 @@ def read_secret(path: str | None, missing: str = "rollout workers need a shared 
     return secret.encode()
 
 
+def check_sync_dir(path: str) -> None:
+    """``ValueError`` (one line) unless ``path`` (``sync_dir``) is an existing folder on a disk that this learner can
+    write a file in (each weight version goes there for the workers to read)."""
+    import tempfile
+
+    real = os.path.realpath(path)
+    if not os.path.exists(path):
+        raise ValueError(f"--sync-dir {path} does not exist: create the shared folder (every worker reads it at the same "
+                         "path)")
+    if not os.path.isdir(path):
+        raise ValueError(f"--sync-dir {path} is a file, not a folder")
+    if any(real == v or real.startswith(v + os.sep) for v in ("/proc", "/sys", "/dev")):
+        raise ValueError(f"--sync-dir {path} is on a virtual filesystem ({real}); pick a folder on a shared disk")
+    try:
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".tokengym-probe-"):
+            pass
+    except OSError as e:
+        raise ValueError(f"--sync-dir {path} is not writable ({e.strerror or e}); pick a folder this learner can write "
+                         "and every worker can read") from None
+
+
+def check_sync_host(host: str) -> None:
+    """``ValueError`` (one line) unless ``host`` (``sync_host``) resolves to an address of this machine: the learner's
+    weight store listens there."""
+    try:
+        infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        raise ValueError(f"--sync-host {host} is not a host name or address this machine can resolve ({e}); give the "
+                         "address the workers reach this learner at, or leave it out") from None
+    family, _, _, _, address = infos[0]
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind(address)
+    except OSError as e:
+        raise ValueError(f"--sync-host {host} ({address[0]}) is not an address of this machine ({e.strerror or e}); the "
+                         "learner's weight store listens there: give one of its own addresses, or leave it out") from None
+
+
 def _route_to(host: str) -> str:
     """This machine's address on the route to ``host`` (no packet is sent)."""
     try:
@@ -105,17 +144,20 @@ def worker_env_spec(env: Any, num_envs: int) -> dict[str, Any]:
         why = str(caught[0].message).split(";")[0].removeprefix("config.json ")
         raise ValueError(f"remote rollout workers build the env from its id and JSON arguments, and they {why}: make "
                          "the env from an id with JSON arguments, or use local workers (rollout_workers=N)")
-    return {"env": record["env"], "env_kwargs": record["env_kwargs"] or {}, "num_envs": int(num_envs),
+    from tokengym.envs.tasks.registry import env_imports, env_source
+
+    return {"env": env_source(record["env"]), "imports": env_imports(record["env"]),
+            "env_kwargs": record["env_kwargs"] or {}, "num_envs": int(num_envs),
             "group_size": int(env.group_size), "device": str(env.device)}
 
 
 def build_env(spec: dict[str, Any], tokenizer: Any) -> Any:
-    """The env of a :func:`worker_env_spec`."""
+    """The env of a :func:`worker_env_spec` (its modules imported first: a task of the user's own)."""
     import gymnasium as gym
 
     from tokengym.envs import resolve_env
 
-    env_id = resolve_env(spec["env"], ())
+    env_id = resolve_env(spec["env"], spec.get("imports") or ())
     return gym.make_vec(env_id, num_envs=spec["num_envs"], vectorization_mode="vector_entry_point",
                         group_size=spec["group_size"], device=spec["device"], tokenizer=tokenizer, **spec["env_kwargs"])
 
@@ -212,8 +254,20 @@ class WorkerServer:
 
     # ------------------------------------------------------------------ messages
     def hello(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The worker's protocol and whether it is busy; given a learner's ``env`` (a :func:`worker_env_spec`), also
+        ``env_error``: why this worker cannot make it (a module of the user's it cannot import), or None."""
         busy = self.session is not None and not self.session.done.is_set()
-        return {"protocol": PROTOCOL, "busy": busy, "session": self.session.id if busy else None}
+        reply = {"protocol": PROTOCOL, "busy": busy, "session": self.session.id if busy else None}
+        env = body.get("env")
+        if isinstance(env, dict) and isinstance(env.get("env"), str):
+            from tokengym.envs import resolve_env
+
+            try:
+                resolve_env(env["env"], [m for m in env.get("imports") or () if isinstance(m, str)])
+                reply["env_error"] = None
+            except ValueError as e:
+                reply["env_error"] = str(e).splitlines()[0][:400]
+        return reply
 
     def join(self, body: dict[str, Any]) -> dict[str, Any]:
         need = {"protocol": int, "session": str, "env": dict, "model": (str, type(None)), "temperature": (int, float),
@@ -363,21 +417,37 @@ def call(address: str, path: str, body: dict[str, Any], secret: bytes, timeout: 
         conn.close()
 
 
-def check_workers_reachable(addresses: list[str], secret: bytes) -> None:
-    """``ValueError`` (one line) for a worker that does not answer, refuses the secret or speaks another protocol,
-    before anything of a run is made."""
+def check_workers_reachable(addresses: list[str], secret: bytes, env: dict[str, Any] | None = None) -> None:
+    """``ValueError`` (one line) for a worker that does not answer, refuses the secret, speaks another protocol or
+    (given ``env``, a :func:`worker_env_spec`) cannot make the env, before anything of a run is made."""
     for address in addresses:
         try:
-            status, reply = call(address, "/v1/hello", {}, secret, 10.0)
+            status, reply = call(address, "/v1/hello", {} if env is None else {"env": env}, secret, 10.0)
         except OSError as e:
             raise ValueError(f"rollout worker {address} cannot be reached ({type(e).__name__}: {e}); is `tokengym "
                              "worker` running there, and is the port open?") from None
+        hello = _json_object(reply)
+        if hello is None or ("error" if status != 200 else "protocol") not in hello:  # another server on that port
+            raise ValueError(f"{address} answered but is not a tokengym worker (HTTP {status}); is the address right, "
+                             "and is `tokengym worker` running there?")
         if status != 200:
             raise ValueError(f"rollout worker {address} refused this learner: {_error_text(reply)}")
-        theirs = json.loads(reply).get("protocol")
+        theirs = hello.get("protocol")
         if theirs != PROTOCOL:
             raise ValueError(f"rollout worker {address} speaks protocol {theirs}, this learner {PROTOCOL}: install the "
                              "same tokengym on both")
+        why = hello.get("env_error")
+        if why:
+            raise ValueError(f"rollout worker {address} cannot make this run's env on its machine: {why}")
+
+
+def _json_object(reply: bytes) -> dict[str, Any] | None:
+    """A reply's JSON object, or None (not JSON, or not an object)."""
+    try:
+        value = json.loads(reply)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def _error_text(reply: bytes) -> str:

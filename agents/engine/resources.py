@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from tokengym.rewards.common import max_positions
+
 __all__ = ["check_device", "check_fits", "batch_memory_bytes", "available_memory_bytes", "check_memory"]
 
 
@@ -27,12 +29,6 @@ def check_device(device: str | torch.device) -> torch.device:
     return dev
 
 
-def _max_positions(model: Any) -> int | None:
-    cfg = getattr(model, "config", None)
-    n = getattr(cfg, "max_position_embeddings", None)
-    return int(n) if isinstance(n, int) and n > 0 else None
-
-
 def check_fits(policy: Any, env: Any) -> None:
     """Refuse an env whose token ids exceed the model's vocabulary, or whose rows (prompt buffer ``P`` + budget ``M``)
     exceed the model's position limit.
@@ -44,7 +40,7 @@ def check_fits(policy: Any, env: Any) -> None:
     if isinstance(vocab, int) and env.vocab_size > vocab:  # an id past the embedding: an IndexError mid-rollout
         raise ValueError(f"the env's tokenizer has {env.vocab_size} token ids but the model's vocabulary has {vocab}: "
                          "give the env the policy's own tokenizer (tokenizer=policy.tokenizer)")
-    limit = _max_positions(model)
+    limit = max_positions(model)
     need = env.max_prompt_len + env.max_new_tokens
     if limit is not None and need > limit:
         raise ValueError(

@@ -143,15 +143,26 @@ class DataParallelSource:
 # ---------------------------------------------------------------------------------------------- choosing one
 def check_source(cfg: EngineConfig, env: Any, policy: Any, dp: Any) -> None:
     """``ValueError`` (one line) when the source the engine settings ``cfg`` ask for cannot serve ``env``, before
-    anything starts: remote workers that do not answer or refuse the secret, an env they cannot rebuild; local
-    workers that the env cannot reach (pickling) or the machine cannot hold."""
+    anything starts: workers without an async mode, remote workers that do not answer or refuse the secret, an env
+    they cannot rebuild, a sync folder or host that cannot serve; local workers that the env cannot reach (pickling)
+    or the machine cannot hold."""
+    if cfg.async_mode == "off" and (cfg.remote_workers or cfg.rollout_workers != 1):
+        given = f"remote_workers={cfg.remote_workers!r}" if cfg.remote_workers else f"rollout_workers={cfg.rollout_workers}"
+        raise ValueError(f"{given} (--rollout-workers) samples in worker processes while the learner updates, which "
+                         "needs an async mode: add --async-mode one-step (or bounded); async_mode='off' samples in the "
+                         "learner's own process")
     if cfg.async_mode == "off" or not dp.is_main:
         return
     if cfg.remote_workers:
-        from tokengym.agents.engine.remote import check_workers_reachable, read_secret, worker_env_spec
+        from tokengym.agents.engine.remote import (check_sync_dir, check_sync_host, check_workers_reachable,
+                                                   read_secret, worker_env_spec)
 
-        worker_env_spec(env, env.num_envs * dp.world_size)
-        check_workers_reachable(cfg.worker_addresses, read_secret(cfg.worker_secret_file or None))
+        if cfg.sync_dir:
+            check_sync_dir(cfg.sync_dir)
+        if cfg.sync_host:
+            check_sync_host(cfg.sync_host)
+        spec = worker_env_spec(env, env.num_envs * dp.world_size)
+        check_workers_reachable(cfg.worker_addresses, read_secret(cfg.worker_secret_file or None), spec)
         return
     from tokengym.agents.engine.workers import check_crosses, check_workers
 

@@ -47,7 +47,7 @@ import gymnasium as gym
 from .base import Task
 
 __all__ = ["TaskSpec", "TASK_SPECS", "TASKS", "register_task", "unregister_task", "register_envs", "TableView",
-           "resolve_env", "import_modules", "load_entry_points", "ENTRY_POINT_GROUP"]
+           "resolve_env", "import_modules", "env_imports", "env_source", "load_entry_points", "ENTRY_POINT_GROUP"]
 
 KINDS = ("procedural", "data", "toy")
 """``procedural``: prompts drawn from the seed alone, scored by the task's own verifier (the :data:`TASKS`);
@@ -189,11 +189,37 @@ Task class (registered as ``module:Class`` is) or a function called with no argu
 _entry_points_loaded = False
 
 
+_ENV_IMPORTS: dict[str, list[str]] = {}  # env id -> the modules resolve_env imported for it (--import)
+
+
 def import_modules(modules: Any) -> None:
     """Import each module (``--import``; the current folder first on ``sys.path``, as ``python -m`` has it); one that
     cannot be imported raises ``ValueError`` naming it."""
     for name in modules or ():
         _import(name, "--import")
+
+
+def env_imports(env_id: str) -> list[str]:
+    """The modules :func:`resolve_env` imported before it resolved ``env_id`` (``--import``): another process (a
+    remote rollout worker) imports them too."""
+    return list(_ENV_IMPORTS.get(env_id, ()))
+
+
+def env_source(env_id: str) -> str:
+    """What :func:`resolve_env` takes in another process to make ``env_id`` there (a remote rollout worker): the
+    ``module:Class`` a task class was named by (its id, ``module/Class-v0``, exists only once that names it), else
+    ``module:EnvId-v0`` for an id whose task or entry point lives outside tokengym (importing the module registers
+    it), else the id itself (tokengym's own, or an installed package's entry point)."""
+    spec = next((s for s in _SPECS.values() if s.env_id == env_id), None)
+    if spec is not None and ":" in spec.name:
+        return spec.name
+    module = spec.cls.__module__ if spec is not None else None
+    if spec is None and env_id in gym.registry:
+        entry = gym.registry[env_id].vector_entry_point
+        module = entry.partition(":")[0] if isinstance(entry, str) else getattr(entry, "__module__", None)
+    if module and module != "__main__" and module.split(".")[0] != "tokengym":
+        return f"{module}:{env_id}"
+    return env_id
 
 
 def _import(module: str, what: str) -> types.ModuleType:
@@ -307,4 +333,6 @@ def resolve_env(env: str, imports: Any = ()) -> str:
     if gym.registry[env_id].vector_entry_point is None:
         raise ValueError(f"env {env!r}: {env_id} has no vector entry point; register it with register_task (a Task "
                          "class) or give gymnasium.register a vector_entry_point such as TokenVectorEnv")
+    if imports:
+        _ENV_IMPORTS[env_id] = list(dict.fromkeys(imports))
     return env_id

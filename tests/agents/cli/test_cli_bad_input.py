@@ -32,6 +32,8 @@ def _files(root):
                           "rejected": [{"role": "assistant", "content": "4"}]}])
     jsonl("no_prompt.jsonl", [{"question": "1+2", "answer": "3"}])
     jsonl("long_prompt.jsonl", [{"prompt": "x" * 2000, "answer": "1"}])
+    jsonl("long_pairs.jsonl", [{"prompt": "1+2" * 1000 + f"{i}\n", "chosen": f"A: {i}", "rejected": f"A: {i + 1}"}
+                               for i in range(4)])  # rows of 3,008 tokens, on a model of 512 positions
     jsonl("bad_labels.jsonl", [{"prompt": "1+2\n", "steps": ["1+2=3"], "labels": [2.0]}])
     with open(os.path.join(root, "not_json.json"), "w") as f:
         f.write('{"lr": 1e-4,')
@@ -44,10 +46,15 @@ def _files(root):
     with open(os.path.join(root, "a_file"), "w") as f:
         f.write("not a folder\n")
     os.makedirs(os.path.join(root, "a_folder"), exist_ok=True)
+    os.makedirs(os.path.join(root, "training_run", "checkpoints"))  # a run still training: no model/ yet
+    with open(os.path.join(root, "training_run", "config.json"), "w") as f:
+        json.dump({"algorithm": "sft", "preset": None, "run": {}, "config": {}}, f)
     os.symlink(os.path.dirname(root), os.path.join(root, "a_link"))  # points out of the runs folder {root}
 
 
 NAMED = ["train", "grpo", *B, "--runs-dir", "{root}/../runs"]  # the run name comes next
+
+REMOTE = ["train", "grpo", *B, "--async-mode", "one-step", "--rollout-workers", "127.0.0.1:9"]
 
 CASES = {  # id -> (argv, a piece of the one-line message); {root} is a folder of input files beside the runs folder
     # bad values the configs themselves refuse
@@ -90,6 +97,14 @@ CASES = {  # id -> (argv, a piece of the one-line message); {root} is a folder o
     "chat pairs, plain model": (["train", "dpo", *B, "--pairs", "{root}/chat.jsonl"], "chat messages"),
     "chat pairs, no template": (["train", "dpo", *B, "--pairs", "{root}/chat.jsonl", "--chat-template", "true"],
                                 "has no chat template"),
+    "dpo pairs past the positions": (["train", "dpo", *B, "--pairs", "{root}/long_pairs.jsonl"],
+                                     "is 3008 tokens long, over the model's 512 positions (max_position_embeddings): set "
+                                     "max_length (--max-length)"),
+    "rm pairs past the positions": (["train", "rm", *F, "--pairs", "{root}/long_pairs.jsonl"],
+                                    "the longest row (pair 0: prompt + chosen + EOS) is 3008 tokens long, over the "
+                                    "model's 512 positions (max_position_embeddings): set max_length (--max-length)"),
+    "rm pairs past the positions, max_length too": (["train", "rm", *F, "--pairs", "{root}/long_pairs.jsonl",
+                                                     "--max-length", "600"], "is 600 tokens long"),
     "rm pairs missing a column": (["train", "rm", *F, "--pairs", "{root}/missing_column.jsonl"], "no 'rejected' column"),
     "rm chat pairs": (["train", "rm", *F, "--pairs", "{root}/chat.jsonl"], "chat messages"),
     "step labels missing": (["train", "prm", *F, "--step-labels", "{root}/nope.jsonl"], "does not exist"),
@@ -114,6 +129,27 @@ CASES = {  # id -> (argv, a piece of the one-line message); {root} is a folder o
                                          '{"length": 3000}'], "max_position_embeddings"),
     "eval prompt over the positions": (["eval", "--model", "tiny-arithmetic", "--env", "tokengym/Reverse-v0",
                                         "--env-kwargs", '{"length": 3000}', "--prompts", "2"], "max_position_embeddings"),
+    # the learner's remote-worker flags (checked before any worker is called: the address answers nothing)
+    "sync dir in /proc": ([*REMOTE, "--sync-dir", "/proc"], "--sync-dir /proc is on a virtual filesystem"),
+    "sync dir is a file": ([*REMOTE, "--sync-dir", "{root}/a_file"], "a_file is a file, not a folder"),
+    "sync dir missing": ([*REMOTE, "--sync-dir", "{root}/nope"], "nope does not exist"),
+    "sync host out of range": ([*REMOTE, "--sync-host", "999.1.1.1"], "--sync-host 999.1.1.1 is not a host name or "
+                               "address this machine can resolve"),
+    "sync host unknown": ([*REMOTE, "--sync-host", "no.such.host.invalid"], "--sync-host no.such.host.invalid is not"),
+    "sync host of another machine": ([*REMOTE, "--sync-host", "192.0.2.1"], "(192.0.2.1) is not an address of this "
+                                     "machine"),
+    "the same worker twice": (["train", "grpo", *B, "--async-mode", "one-step", "--rollout-workers",
+                               "127.0.0.1:9,127.0.0.1:8,127.0.0.1:9"], "remote_workers names 127.0.0.1:9 twice"),
+    "workers without an async mode": (["train", "grpo", *B, "--rollout-workers", "2"], "rollout_workers=2 "
+                                      "(--rollout-workers) samples in worker processes while the learner updates, which "
+                                      "needs an async mode: add --async-mode one-step"),
+    "remote workers without an async mode": (["train", "grpo", *B, "--rollout-workers", "127.0.0.1:9"],
+                                             "remote_workers='127.0.0.1:9' (--rollout-workers) samples"),
+    "teacher still training": (["train", "distill", *B, "--teacher", "{root}/training_run"],
+                               "training_run is a run with no model/ yet (still training?): wait for it to finish"),
+    "sft rows over the positions, packed": (["train", "sft", *B, "--env", "tokengym/Reverse-v0", "--env-kwargs",
+                                             '{"length": 600}', "--packing", "bins"],
+                                            "need 1207 positions, but the model has 512 (max_position_embeddings)"),
     "convert a folder": (["convert", "{root}/a_folder"], "is a folder, not a GGUF file"),
 }
 
@@ -133,6 +169,32 @@ def test_bad_input_is_one_line_exit_2_and_leaves_no_folder(tmp_path, capsys, cas
     lines = [ln for ln in err.splitlines() if not ln.startswith("tokengym: warning:")]
     assert len(lines) == 1 and lines[0].startswith("tokengym: error: ") and message in lines[0], err
     assert not runs.exists() or os.listdir(runs) == [], os.listdir(runs)
+
+
+def test_an_address_where_another_http_server_answers_is_not_a_worker(tmp_path, capsys, monkeypatch):
+    """A plain HTTP server at a --rollout-workers address: one line saying it is not a tokengym worker (not the first
+    line of its HTML page), exit 2, no run folder."""
+    import http.server
+    import threading
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):  # (its request log would be on this process's stderr)
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("TOKENGYM_SECRET", "x")
+    address = f"127.0.0.1:{server.server_address[1]}"
+    try:
+        code = main(["train", "grpo", *B, "--async-mode", "one-step", "--rollout-workers", address,
+                     "--runs-dir", str(tmp_path / "runs"), "--name", "x"])
+    finally:
+        server.shutdown()
+        server.server_close()
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err == (f"tokengym: error: {address} answered but is not a tokengym worker (HTTP 501); is the "
+                                 "address right, and is `tokengym worker` running there?"), err
+    assert not (tmp_path / "runs").exists()
 
 
 def test_the_fixed_command_reuses_the_name(tmp_path, capsys):
