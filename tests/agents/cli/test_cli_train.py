@@ -137,10 +137,16 @@ def test_config_file_key_typo_suggests(tmp_path, capsys):
     assert "did you mean 'clip_eps'?" in capsys.readouterr().err
 
 
-def test_resume_refuses_a_different_config_and_existing_names(finished_run, capsys):
+def test_resume_refuses_a_different_config_and_existing_names(finished_run, capsys, tmp_path):
+    import shutil
+
     before = open(os.path.join(finished_run, "config.json")).read()
-    assert main(["train", "grpo", "--resume", finished_run, "--lr", "0.5"]) == 2
+    unfinished = str(tmp_path / "unfinished")  # the same run before its model/ was written
+    shutil.copytree(finished_run, unfinished, ignore=shutil.ignore_patterns("model", "*.lock"))
+    assert main(["train", "grpo", "--resume", unfinished, "--lr", "0.5"]) == 2
     assert "lr was 0.0001, now 0.5" in capsys.readouterr().err
+    assert main(["train", "grpo", "--resume", finished_run, "--lr", "0.5"]) == 0  # finished comes first: nothing to do
+    assert "already finished" in capsys.readouterr().out
     assert main(["train", "dpo", "--resume", finished_run]) == 2
     assert "is a 'grpo' run" in capsys.readouterr().err
     runs, name = os.path.split(finished_run)
