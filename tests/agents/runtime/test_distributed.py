@@ -103,7 +103,7 @@ def test_two_processes_match_one(runs, name):
     assert sorted({r["step"] for r in m2} - {0}) == [1, 2, 3]  # (SFT evaluates at step 0 too)
     for r2, r1 in zip(m2, m1):
         assert r2.keys() == r1.keys()
-        for k in r1:
+        for k in set(r1) - {"train/packed"}:  # packing='auto' decides on each rank's own rows: half the batch here
             assert r2[k] == pytest.approx(r1[k], rel=1e-4, abs=1e-5), (name, r1["step"], k)
 
 
