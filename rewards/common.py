@@ -12,7 +12,7 @@ import warnings
 from typing import Any, Callable, ClassVar, Iterable, Iterator, Mapping, NamedTuple, Sequence
 
 __all__ = ["PACKING", "F32_MAX", "TokengymWarning", "finite32", "TokengymDeprecationWarning", "check_config", "check_field_types", "quiet_transformers",
-           "FieldChecks", "Rename", "Renamed", "renamed_keys", "max_positions", "check_rows_fit"]
+           "FieldChecks", "Rename", "Renamed", "renamed_keys", "max_positions", "check_rows_fit", "read_secret_file"]
 
 PACKING = ("off", "bins", "auto")
 """The values of every trainer's ``packing`` setting (``tokengym.rewards.packing``): padded forwards, forwards
@@ -241,3 +241,23 @@ def check_rows_fit(model: Any, lengths: Sequence[int], name: Callable[[int], str
     if lengths[i] > limit:
         raise ValueError(f"{name(i)} is {lengths[i]} tokens long, over the model's {limit} positions "
                          f"(max_position_embeddings): {fix}")
+
+
+def read_secret_file(path: str, what: str) -> str:
+    """The first line of the secret file ``path``, stripped. ``ValueError`` in one line naming ``what`` (the setting)
+    when the file cannot be read, is empty, or may be read by every user: refused as ssh refuses such a private key.
+    The one reader of the worker's, the server's and the judge's secrets."""
+    import os
+    import stat
+
+    try:
+        mode = os.stat(path).st_mode
+        if mode & stat.S_IROTH:
+            raise ValueError(f"{what} {path!r} is readable by every user (mode {stat.S_IMODE(mode):o}); chmod 600 it")
+        with open(path, encoding="utf-8") as f:
+            secret = f.readline().strip()
+    except OSError as e:
+        raise ValueError(f"{what} {path!r} cannot be read: {e.strerror}") from None
+    if not secret:
+        raise ValueError(f"{what} {path!r} is empty")
+    return secret

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
+
+from .common import read_secret_file
 
 __all__ = ["Answer", "JudgeClient", "read_api_key"]
 
@@ -39,18 +40,7 @@ def read_api_key(api_key_env: str | None, api_key_file: str | None) -> str | Non
     """The API key from file ``api_key_file`` (refused when any user may read it) or else environment variable
     ``api_key_env`` (unset or empty: no key, as a local server needs none). ValueError in one line otherwise."""
     if api_key_file is not None:
-        try:
-            mode = os.stat(api_key_file).st_mode
-            if mode & stat.S_IROTH:
-                raise ValueError(f"api_key_file {api_key_file!r} is readable by every user (mode {stat.S_IMODE(mode):o}); "
-                                 f"chmod 600 it")
-            with open(api_key_file, encoding="utf-8") as f:
-                key = f.read().strip()
-        except OSError as e:
-            raise ValueError(f"api_key_file {api_key_file!r} cannot be read: {e.strerror}") from None
-        if not key:
-            raise ValueError(f"api_key_file {api_key_file!r} is empty")
-        return key
+        return read_secret_file(api_key_file, "api_key_file")
     return os.environ.get(api_key_env) or None if api_key_env else None
 
 

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from tokengym.envs.json_http import JsonHandler, ThreadedServer
-from tokengym.rewards.common import TokengymWarning
+from tokengym.rewards.common import TokengymWarning, read_secret_file
 from tokengym.agents.engine.backends import BACKENDS
 from tokengym.agents.engine.messages import MessageError, check_manifest, encode_rollout
 from tokengym.agents.engine.worker_pool import WorkerError, WorkerPool, full_named, stream_from_state, stream_state
@@ -69,14 +69,7 @@ def read_secret(path: str | None, missing: str = "rollout workers need a shared 
     """The shared secret: the file's first line (``path``), else ``$TOKENGYM_SECRET``; ``ValueError`` when neither
     gives one (``missing``, then ``or TOKENGYM_SECRET``: who needs it and how to give it)."""
     if path:
-        try:
-            with open(path, encoding="utf-8") as f:
-                secret = f.readline().strip()
-        except OSError as e:
-            raise ValueError(f"cannot read the secret file {path!r}: {e.strerror}") from None
-        if not secret:
-            raise ValueError(f"the secret file {path!r} is empty")
-        return secret.encode()
+        return read_secret_file(path, "the secret file").encode()
     secret = os.environ.get("TOKENGYM_SECRET", "").strip()
     if not secret:
         raise ValueError(f"{missing} or TOKENGYM_SECRET")

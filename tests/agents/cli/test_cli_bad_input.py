@@ -249,3 +249,24 @@ def test_a_read_only_runs_folder_is_one_line(tmp_path, capsys, monkeypatch):
                  "--name", "x"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "is not writable (read-only file system)" in err, err
+
+
+@pytest.mark.parametrize("argv", [["worker", "--listen", "127.0.0.1:0", "--secret-file"],
+                                  ["serve", "--model", "tiny", "--listen", "127.0.0.1:0", "--secret-file"],
+                                  ["train", "grpo", "--async-mode", "one-step", "--rollout-workers", "127.0.0.1:9",
+                                   "--threads", "1", "--worker-secret-file"]])
+def test_a_secret_file_every_user_may_read_is_refused_as_ssh_does(tmp_path, capsys, argv):
+    """The worker's, the server's and the learner's secret files go through the judge's one reader: mode 644 is one
+    line naming the file and its mode, exit 2, and nothing made; mode 600 gets past the check."""
+    secret = tmp_path / "secret"
+    secret.write_text("s3cret\n")
+    os.chmod(secret, 0o644)
+    code = main([*argv, str(secret), *(["--runs-dir", str(tmp_path / "runs")] if argv[0] == "train" else [])])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert f"{str(secret)!r} is readable by every user (mode 644); chmod 600 it" in err and "s3cret" not in err
+    assert not os.path.exists(tmp_path / "runs")
+    from tokengym.agents.engine.remote import read_secret
+
+    os.chmod(secret, 0o600)
+    assert read_secret(str(secret)) == b"s3cret"
