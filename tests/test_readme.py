@@ -218,15 +218,9 @@ def _params():
 
 
 def _real_model_installed(name: str = "smollm2-135m-instruct") -> bool:
-    import importlib.util
+    from tokengym.agents.engine.convert import missing
 
-    from tokengym.agents.engine.convert import find_gguf
-
-    try:
-        find_gguf(name)
-    except FileNotFoundError:
-        return False
-    return importlib.util.find_spec("gguf") is not None
+    return missing(name) is None
 
 
 @pytest.fixture(scope="module")

