@@ -316,6 +316,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--shapes", nargs="+", default=["fixed", "longtail", "multiturn", "multiturn_tool", "grpo"])
     ap.add_argument("--grpo-steps", type=int, default=3)
+    ap.add_argument("--sides", nargs="+", default=["tokengym", "vllm", "vllm_collect", "generate"],
+                    help="contenders (leave out `generate`, 2-20x behind both engines, for a shorter run)")
     ap.add_argument("--learn", action="store_true", help="the GRPO learning comparison instead of the speed runs")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--seeds", nargs="+", type=int, default=[1, 2])
@@ -337,11 +339,12 @@ def main() -> None:
     for dtype in args.dtypes:
         if "fixed" in args.shapes:
             for n in args.batch:
-                put(f"fixed_{dtype}_{n}", {s: run_child(__file__, ["--one", "fixed", s, dtype, t, str(n), str(args.repeats)])
-                                           for s in ("tokengym", "vllm", "generate")})
+                fx = put(f"fixed_{dtype}_{n}", {s: run_child(__file__, ["--one", "fixed", s, dtype, t, str(n), str(args.repeats)])
+                                                for s in ("tokengym", "vllm", "generate") if s in args.sides})
+                out[f"fixed{n}_vs_vllm_{dtype}"] = round(fx["tokengym"]["tok_s"] / fx["vllm"]["tok_s"], 3)
         if "longtail" in args.shapes:
             lt = put(f"longtail_{dtype}", {s: run_child(__file__, ["--one", "longtail", s, dtype, t, str(args.repeats)])
-                                           for s in ("tokengym", "vllm", "vllm_collect", "generate")})
+                                           for s in ("tokengym", "vllm", "vllm_collect", "generate") if s in args.sides})
             out[f"longtail_vs_vllm_{dtype}"] = round(lt["tokengym"]["tok_s"] / lt["vllm"]["tok_s"], 3)
         for shape in ("multiturn", "multiturn_tool"):
             if shape in args.shapes:
