@@ -56,7 +56,8 @@ def _digit(env):
 
 
 @pytest.mark.parametrize("versions", [lambda call, row: 3 + (call >= 2),  # the weights changed between rounds
-                                      lambda call, row: 3 + row])  # rows of one round from two versions
+                                      lambda call, row: 3 + row],  # rows of one round from two versions
+                         ids=["between-rounds", "within-a-round"])
 def test_a_rollout_from_two_weight_versions_is_refused(versions):
     env = TokenVectorEnv(2, "arithmetic", max_new_tokens=4)
     with pytest.raises(RuntimeError, match=r"^Versioned answered with weights of versions 3 and 4 in one rollout$"):
