@@ -468,6 +468,7 @@ class RemoteWorkers(WorkerPool):
     POLL = 2.0  # seconds a /v1/next waits on the worker
     CALL_TIMEOUT = 60.0  # seconds any other call may take (a join builds the env and the model)
     PROBE_EVERY = 5.0  # seconds between asking a lost worker whether it is back
+    PROBE_TIMEOUT = 5.0  # seconds a worker that did not take a sync has to say whether it still serves the session
 
     def __init__(self, addresses: list[str], secret: bytes, env: Any, policy: Any, *, rows: int, max_staleness: int,
                  exact: bool, version: int, state: dict[str, Any] | None, seed: int, bf16: bool = False,
@@ -657,13 +658,33 @@ class RemoteWorkers(WorkerPool):
             slot = next((s for s in self.live if e.sync is self.live[s]["sync"]), None)
             if slot is None or version == STOP:
                 raise
+            lost = e.lost or self._gone_why(slot)  # a worker that is gone is named as lost, not as late
             if len(self.live) - 1 < self.min_workers:
-                if e.lost is None:  # late or refused: the message says which
+                if lost is None:  # late or refused: the message says which
                     raise
-                raise WorkerError(self._lost_text(slot, e.lost)) from None
+                raise WorkerError(self._lost_text(slot, lost)) from None
             # the learner's thread handles it (re-plans without the worker and sends these weights again)
-            self.inbox.put(("lost", slot, self.generation, str(e)))
+            self.inbox.put(("lost", slot, self.generation, lost or str(e)))
             return 0.0
+
+    def _gone_why(self, slot: int) -> str | None:
+        """Why worker ``slot`` is gone, after a sync it did not take: its fetcher's finding if it has one, else the
+        worker's own answer (no connection, or its session ended); None when it answers as serving the session or
+        does not answer within ``PROBE_TIMEOUT`` (stopped or overloaded: late, not lost). Whichever thread notices
+        a lost worker first, the run names it as lost."""
+        session = self.live.get(slot, {}).get("session")
+        if session in self.gone:
+            return self.gone[session]
+        try:
+            status, reply = call(self.addresses[slot], "/v1/hello", {}, self.secret, self.PROBE_TIMEOUT)
+        except TimeoutError:
+            return None
+        except OSError as e:
+            return f"{type(e).__name__}: {e}"
+        hello = _json_object(reply)
+        if status == 200 and hello is not None and hello.get("session") != session:
+            return "its session ended (the worker was restarted, or its session failed: see the worker's log)"
+        return None
 
     def _send_file(self, version: int) -> float:
         """A version as ``<sync_dir>/<learner>-v<version>.safetensors`` (written whole, then renamed), which each

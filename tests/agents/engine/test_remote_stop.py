@@ -1,0 +1,105 @@
+"""How a run with remote rollout workers stops (agents/engine/remote.py, worker_pool.py): a lost worker is named as
+lost whichever thread notices first, Ctrl-C ends the run promptly and leaves it resumable, and ``--sync-dir``
+follows ``--min-workers`` as the weight group does. The orders are forced with a mocked transport (no timing)."""
+
+import queue
+
+import pytest
+
+import tokengym.agents.engine.remote as R
+from tokengym.agents.engine.sources import WorkerError
+from tokengym.agents.runtime.weight_sync import WeightSyncError
+
+TIMEOUT_TEXT = ("weight sync of policy version 3 failed: rollout worker 127.0.0.1:9 did not take it within 300 s "
+                "(sync_timeout) (no acknowledgement)")
+
+
+def bare_pool(workers=1, min_workers=0):
+    """A RemoteWorkers with ``workers`` live sessions and no process or socket behind them: the transport (``send``,
+    ``call``) is the test's."""
+    pool = object.__new__(R.RemoteWorkers)
+    pool.addresses = [f"127.0.0.1:{9 + i}" for i in range(workers)]
+    pool.secret, pool.timeout, pool.bucket, pool.sync_dir = b"s", 300.0, 1 << 20, ""
+    pool.min_workers, pool.next, pool.generation = min_workers or workers, 5, 1
+    pool.live = {i: {"session": f"s{i}", "sync": object()} for i in range(workers)}
+    pool.gone, pool.lost, pool.inbox, pool.files = {}, {}, queue.Queue(), []
+    pool.named, pool.manifest = lambda: iter(()), []
+    pool._pending, pool._failed, pool.sync_seconds, pool.version, pool.taken = None, None, 0.0, -1, b""
+    return pool
+
+
+def late(pool, slot=0):
+    """A ``send`` whose sync of worker ``slot`` times out (late, not lost: ``lost`` unset)."""
+
+    def send(syncs, version, named, manifest, bucket):
+        err = WeightSyncError(TIMEOUT_TEXT)
+        err.sync = pool.live[slot]["sync"]
+        raise err
+
+    return send
+
+
+def answers(*replies):
+    """A ``call`` that gives ``replies`` in turn (an exception is raised), recording each path asked."""
+    asked, left = [], list(replies)
+
+    def call(address, path, body, secret, timeout):
+        asked.append(path)
+        reply = left.pop(0)
+        if isinstance(reply, BaseException):
+            raise reply
+        return reply
+
+    call.asked = asked
+    return call
+
+
+def lost_line(why, address="127.0.0.1:9"):
+    return (f"rollout worker {address} was lost before rollout 5 ({why}); the run stops (its checkpoints are intact: "
+            "resume it, or let it go on without the worker with --min-workers)")
+
+
+# ---------------------------------------------------------------------------------------------- who noticed first
+def test_the_fetcher_noticed_first_then_the_sync_timed_out_the_run_names_the_lost_worker(monkeypatch):
+    """Forced order: the worker's fetcher found it gone (its session's entry in ``gone``), then the weight sync
+    failed as late. The run stops naming the lost worker, not a 300-s timeout; no probe is needed."""
+    pool = bare_pool()
+    pool.gone["s0"] = "ConnectionRefusedError: [Errno 111] Connection refused"
+    monkeypatch.setattr(R, "send", late(pool))
+    monkeypatch.setattr(R, "call", answers())  # (asking the worker would fail the test: nothing is left to answer)
+    pool.publish(3, wait=False)  # in the sync's thread, as a run does
+    with pytest.raises(WorkerError) as caught:
+        pool.settle()
+    assert str(caught.value) == lost_line("ConnectionRefusedError: [Errno 111] Connection refused")
+
+
+@pytest.mark.parametrize("reply,lost", [
+    (ConnectionRefusedError(111, "Connection refused"), "ConnectionRefusedError: [Errno 111] Connection refused"),
+    ((200, b'{"protocol": 1, "busy": false, "session": null}'),
+     "its session ended (the worker was restarted, or its session failed: see the worker's log)"),
+    (TimeoutError("timed out"), None),  # stopped or overloaded: late, and the timeout is the line
+    ((200, b'{"protocol": 1, "busy": true, "session": "s0"}'), None),  # serving it: late
+])
+def test_the_sync_noticed_first_the_worker_is_asked_and_a_gone_one_is_named_as_lost(monkeypatch, reply, lost):
+    """Forced order: the sync timed out before the fetcher said anything. The learner asks the worker: gone (no
+    connection, or its session ended) is the lost worker's line; a worker that serves the session, or says nothing
+    (SIGSTOP), is late and the timeout's line stands."""
+    pool = bare_pool()
+    call = answers(reply)
+    monkeypatch.setattr(R, "send", late(pool))
+    monkeypatch.setattr(R, "call", call)
+    with pytest.raises(WorkerError) as caught:
+        pool.publish(3)
+    assert str(caught.value) == (lost_line(lost) if lost else TIMEOUT_TEXT) and call.asked == ["/v1/hello"]
+
+
+def test_under_min_workers_the_lost_worker_goes_to_the_learner_thread_by_name(monkeypatch):
+    """Two workers, one may go: the sync that timed out on a worker the fetcher found gone hands it to the learner's
+    thread as lost (with the fetcher's reason), to be re-planned without."""
+    pool = bare_pool(workers=2, min_workers=1)
+    pool.gone["s1"] = "RemoteDisconnected: Remote end closed connection without response"
+    monkeypatch.setattr(R, "send", late(pool, slot=1))
+    monkeypatch.setattr(R, "call", answers())
+    pool.publish(3)
+    assert pool.inbox.get_nowait() == ("lost", 1, 1, "RemoteDisconnected: Remote end closed connection without response")
+
