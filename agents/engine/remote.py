@@ -46,7 +46,7 @@ from tokengym.agents.engine.backends import BACKENDS
 from tokengym.agents.engine.messages import MessageError, check_manifest, encode_rollout
 from tokengym.agents.engine.worker_pool import WorkerError, WorkerPool, full_named, stream_from_state, stream_state
 from tokengym.agents.engine.worker_loop import WorkerLoop, weight_manifest
-from tokengym.agents.runtime.weight_sync import DEFAULT_BUCKET, STOP, WeightSync, WeightSyncError, send
+from tokengym.agents.runtime.weight_sync import DEFAULT_BUCKET, STOP, WeightSync, WeightSyncError, send, send_stop
 
 __all__ = ["WorkerServer", "RemoteWorkers", "parse_address", "read_secret", "worker_env_spec", "build_env", "PROTOCOL",
            "check_workers_reachable", "check_sync_dir", "check_sync_host"]
@@ -468,6 +468,7 @@ class RemoteWorkers(WorkerPool):
     POLL = 2.0  # seconds a /v1/next waits on the worker
     CALL_TIMEOUT = 60.0  # seconds any other call may take (a join builds the env and the model)
     PROBE_EVERY = 5.0  # seconds between asking a lost worker whether it is back
+    LEAVE_TIMEOUT = 5.0  # seconds a worker has to take the end of its session (all workers at once)
     PROBE_TIMEOUT = 5.0  # seconds a worker that did not take a sync has to say whether it still serves the session
 
     def __init__(self, addresses: list[str], secret: bytes, env: Any, policy: Any, *, rows: int, max_staleness: int,
@@ -557,9 +558,20 @@ class RemoteWorkers(WorkerPool):
             t.start()
 
     def _end_sessions(self) -> None:
-        for slot, s in list(self.live.items()):
+        """Tell every live worker its session ends, all at once: a worker that does not answer (stopped, or its
+        machine gone) costs one ``LEAVE_TIMEOUT``, not one per worker."""
+
+        def leave(slot: int, session: str) -> None:
             with contextlib.suppress(Exception):
-                call(self.addresses[slot], "/v1/leave", {"session": s["session"]}, self.secret, 5.0)
+                call(self.addresses[slot], "/v1/leave", {"session": session}, self.secret, self.LEAVE_TIMEOUT)
+
+        threads = [threading.Thread(target=leave, args=(slot, s["session"]), name=f"leave-{slot}", daemon=True)
+                   for slot, s in self.live.items()]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + self.LEAVE_TIMEOUT + 1.0
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
         self.live.clear()
 
     def _fetch(self, slot: int, session: str, generation: int) -> None:
@@ -711,9 +723,8 @@ class RemoteWorkers(WorkerPool):
         return time.perf_counter() - t0
 
     def _shutdown(self) -> None:
-        if self.live and self.store is not None:
-            with contextlib.suppress(Exception):
-                send([s["sync"] for s in self.live.values()], STOP, (), [], self.bucket)
+        if self.live and self.store is not None and not self._in_flight():  # (after Ctrl-C a sync may still run)
+            send_stop([s["sync"] for s in self.live.values()])
         self._end_sessions()
         for path in self.files:
             with contextlib.suppress(OSError):

@@ -21,7 +21,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["WeightSync", "WeightSyncError", "STOP", "layout", "nbytes", "views", "send", "DEFAULT_BUCKET"]
+__all__ = ["WeightSync", "WeightSyncError", "STOP", "layout", "nbytes", "views", "send", "send_stop", "DEFAULT_BUCKET"]
 
 STOP = -1
 """The header version that tells the workers to stop."""
@@ -288,6 +288,29 @@ def _wait(work, sync: WeightSync, version: int) -> None:
             raise sync._broke(version, why)
         time.sleep(min(0.05, max(1e-5, (time.monotonic() - t0) / 10)))
     work.wait()
+
+
+def send_stop(syncs: Sequence[WeightSync], limit: float = 5.0) -> bool:
+    """Tell the workers of ``syncs`` to stop, waiting at most ``limit`` seconds; whether they all took it. The
+    broadcast runs in a daemon thread that keeps the groups alive when it does not finish: a group destroyed with a
+    broadcast in flight waits out its timeout first (a stopped or unreachable worker would hold up the exit)."""
+    import threading
+
+    if not syncs:
+        return True
+    done = threading.Event()
+
+    def stop() -> None:
+        try:
+            send(syncs, STOP, (), [])
+            done.set()
+        except Exception:  # noqa: BLE001 (a worker that did not take it: the caller goes on closing)
+            pass
+
+    t = threading.Thread(target=stop, name="weight-sync-stop", daemon=True)
+    t.start()
+    t.join(limit)
+    return done.is_set()
 
 
 def _bucket(syncs: Sequence[WeightSync], n: int, dev: torch.device) -> torch.Tensor:

@@ -2,7 +2,12 @@
 lost whichever thread notices first, Ctrl-C ends the run promptly and leaves it resumable, and ``--sync-dir``
 follows ``--min-workers`` as the weight group does. The orders are forced with a mocked transport (no timing)."""
 
+import os
 import queue
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -103,3 +108,67 @@ def test_under_min_workers_the_lost_worker_goes_to_the_learner_thread_by_name(mo
     pool.publish(3)
     assert pool.inbox.get_nowait() == ("lost", 1, 1, "RemoteDisconnected: Remote end closed connection without response")
 
+
+# ---------------------------------------------------------------------------------------------- Ctrl-C
+SECRET = "ctrl-c-test-secret"
+
+
+def start_worker():
+    """A ``tokengym worker`` on loopback in a process group of its own; ``(process, address)`` once it listens."""
+    import re
+
+    proc = subprocess.Popen([sys.executable, "-m", "tokengym.agents.cli", "worker", "--listen", "127.0.0.1:0",
+                             "--threads", "1"], stdout=subprocess.PIPE, text=True, start_new_session=True,
+                            env=dict(os.environ, TOKENGYM_SECRET=SECRET))
+    found = re.search(r"listening on (\S+) ", proc.stdout.readline())
+    assert found, "the worker did not start"
+    return proc, found.group(1)
+
+
+def test_ctrl_c_while_a_worker_stopped_answering_exits_within_one_sync_timeout_and_the_run_resumes(tmp_path):
+    """A remote worker frozen (SIGSTOP) while the learner trains, so a sync waits on it; Ctrl-C to the learner: it
+    exits with its one line within one --sync-timeout and a few seconds (it used to wait out the sync in flight,
+    and then the stop message), and the run resumes from its last checkpoint to the end."""
+    import json
+
+    timeout = 20
+    worker, address = start_worker()
+    env = dict(os.environ, TOKENGYM_SECRET=SECRET)
+    run = tmp_path / "r"
+    args = ["train", "grpo", "--steps", "12", "--prompts", "2", "--group-size", "4", "--eval-prompts", "0",
+            "--threads", "1", "--progress", "false", "--save-every", "1", "--async-mode", "bounded",
+            "--max-staleness", "1", "--rollout-workers", address, "--sync-timeout", str(timeout)]
+    learner = subprocess.Popen([sys.executable, "-m", "tokengym.agents.cli", *args, "--runs-dir", str(tmp_path),
+                                "--name", "r"], env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                               start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + 300
+        while learner.poll() is None and time.monotonic() < deadline:
+            if (run / "metrics.jsonl").exists() and len((run / "metrics.jsonl").read_text().splitlines()) >= 2:
+                break
+            time.sleep(0.1)
+        assert learner.poll() is None, learner.stderr.read().decode()[-2000:]
+        os.killpg(worker.pid, signal.SIGSTOP)
+        learner.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + timeout + 10  # (a generous bound: the fix exits in a few seconds)
+        while learner.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        exited = learner.poll() is not None
+    finally:
+        if learner.poll() is None:
+            os.killpg(learner.pid, signal.SIGKILL)
+            learner.wait()
+        os.killpg(worker.pid, signal.SIGCONT)
+    try:
+        err = learner.stderr.read().decode()
+        assert exited, f"the learner was still running {timeout + 10} s after Ctrl-C"
+        assert learner.returncode == 130 and err.strip().splitlines()[-1] == "tokengym: interrupted", err[-2000:]
+        assert "Traceback" not in err, err[-2000:]
+        resumed = subprocess.run([sys.executable, "-m", "tokengym.agents.cli", "train", "grpo", "--resume", str(run),
+                                  "--progress", "false"], env=env, capture_output=True, text=True, timeout=300)
+        assert resumed.returncode == 0, resumed.stderr[-2000:]
+        steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+        assert steps[-1] == 12 and sorted(set(steps)) == list(range(steps[0], 13))
+    finally:
+        os.killpg(worker.pid, signal.SIGKILL)
+        worker.wait()
