@@ -708,14 +708,24 @@ class RemoteWorkers(WorkerPool):
         tmp = path + ".tmp"
         save_file({n: t.detach().to("cpu").contiguous() for n, t in self.named()}, tmp, metadata={"version": str(version)})
         os.replace(tmp, path)
+        dropped = 0
         for slot, s in sorted(self.live.items()):
             try:
                 status, reply = call(self.addresses[slot], "/v1/weights",
                                      {"session": s["session"], "version": version, "path": path}, self.secret, self.timeout)
             except OSError as e:
-                raise WorkerError(self._lost_text(slot, f"weights of version {version}: {type(e).__name__}: {e}")) from None
-            if status != 200:
-                raise WorkerError(f"{self._label(slot)} {_error_text(reply)}")
+                lost = f"weights of version {version}: {type(e).__name__}: {e}"
+            else:
+                if status == 200:
+                    continue
+                lost = self._gone_why(slot)  # (its session ended: lost; else it refused the version)
+                if len(self.live) - dropped - 1 < self.min_workers and lost is None:
+                    raise WorkerError(f"{self._label(slot)} {_error_text(reply)}")
+            if len(self.live) - dropped - 1 < self.min_workers:
+                raise WorkerError(self._lost_text(slot, lost or _error_text(reply)))
+            # as over a weight group: the learner's thread re-plans without the worker (--min-workers)
+            self.inbox.put(("lost", slot, self.generation, lost or _error_text(reply)))
+            dropped += 1
         self.files.append(path)
         while len(self.files) > 2:
             with contextlib.suppress(OSError):

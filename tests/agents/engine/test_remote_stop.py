@@ -109,6 +109,37 @@ def test_under_min_workers_the_lost_worker_goes_to_the_learner_thread_by_name(mo
     assert pool.inbox.get_nowait() == ("lost", 1, 1, "RemoteDisconnected: Remote end closed connection without response")
 
 
+# ---------------------------------------------------------------------------------------------- --sync-dir
+def weights_of_a_model():
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    return [("a.weight", torch.randn(16, 8, generator=g)), ("b.bias", torch.randn(8, generator=g)),
+            ("c.weight", torch.randn(40, 30, generator=g)), ("d.weight", torch.randn(6, 5, generator=g))]
+
+
+@pytest.mark.parametrize("min_workers,goes_on", [(1, True), (2, False)])
+def test_a_worker_lost_during_a_file_sync_follows_min_workers(monkeypatch, tmp_path, min_workers, goes_on):
+    """--sync-dir, two workers, the second gone when the version's file is offered (forced: its call fails). With
+    --min-workers 1 the learner's thread gets it as lost (it re-plans and warns, as over a weight group); without,
+    the run stops in the lost worker's line."""
+    from tokengym.agents.engine.messages import manifest
+
+    pool = bare_pool(workers=2, min_workers=min_workers)
+    named = weights_of_a_model()
+    pool.sync_dir, pool.learner, pool.named, pool.manifest = str(tmp_path), "L", lambda: iter(named), manifest(named)
+    refused = ConnectionRefusedError(111, "Connection refused")
+    monkeypatch.setattr(R, "call", answers((200, b'{"ok": true}'), refused))
+    why = "weights of version 3: ConnectionRefusedError: [Errno 111] Connection refused"
+    if goes_on:
+        pool.publish(3)
+        assert pool.inbox.get_nowait() == ("lost", 1, 1, why)
+    else:
+        with pytest.raises(WorkerError) as caught:
+            pool.publish(3)
+        assert str(caught.value) == lost_line(why, "127.0.0.1:10")
+
+
 # ---------------------------------------------------------------------------------------------- Ctrl-C
 SECRET = "ctrl-c-test-secret"
 
