@@ -461,7 +461,8 @@ class RemoteWorkers(WorkerPool):
         sync_host, sync_port: where the learner's weight store listens (empty host: this machine's address on the
             route to the first worker; port 0: a free one).
         sync_dir: a folder the learner and every worker read (a shared filesystem): versions go there as safetensors
-            files instead of over a weight group (where none can be formed; the whole model is written each time).
+            pieces of at most ``bucket`` bytes and a manifest (:mod:`~tokengym.agents.engine.sync_files`) instead
+            of over a weight group (where none can be formed).
         The rest as :class:`~tokengym.agents.engine.workers.RolloutWorkers`.
     """
 
@@ -699,15 +700,19 @@ class RemoteWorkers(WorkerPool):
         return None
 
     def _send_file(self, version: int) -> float:
-        """A version as ``<sync_dir>/<learner>-v<version>.safetensors`` (written whole, then renamed), which each
-        worker reads and checks; the file of the version before stays until the next one is taken."""
-        from safetensors.torch import save_file
+        """A version as safetensors pieces of at most ``bucket`` bytes and a manifest written last
+        (:func:`~tokengym.agents.engine.sync_files.write_version`), which each worker reads and checks piece by
+        piece; the files of the version before stay until the next one is taken."""
+        from tokengym.agents.engine.sync_files import write_version
 
         t0 = time.perf_counter()
-        path = os.path.join(self.sync_dir, f"{self.learner}-v{version}.safetensors")
-        tmp = path + ".tmp"
-        save_file({n: t.detach().to("cpu").contiguous() for n, t in self.named()}, tmp, metadata={"version": str(version)})
-        os.replace(tmp, path)
+        try:
+            paths = write_version(self.sync_dir, self.learner, version, self.named(), self.manifest, self.bucket)
+        except OSError as e:
+            raise WorkerError(f"policy version {version} cannot be written to --sync-dir {self.sync_dir} "
+                              f"({type(e).__name__}: {e.strerror or e}); the run stops (its checkpoints are intact)") from None
+        self.files.append(paths)
+        path = paths[-1]
         dropped = 0
         for slot, s in sorted(self.live.items()):
             try:
@@ -726,16 +731,19 @@ class RemoteWorkers(WorkerPool):
             # as over a weight group: the learner's thread re-plans without the worker (--min-workers)
             self.inbox.put(("lost", slot, self.generation, lost or _error_text(reply)))
             dropped += 1
-        self.files.append(path)
         while len(self.files) > 2:
-            with contextlib.suppress(OSError):
-                os.remove(self.files.pop(0))
+            self._remove(self.files.pop(0))
         return time.perf_counter() - t0
+
+    @staticmethod
+    def _remove(paths: list[str]) -> None:
+        for path in paths:
+            with contextlib.suppress(OSError):
+                os.remove(path)
 
     def _shutdown(self) -> None:
         if self.live and self.store is not None and not self._in_flight():  # (after Ctrl-C a sync may still run)
             send_stop([s["sync"] for s in self.live.values()])
         self._end_sessions()
-        for path in self.files:
-            with contextlib.suppress(OSError):
-                os.remove(path)
+        for paths in self.files:
+            self._remove(paths)

@@ -140,6 +140,93 @@ def test_a_worker_lost_during_a_file_sync_follows_min_workers(monkeypatch, tmp_p
         assert str(caught.value) == lost_line(why, "127.0.0.1:10")
 
 
+def two_models():
+    """A learner's and a worker's copy of one architecture, with different weights: one tensor (4800 bytes) is larger
+    than the bucket the test uses, the others fit several to a piece."""
+    import torch
+
+    def model(seed):
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 12), torch.nn.Linear(30, 40),
+                                   torch.nn.Linear(40, 4))
+
+    return model(0), model(1)
+
+
+def test_a_file_sync_writes_pieces_within_the_bucket_and_the_worker_loads_them_exactly(tmp_path):
+    import json
+    import types
+
+    import torch
+
+    from tokengym.agents.engine.sync_files import write_version
+    from tokengym.agents.engine.worker_loop import WorkerLoop, weight_manifest
+
+    learner, worker = two_models()
+    bucket = 2048
+    paths = write_version(str(tmp_path), "L", 7, learner.named_parameters(), weight_manifest(learner), bucket)
+    assert paths[-1] == str(tmp_path / "L-v7.json") and sorted(os.listdir(tmp_path)) == sorted(map(os.path.basename, paths))
+    head = json.loads(open(paths[-1]).read())
+    over = [p for p in head["pieces"] if os.path.getsize(tmp_path / p["file"]) > bucket]
+    assert len(head["pieces"]) >= 3 and len(paths) == len(head["pieces"]) + 1
+    assert [[t[0] for t in p["tensors"]] for p in over] == [["2.weight"]]  # the one larger than the bucket, alone
+    assert all(os.path.getsize(tmp_path / p["file"]) == p["bytes"] for p in head["pieces"])
+
+    loop = WorkerLoop({"exact": True}, None, types.SimpleNamespace(model=worker), None, None)
+    assert loop.offer_file(7, paths[-1]) is None
+    loop._load(loop.versions.pop(7))
+    assert all(torch.equal(p, q) for p, q in zip(learner.parameters(), worker.parameters()))
+
+
+@pytest.mark.parametrize("harm,line", [
+    ("remove", r"^piece L-v7-1\.safetensors of the version is missing or unreadable \(FileNotFoundError: .*\)$"),
+    ("flip", r"^piece L-v7-1\.safetensors of the version is damaged \(\d+ bytes of \d+, or its checksum differs\); the "
+             r"version is refused$"),
+    ("cut", r"^piece L-v7-1\.safetensors of the version is damaged \(\d+ bytes of \d+, or its checksum differs\); the "
+            r"version is refused$"),
+])
+def test_a_missing_or_damaged_piece_is_refused_in_one_line_and_nothing_of_it_is_loaded(tmp_path, harm, line):
+    import re
+    import types
+
+    import torch
+
+    from tokengym.agents.engine.sync_files import write_version
+    from tokengym.agents.engine.worker_loop import WorkerLoop, weight_manifest
+
+    learner, worker = two_models()
+    before = [p.detach().clone() for p in worker.parameters()]
+    paths = write_version(str(tmp_path), "L", 7, learner.named_parameters(), weight_manifest(learner), 2048)
+    piece = tmp_path / "L-v7-1.safetensors"
+    data = piece.read_bytes()
+    if harm == "remove":
+        piece.unlink()
+    else:
+        piece.write_bytes(data[:-1] + bytes([data[-1] ^ 1]) if harm == "flip" else data[:-3])
+    loop = WorkerLoop({"exact": True}, None, types.SimpleNamespace(model=worker), None, None)
+    refusal = loop.offer_file(7, paths[-1])
+    assert refusal is not None and re.match(line, refusal), refusal
+    assert loop.versions == {} and all(torch.equal(p, q) for p, q in zip(before, worker.parameters()))
+
+
+def test_a_file_sync_keeps_two_versions_and_the_pool_removes_its_files_at_the_end(monkeypatch, tmp_path):
+    """Each version's pieces and manifest replace the version before last; closing the pool removes the rest."""
+    from tokengym.agents.engine.messages import manifest
+
+    pool = bare_pool()
+    named = weights_of_a_model()
+    pool.sync_dir, pool.learner, pool.named, pool.manifest = str(tmp_path), "L", lambda: iter(named), manifest(named)
+    pool.bucket, pool.store = 1024, None
+    monkeypatch.setattr(R, "call", lambda *a: (200, b'{"ok": true}'))
+    for v in (1, 2, 3):
+        pool.publish(v)
+    left = sorted(os.listdir(tmp_path))
+    assert {f.split("-")[1].split(".")[0] for f in left} == {"v2", "v3"} and "L-v3.json" in left
+    assert len(left) > 4  # pieces (the 4800-byte tensor alone), not one file a version
+    pool.close()
+    assert os.listdir(tmp_path) == []
+
+
 # ---------------------------------------------------------------------------------------------- Ctrl-C
 SECRET = "ctrl-c-test-secret"
 
