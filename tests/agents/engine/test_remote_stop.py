@@ -228,6 +228,37 @@ def test_a_file_sync_keeps_two_versions_and_the_pool_removes_its_files_at_the_en
 
 
 # ---------------------------------------------------------------------------------------------- Ctrl-C
+def test_closing_after_ctrl_c_does_not_wait_for_a_sync_in_flight_and_still_ends_the_sessions(monkeypatch):
+    """A sync stuck on a frozen worker (forced: its ``send`` blocks until the test lets it go, as a real one would
+    for ``--sync-timeout``) while Ctrl-C closes the pool: the close returns without waiting for it and without
+    sending the stop message behind it, and the worker's session is still ended."""
+    import threading
+
+    pool = bare_pool()
+    pool.store = object()
+    stuck, release = threading.Event(), threading.Event()
+
+    def send(syncs, version, named, manifest, bucket):
+        stuck.set()
+        release.wait()
+        return 0.0
+
+    asked = []
+    monkeypatch.setattr(R, "send", send)
+    monkeypatch.setattr(R, "send_stop", lambda syncs: asked.append("stop"))
+    monkeypatch.setattr(R, "call", lambda address, path, body, secret, timeout: asked.append(path) or (200, b"{}"))
+    pool.publish(3, wait=False)
+    assert stuck.wait(60)
+    closing = threading.Thread(target=pool.close, args=(True,), daemon=True)
+    closing.start()
+    closing.join(60)  # (a generous bound: the sync never ends on its own, so a close that waits for it never returns)
+    try:
+        assert not closing.is_alive(), "closing after Ctrl-C waited for the sync in flight"
+        assert asked == ["/v1/leave"] and pool.live == {}
+    finally:
+        release.set()
+
+
 SECRET = "ctrl-c-test-secret"
 
 
@@ -243,6 +274,7 @@ def start_worker():
     return proc, found.group(1)
 
 
+@pytest.mark.slow  # (about 75 s alone: two runs of the CLI and a worker)
 def test_ctrl_c_while_a_worker_stopped_answering_exits_within_one_sync_timeout_and_the_run_resumes(tmp_path):
     """A remote worker frozen (SIGSTOP) while the learner trains, so a sync waits on it; Ctrl-C to the learner: it
     exits with its one line within one --sync-timeout and a few seconds (it used to wait out the sync in flight,
