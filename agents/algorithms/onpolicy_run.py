@@ -110,14 +110,18 @@ class RunMixin:
         if self.global_step == 0:
             self.policy.seed(cfg.seed)
         self._source = self.make_source(env)
+        interrupted = False
         try:
             history = self._learn(env, eval_env, eval_samples, callback)
             if cfg.async_mode != "off":  # a later learn() call continues the workers' streams
                 self._async_state = self._source.state_dict()
             return history
+        except KeyboardInterrupt:  # Ctrl-C: close without waiting for a weight sync in flight
+            interrupted = True
+            raise
         finally:
             source, self._source = self._source, None
-            source.close()
+            source.close(True) if interrupted else source.close()  # (a source of one's own may take no argument)
 
     def _learn(self, env, eval_env, eval_samples, callback) -> list[dict[str, float]]:
         cfg = self.config

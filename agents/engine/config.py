@@ -68,7 +68,8 @@ class EngineConfig(SeedConfig):
     """Async, remote workers: the weight store's TCP port (0: a free port)."""
     sync_dir: str = resumable("")
     """Async, remote workers: a folder the learner and every worker can read (a shared filesystem); each version goes
-    there as a safetensors file instead of over a weight group, for networks where no group can be formed."""
+    there as safetensors pieces of at most ``sync_bucket_mb`` and a manifest, instead of over a weight group, for
+    networks where no group can be formed."""
     sync_bucket_mb: float = resumable(16.0)
     """Async: MiB per weight-sync bucket; the learner's extra memory for syncs is one bucket (kept between them) and,
     during one, one gathered tensor."""

@@ -46,7 +46,7 @@ from tokengym.agents.engine.backends import BACKENDS
 from tokengym.agents.engine.messages import MessageError, check_manifest, encode_rollout
 from tokengym.agents.engine.worker_pool import WorkerError, WorkerPool, full_named, stream_from_state, stream_state
 from tokengym.agents.engine.worker_loop import WorkerLoop, weight_manifest
-from tokengym.agents.runtime.weight_sync import DEFAULT_BUCKET, STOP, WeightSync, WeightSyncError, send
+from tokengym.agents.runtime.weight_sync import DEFAULT_BUCKET, STOP, WeightSync, WeightSyncError, send, send_stop
 
 __all__ = ["WorkerServer", "RemoteWorkers", "parse_address", "read_secret", "worker_env_spec", "build_env", "PROTOCOL",
            "check_workers_reachable", "check_sync_dir", "check_sync_host"]
@@ -461,13 +461,16 @@ class RemoteWorkers(WorkerPool):
         sync_host, sync_port: where the learner's weight store listens (empty host: this machine's address on the
             route to the first worker; port 0: a free one).
         sync_dir: a folder the learner and every worker read (a shared filesystem): versions go there as safetensors
-            files instead of over a weight group (where none can be formed; the whole model is written each time).
+            pieces of at most ``bucket`` bytes and a manifest (:mod:`~tokengym.agents.engine.sync_files`) instead
+            of over a weight group (where none can be formed).
         The rest as :class:`~tokengym.agents.engine.workers.RolloutWorkers`.
     """
 
     POLL = 2.0  # seconds a /v1/next waits on the worker
     CALL_TIMEOUT = 60.0  # seconds any other call may take (a join builds the env and the model)
     PROBE_EVERY = 5.0  # seconds between asking a lost worker whether it is back
+    LEAVE_TIMEOUT = 5.0  # seconds a worker has to take the end of its session (all workers at once)
+    PROBE_TIMEOUT = 5.0  # seconds a worker that did not take a sync has to say whether it still serves the session
 
     def __init__(self, addresses: list[str], secret: bytes, env: Any, policy: Any, *, rows: int, max_staleness: int,
                  exact: bool, version: int, state: dict[str, Any] | None, seed: int, bf16: bool = False,
@@ -556,9 +559,20 @@ class RemoteWorkers(WorkerPool):
             t.start()
 
     def _end_sessions(self) -> None:
-        for slot, s in list(self.live.items()):
+        """Tell every live worker its session ends, all at once: a worker that does not answer (stopped, or its
+        machine gone) costs one ``LEAVE_TIMEOUT``, not one per worker."""
+
+        def leave(slot: int, session: str) -> None:
             with contextlib.suppress(Exception):
-                call(self.addresses[slot], "/v1/leave", {"session": s["session"]}, self.secret, 5.0)
+                call(self.addresses[slot], "/v1/leave", {"session": session}, self.secret, self.LEAVE_TIMEOUT)
+
+        threads = [threading.Thread(target=leave, args=(slot, s["session"]), name=f"leave-{slot}", daemon=True)
+                   for slot, s in self.live.items()]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + self.LEAVE_TIMEOUT + 1.0
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
         self.live.clear()
 
     def _fetch(self, slot: int, session: str, generation: int) -> None:
@@ -657,43 +671,79 @@ class RemoteWorkers(WorkerPool):
             slot = next((s for s in self.live if e.sync is self.live[s]["sync"]), None)
             if slot is None or version == STOP:
                 raise
+            lost = e.lost or self._gone_why(slot)  # a worker that is gone is named as lost, not as late
             if len(self.live) - 1 < self.min_workers:
-                if e.lost is None:  # late or refused: the message says which
+                if lost is None:  # late or refused: the message says which
                     raise
-                raise WorkerError(self._lost_text(slot, e.lost)) from None
+                raise WorkerError(self._lost_text(slot, lost)) from None
             # the learner's thread handles it (re-plans without the worker and sends these weights again)
-            self.inbox.put(("lost", slot, self.generation, str(e)))
+            self.inbox.put(("lost", slot, self.generation, lost or str(e)))
             return 0.0
 
+    def _gone_why(self, slot: int) -> str | None:
+        """Why worker ``slot`` is gone, after a sync it did not take: its fetcher's finding if it has one, else the
+        worker's own answer (no connection, or its session ended); None when it answers as serving the session or
+        does not answer within ``PROBE_TIMEOUT`` (stopped or overloaded: late, not lost). Whichever thread notices
+        a lost worker first, the run names it as lost."""
+        session = self.live.get(slot, {}).get("session")
+        if session in self.gone:
+            return self.gone[session]
+        try:
+            status, reply = call(self.addresses[slot], "/v1/hello", {}, self.secret, self.PROBE_TIMEOUT)
+        except TimeoutError:
+            return None
+        except OSError as e:
+            return f"{type(e).__name__}: {e}"
+        hello = _json_object(reply)
+        if status == 200 and hello is not None and hello.get("session") != session:
+            return "its session ended (the worker was restarted, or its session failed: see the worker's log)"
+        return None
+
     def _send_file(self, version: int) -> float:
-        """A version as ``<sync_dir>/<learner>-v<version>.safetensors`` (written whole, then renamed), which each
-        worker reads and checks; the file of the version before stays until the next one is taken."""
-        from safetensors.torch import save_file
+        """A version as safetensors pieces of at most ``bucket`` bytes and a manifest written last
+        (:func:`~tokengym.agents.engine.sync_files.write_version`), which each worker reads and checks piece by
+        piece; the files of the version before stay until the next one is taken."""
+        from tokengym.agents.engine.sync_files import write_version
 
         t0 = time.perf_counter()
-        path = os.path.join(self.sync_dir, f"{self.learner}-v{version}.safetensors")
-        tmp = path + ".tmp"
-        save_file({n: t.detach().to("cpu").contiguous() for n, t in self.named()}, tmp, metadata={"version": str(version)})
-        os.replace(tmp, path)
+        try:
+            paths = write_version(self.sync_dir, self.learner, version, self.named(), self.manifest, self.bucket)
+        except OSError as e:
+            raise WorkerError(f"policy version {version} cannot be written to --sync-dir {self.sync_dir} "
+                              f"({type(e).__name__}: {e.strerror or e}); the run stops (its checkpoints are intact)") from None
+        self.files.append(paths)
+        path = paths[-1]
+        dropped = 0
         for slot, s in sorted(self.live.items()):
             try:
                 status, reply = call(self.addresses[slot], "/v1/weights",
                                      {"session": s["session"], "version": version, "path": path}, self.secret, self.timeout)
             except OSError as e:
-                raise WorkerError(self._lost_text(slot, f"weights of version {version}: {type(e).__name__}: {e}")) from None
-            if status != 200:
-                raise WorkerError(f"{self._label(slot)} {_error_text(reply)}")
-        self.files.append(path)
+                lost = f"weights of version {version}: {type(e).__name__}: {e}"
+            else:
+                if status == 200:
+                    continue
+                lost = self._gone_why(slot)  # (its session ended: lost; else it refused the version)
+                if len(self.live) - dropped - 1 < self.min_workers and lost is None:
+                    raise WorkerError(f"{self._label(slot)} {_error_text(reply)}")
+            if len(self.live) - dropped - 1 < self.min_workers:
+                raise WorkerError(self._lost_text(slot, lost or _error_text(reply)))
+            # as over a weight group: the learner's thread re-plans without the worker (--min-workers)
+            self.inbox.put(("lost", slot, self.generation, lost or _error_text(reply)))
+            dropped += 1
         while len(self.files) > 2:
-            with contextlib.suppress(OSError):
-                os.remove(self.files.pop(0))
+            self._remove(self.files.pop(0))
         return time.perf_counter() - t0
 
-    def _shutdown(self) -> None:
-        if self.live and self.store is not None:
-            with contextlib.suppress(Exception):
-                send([s["sync"] for s in self.live.values()], STOP, (), [], self.bucket)
-        self._end_sessions()
-        for path in self.files:
+    @staticmethod
+    def _remove(paths: list[str]) -> None:
+        for path in paths:
             with contextlib.suppress(OSError):
                 os.remove(path)
+
+    def _shutdown(self) -> None:
+        if self.live and self.store is not None and not self._in_flight():  # (after Ctrl-C a sync may still run)
+            send_stop([s["sync"] for s in self.live.values()])
+        self._end_sessions()
+        for paths in self.files:
+            self._remove(paths)

@@ -42,8 +42,9 @@ class RolloutSource(Protocol):
     def state_dict(self) -> dict[str, Any] | None:
         """What a checkpoint keeps to continue this source exactly."""
 
-    def close(self) -> None:
-        """Release processes, engines and connections (idempotent)."""
+    def close(self, interrupted: bool = False) -> None:
+        """Release processes, engines and connections (idempotent); ``interrupted`` (Ctrl-C): without waiting for
+        a weight sync in flight."""
 
 
 class InProcess:
@@ -66,7 +67,7 @@ class InProcess:
     def state_dict(self) -> None:
         return None
 
-    def close(self) -> None:
+    def close(self, interrupted: bool = False) -> None:
         pass
 
 
@@ -132,9 +133,9 @@ class DataParallelSource:
         """Rank 0's (it alone writes checkpoints); None on the other ranks."""
         return self.pool.state_dict() if self.pool is not None else None
 
-    def close(self) -> None:
+    def close(self, interrupted: bool = False) -> None:
         if self.pool is not None:
-            self.pool.close()
+            self.pool.close(interrupted)
 
     def pids(self) -> list[int]:
         return self.pool.pids() if self.pool is not None else []

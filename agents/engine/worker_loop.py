@@ -85,29 +85,21 @@ class WorkerLoop:
         return None
 
     def offer_file(self, v: int, path: str) -> str | None:
-        """Take version ``v`` from a safetensors file (a sync through a shared folder, where no weight group can be
-        formed): checked against the manifest (names, shapes, dtypes) and for non-finite values. Returns why it was
-        refused, or None."""
-        from safetensors import safe_open
-
-        from tokengym.agents.engine.messages import check_manifest
+        """Take version ``v`` from the folder both sides read (a sync through a shared folder, where no weight group
+        can be formed): its manifest at ``path``, then its pieces one by one into a receive buffer
+        (:func:`~tokengym.agents.engine.sync_files.read_version`: checked against this model's manifest, each
+        piece's size and checksum), then every tensor for non-finite values. Returns why it was refused, or None; a
+        refused version is never loaded, not even in part."""
+        from tokengym.agents.engine.sync_files import read_version
         from tokengym.agents.runtime.weight_sync import layout
 
+        buf = self._buffer(layout(self.manifest)[1])
         try:
-            with safe_open(path, framework="pt") as f:
-                theirs = {n: [n, list(f.get_slice(n).get_shape()), _dtype_name(f.get_slice(n).get_dtype())]
-                          for n in f.keys()}
-                mine = [e[0] for e in self.manifest]  # (a file keeps its own order: compared by name)
-                check_manifest([theirs[n] for n in mine if n in theirs] +
-                               [e for n, e in theirs.items() if n not in set(mine)], self.manifest)
-                buf = self._buffer(layout(self.manifest)[1])
-                named = [(name, view) for (name, _, _), view in zip(self.manifest, views(buf, self.manifest))]
-                for name, view in named:
-                    view.copy_(f.get_tensor(name))
-            check_weights(named)
+            check_weights(read_version(path, self.manifest, buf))
         except (OSError, ValueError) as e:
-            return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300] \
-                if not isinstance(e, ValueError) else str(e)
+            with self.cond:
+                self.free.append(buf)
+            return str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"[:300]
         return self._accept(v, buf)
 
     @torch.no_grad()
@@ -162,13 +154,6 @@ class WorkerLoop:
             j += w
         if self.error is not None and not isinstance(self.error, SystemExit):
             raise RuntimeError(f"the weight sync broke (is the learner gone?): {self.error}")
-
-
-def _dtype_name(safetensors_dtype: str) -> str:
-    """A safetensors dtype code (``F32``) as the manifest spells it (``float32``)."""
-    names = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
-             "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
-    return names.get(safetensors_dtype, safetensors_dtype)
 
 
 def receive_checked(sync: WeightSync, manifest: list, buffer: Callable[[int], torch.Tensor]) -> tuple:

@@ -71,17 +71,25 @@ class WorkerPool:
         raise NotImplementedError
 
     def _shutdown(self) -> None:
-        """Stop the workers (or end their sessions) and release what the pool holds."""
+        """Stop the workers (or end their sessions) and release what the pool holds; a sync may still be in flight
+        (:meth:`_in_flight`, after Ctrl-C): it is left to run out, its groups untouched."""
         raise NotImplementedError
 
-    def close(self) -> None:
-        """Let a sync in flight end, then :meth:`_shutdown`; idempotent."""
+    def close(self, interrupted: bool = False) -> None:
+        """Let a sync in flight end, then :meth:`_shutdown`; idempotent. ``interrupted`` (Ctrl-C): leave a sync in
+        flight to run out in its thread instead of waiting up to ``sync_timeout`` for it; the run's checkpoints are
+        written between steps, never by it, so nothing is lost."""
         if getattr(self, "_closed", False):
             return
         self._closed = True
-        with contextlib.suppress(Exception):
-            self.settle()
+        if not interrupted:
+            with contextlib.suppress(Exception):
+                self.settle()
         self._shutdown()
+
+    def _in_flight(self) -> bool:
+        """Whether a sync started with ``wait=False`` still runs (closing after Ctrl-C does not wait for it)."""
+        return self._pending is not None and self._pending.is_alive()
 
     def pids(self) -> list[int]:
         return []

@@ -46,7 +46,7 @@ from tokengym.agents.engine.remote import model_name
 from tokengym.agents.engine.worker_pool import WorkerError, WorkerPool, full_named
 from tokengym.agents.engine.worker_loop import WorkerLoop, weight_manifest
 from tokengym.agents.runtime.distributed import die_with_parent
-from tokengym.agents.runtime.weight_sync import DEFAULT_BUCKET, STOP, WeightSync, send
+from tokengym.agents.runtime.weight_sync import DEFAULT_BUCKET, WeightSync, send, send_stop
 
 __all__ = ["ASYNC_MODES", "RolloutWorkers", "WorkerError", "check_crosses", "check_workers"]
 
@@ -192,9 +192,8 @@ class RolloutWorkers(WorkerPool):
         if getattr(self, "_previous_sigterm", None) is not None:
             signal.signal(signal.SIGTERM, self._previous_sigterm)
         sync = getattr(self, "sync", None)
-        if sync is not None and all(p.exitcode is None for p in self.procs):
-            with contextlib.suppress(Exception):
-                sync.publish(STOP)
+        if sync is not None and all(p.exitcode is None for p in self.procs) and not self._in_flight():
+            send_stop([sync])  # (after Ctrl-C a sync may still run: the workers are ended below instead)
         for p in self.procs:
             p.join(timeout=2.0)
             if p.exitcode is None:

@@ -21,7 +21,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["WeightSync", "WeightSyncError", "STOP", "layout", "nbytes", "views", "send", "DEFAULT_BUCKET"]
+__all__ = ["WeightSync", "WeightSyncError", "STOP", "layout", "nbytes", "views", "send", "send_stop", "DEFAULT_BUCKET"]
 
 STOP = -1
 """The header version that tells the workers to stop."""
@@ -239,7 +239,7 @@ def send(syncs: Sequence[WeightSync], version: int, named: Iterable[tuple[str, t
             works.append(s._broadcast(t))
         for s, w in zip(syncs, works):
             current["sync"] = s
-            w.wait()
+            _wait(w, s, version)
 
     try:
         broadcast(torch.tensor([version, total, bucket], dtype=torch.int64, device=dev))
@@ -275,6 +275,42 @@ def send(syncs: Sequence[WeightSync], version: int, named: Iterable[tuple[str, t
         err.sync = s  # which group failed: a pool of remote workers may go on without it
         raise err from None
     return time.perf_counter() - t0
+
+
+def _wait(work, sync: WeightSync, version: int) -> None:
+    """Wait for a broadcast of ``sync``'s group by polling it, not in one blocking call: a worker known to be gone
+    (``sync.gone``) ends the wait at once (a broadcast to a dead peer can otherwise wait out the whole sync timeout),
+    and Ctrl-C is taken between polls. Each pause is a tenth of the time waited so far (at most 50 ms). (An NCCL
+    wait only orders the streams; it never blocks the learner's thread, so it is left as it was.)"""
+    t0 = time.monotonic()
+    while sync.device.type != "cuda" and not work.is_completed():
+        if (why := sync.gone()) is not None:
+            raise sync._broke(version, why)
+        time.sleep(min(0.05, max(1e-5, (time.monotonic() - t0) / 10)))
+    work.wait()
+
+
+def send_stop(syncs: Sequence[WeightSync], limit: float = 5.0) -> bool:
+    """Tell the workers of ``syncs`` to stop, waiting at most ``limit`` seconds; whether they all took it. The
+    broadcast runs in a daemon thread that keeps the groups alive when it does not finish: a group destroyed with a
+    broadcast in flight waits out its timeout first (a stopped or unreachable worker would hold up the exit)."""
+    import threading
+
+    if not syncs:
+        return True
+    done = threading.Event()
+
+    def stop() -> None:
+        try:
+            send(syncs, STOP, (), [])
+            done.set()
+        except Exception:  # noqa: BLE001 (a worker that did not take it: the caller goes on closing)
+            pass
+
+    t = threading.Thread(target=stop, name="weight-sync-stop", daemon=True)
+    t.start()
+    t.join(limit)
+    return done.is_set()
 
 
 def _bucket(syncs: Sequence[WeightSync], n: int, dev: torch.device) -> torch.Tensor:
