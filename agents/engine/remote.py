@@ -1,7 +1,8 @@
 """Rollout workers anywhere: ``tokengym worker`` servers, and the learner's handle on them.
 
-A worker (:class:`WorkerServer`) listens for one learner at a time on HTTP (loopback by default). Every request
-carries the shared secret (``Authorization: Bearer ...``); control messages are JSON, rollouts come back as typed
+A worker (:class:`WorkerServer`) listens for one learner at a time on HTTP, or HTTPS with a certificate
+(:mod:`~tokengym.agents.engine.tls`; loopback by default). Every request carries the shared secret
+(``Authorization: Bearer ...``); control messages are JSON, rollouts come back as typed
 messages (:mod:`~tokengym.agents.engine.messages`). Paths:
 
 * ``POST /v1/hello``: the worker's protocol, device and whether it serves a learner now; given the learner's env
@@ -40,12 +41,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tokengym.envs.json_http import JsonHandler, ThreadedServer
+from tokengym.envs.json_http import JsonHandler
 from tokengym.rewards.common import TokengymWarning, read_secret_file
 from tokengym.agents.engine.backends import BACKENDS
 from tokengym.agents.engine.messages import MessageError, check_manifest, encode_rollout
 from tokengym.agents.engine.worker_pool import WorkerError, WorkerPool, full_named, stream_from_state, stream_state
 from tokengym.agents.engine.worker_loop import WorkerLoop, weight_manifest
+from tokengym.agents.engine.tls import TLS_REFUSAL, ClientTLS, WorkerHTTPServer
 from tokengym.agents.runtime.weight_sync import DEFAULT_BUCKET, STOP, WeightSync, WeightSyncError, send
 
 __all__ = ["WorkerServer", "RemoteWorkers", "parse_address", "read_secret", "worker_env_spec", "build_env", "PROTOCOL",
@@ -214,10 +216,11 @@ class WorkerServer:
         secret: the shared secret every request must carry.
         model: the model folder or preset to build (default: what the learner names).
         threads: torch CPU threads for sampling.
+        tls: serve HTTPS with this context (:func:`~tokengym.agents.engine.tls.server_context`); None: HTTP.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, secret: bytes, model: str | None = None,
-                 threads: int | None = None, quiet: bool = False):
+                 threads: int | None = None, quiet: bool = False, tls: Any = None):
         self.secret, self.model, self.quiet = secret, model, quiet
         if threads:
             torch.set_num_threads(threads)
@@ -229,7 +232,7 @@ class WorkerServer:
         class Handler(_Handler):
             owner = server
 
-        self.httpd = ThreadedServer((host, port), Handler)
+        self.httpd = WorkerHTTPServer((host, port), Handler, tls)
         self.address = f"{host}:{self.httpd.server_address[1]}"
 
     def log(self, text: str) -> None:
@@ -396,10 +399,13 @@ class _Handler(JsonHandler):
 
 
 # ---------------------------------------------------------------------------------------------- the learner
-def call(address: str, path: str, body: dict[str, Any], secret: bytes, timeout: float) -> tuple[int, bytes]:
-    """POST ``body`` to a worker; ``(status, reply)``. Network failures raise ``OSError``."""
+def call(address: str, path: str, body: dict[str, Any], secret: bytes, timeout: float,
+         tls: ClientTLS | None = None) -> tuple[int, bytes]:
+    """POST ``body`` to a worker (over HTTPS with ``tls``, the certificate checked first); ``(status, reply)``.
+    Network and TLS failures raise ``OSError``."""
     host, port = parse_address(address)
-    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    conn = tls.connection(host, port, timeout) if tls is not None else http.client.HTTPConnection(host, port,
+                                                                                                  timeout=timeout)
     try:
         data = json.dumps(body).encode()
         conn.request("POST", path, data, {"Authorization": "Bearer " + secret.decode(),
@@ -410,15 +416,21 @@ def call(address: str, path: str, body: dict[str, Any], secret: bytes, timeout: 
         conn.close()
 
 
-def check_workers_reachable(addresses: list[str], secret: bytes, env: dict[str, Any] | None = None) -> None:
-    """``ValueError`` (one line) for a worker that does not answer, refuses the secret, speaks another protocol or
-    (given ``env``, a :func:`worker_env_spec`) cannot make the env, before anything of a run is made."""
+def check_workers_reachable(addresses: list[str], secret: bytes, env: dict[str, Any] | None = None,
+                            tls: ClientTLS | None = None) -> None:
+    """``ValueError`` (one line) for a worker that does not answer, speaks TLS to a plain learner or the converse,
+    shows another certificate than ``tls`` wants, refuses the secret, speaks another protocol or (given ``env``, a
+    :func:`worker_env_spec`) cannot make the env, before anything of a run is made."""
     for address in addresses:
         try:
-            status, reply = call(address, "/v1/hello", {} if env is None else {"env": env}, secret, 10.0)
+            status, reply = call(address, "/v1/hello", {} if env is None else {"env": env}, secret, 10.0, tls)
         except OSError as e:
+            if tls is not None and (why := tls.explain(address, e)) is not None:
+                raise ValueError(why) from None
             raise ValueError(f"rollout worker {address} cannot be reached ({type(e).__name__}: {e}); is `tokengym "
                              "worker` running there, and is the port open?") from None
+        if status == TLS_REFUSAL:
+            raise ValueError(f"{address} speaks TLS: pass --worker-ca or --worker-fingerprint")
         hello = _json_object(reply)
         if hello is None or ("error" if status != 200 else "protocol") not in hello:  # another server on that port
             raise ValueError(f"{address} answered but is not a tokengym worker (HTTP {status}); is the address right, "
@@ -462,6 +474,7 @@ class RemoteWorkers(WorkerPool):
             route to the first worker; port 0: a free one).
         sync_dir: a folder the learner and every worker read (a shared filesystem): versions go there as safetensors
             files instead of over a weight group (where none can be formed; the whole model is written each time).
+        tls: talk HTTPS to the workers, their certificates checked (:class:`~tokengym.agents.engine.tls.ClientTLS`).
         The rest as :class:`~tokengym.agents.engine.workers.RolloutWorkers`.
     """
 
@@ -473,12 +486,14 @@ class RemoteWorkers(WorkerPool):
                  exact: bool, version: int, state: dict[str, Any] | None, seed: int, bf16: bool = False,
                  timeout: float = 300.0, sampler: str = "tokengym", total: int | None = None,
                  rollout_timeout: float = 1800.0, bucket: int = DEFAULT_BUCKET, min_workers: int = 0,
-                 sync_host: str = "", sync_port: int = 0, sync_dir: str = "", publish: bool = True):
+                 sync_host: str = "", sync_port: int = 0, sync_dir: str = "", publish: bool = True,
+                 tls: ClientTLS | None = None):
         for a in addresses:
             parse_address(a)
         super().__init__(max_staleness=max_staleness, exact=exact, state=state, workers=len(addresses), total=total,
                          rollout_timeout=rollout_timeout, rows=rows, width=env.seq_len, device=env.device)
         self.addresses, self.secret, self.timeout, self.bucket = list(addresses), secret, float(timeout), bucket
+        self.tls = tls
         self.min_workers = min_workers or len(addresses)
         self.seed, self.bf16, self.sampler = seed, bf16, sampler
         self.named = lambda: full_named(policy.model)
@@ -536,7 +551,7 @@ class RemoteWorkers(WorkerPool):
                     "store": None if self.store is None else [self.sync_host, self.store.port],
                     "manifest": self.manifest, "timeout": self.timeout, "bf16": self.bf16, "sampler": self.sampler}
             try:
-                status, reply = call(self.addresses[slot], "/v1/join", body, self.secret, self.CALL_TIMEOUT)
+                status, reply = call(self.addresses[slot], "/v1/join", body, self.secret, self.CALL_TIMEOUT, self.tls)
             except OSError as e:
                 raise WorkerError(f"{self._label(slot)} cannot be reached ({type(e).__name__}: {e}); is "
                                   "`tokengym worker` running there?") from None
@@ -558,7 +573,7 @@ class RemoteWorkers(WorkerPool):
     def _end_sessions(self) -> None:
         for slot, s in list(self.live.items()):
             with contextlib.suppress(Exception):
-                call(self.addresses[slot], "/v1/leave", {"session": s["session"]}, self.secret, 5.0)
+                call(self.addresses[slot], "/v1/leave", {"session": s["session"]}, self.secret, 5.0, self.tls)
         self.live.clear()
 
     def _fetch(self, slot: int, session: str, generation: int) -> None:
@@ -566,7 +581,7 @@ class RemoteWorkers(WorkerPool):
         while self.live.get(slot, {}).get("session") == session:
             try:
                 status, reply = call(self.addresses[slot], "/v1/next", {"session": session, "wait": self.POLL},
-                                     self.secret, self.POLL + self.CALL_TIMEOUT)
+                                     self.secret, self.POLL + self.CALL_TIMEOUT, self.tls)
             except OSError as e:
                 why = f"{type(e).__name__}: {e}"
             else:
@@ -610,7 +625,7 @@ class RemoteWorkers(WorkerPool):
         while slot in self.lost and not getattr(self, "_closed", False):
             time.sleep(self.PROBE_EVERY)
             with contextlib.suppress(OSError, ValueError):
-                status, reply = call(self.addresses[slot], "/v1/hello", {}, self.secret, 5.0)
+                status, reply = call(self.addresses[slot], "/v1/hello", {}, self.secret, 5.0, self.tls)
                 if status == 200 and json.loads(reply).get("protocol") == PROTOCOL:
                     self.back.add(slot)
                     return
@@ -678,7 +693,8 @@ class RemoteWorkers(WorkerPool):
         for slot, s in sorted(self.live.items()):
             try:
                 status, reply = call(self.addresses[slot], "/v1/weights",
-                                     {"session": s["session"], "version": version, "path": path}, self.secret, self.timeout)
+                                     {"session": s["session"], "version": version, "path": path}, self.secret,
+                                     self.timeout, self.tls)
             except OSError as e:
                 raise WorkerError(self._lost_text(slot, f"weights of version {version}: {type(e).__name__}: {e}")) from None
             if status != 200:
