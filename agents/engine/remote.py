@@ -9,9 +9,10 @@ messages (:mod:`~tokengym.agents.engine.messages`). Paths:
   (its ``module:Class`` or id and the modules to import), whether this worker can make it.
 * ``POST /v1/join``: serve a learner. The message says how to build the env (its id and JSON arguments) and the model
   (a preset or a folder on the worker's machine; ``tokengym worker --model`` overrides it), the worker's place in the
-  version schedule, its stream, the weight manifest (checked against the model: names, shapes, dtypes) and where
-  the learner's store is. The worker then joins a 2-rank weight group with the learner (gloo on CPU, nccl on CUDA)
-  and runs :class:`~tokengym.agents.engine.worker_loop.WorkerLoop`. A join replaces the session before it.
+  version schedule, its stream, the weight manifest (checked against the model: names, shapes, dtypes), where
+  the learner's store is and the token that opens it (:mod:`~tokengym.agents.runtime.store_gate`). The worker then
+  joins a 2-rank weight group with the learner (gloo on CPU, nccl on CUDA), both prove the token in its first
+  exchange, and it runs :class:`~tokengym.agents.engine.worker_loop.WorkerLoop`. A join replaces the session before it.
 * ``POST /v1/next``: the next finished rollout (waits up to ``wait`` seconds; 204 when none came).
 * ``POST /v1/leave``: end the session; the worker goes back to waiting for a learner.
 
@@ -48,12 +49,13 @@ from tokengym.agents.engine.messages import MessageError, check_manifest, encode
 from tokengym.agents.engine.worker_pool import WorkerError, WorkerPool, full_named, stream_from_state, stream_state
 from tokengym.agents.engine.worker_loop import WorkerLoop, weight_manifest
 from tokengym.agents.engine.tls import TLS_REFUSAL, ClientTLS, WorkerHTTPServer
+from tokengym.agents.runtime.store_gate import HandshakeError, StoreGate, StoreTunnel, handshake
 from tokengym.agents.runtime.weight_sync import DEFAULT_BUCKET, STOP, WeightSync, WeightSyncError, send
 
 __all__ = ["WorkerServer", "RemoteWorkers", "parse_address", "read_secret", "worker_env_spec", "build_env", "PROTOCOL",
            "check_workers_reachable", "check_sync_dir", "check_sync_host"]
 
-PROTOCOL = 1
+PROTOCOL = 2  # 2: the weight store's token (store_token) and the group's handshake
 MAX_BODY = 16 << 20  # a control message's limit (a join's manifest and stream are far smaller)
 
 
@@ -182,12 +184,17 @@ class _Session:
 
     def _run(self, server: "WorkerServer", env: Any, policy: Any) -> None:
         spec = self.spec
+        tunnel = None
         try:
             sync = None  # (no store: versions come as files, /v1/weights)
             if spec["store"] is not None:
                 host, port = spec["store"]
-                store = dist.PrefixStore(spec["prefix"], WeightSync.connect(port, 1, host, timeout=spec["timeout"]))
+                tunnel = StoreTunnel(host, port, bytes.fromhex(spec["store_token"]), spec["timeout"])
+                store = dist.PrefixStore(spec["prefix"], WeightSync.connect(tunnel.port, 1, "127.0.0.1",
+                                                                            timeout=spec["timeout"]))
                 sync = WeightSync(store, 1, 1, WeightSync.WORKER_TIMEOUT, spec["device"], hostname=_route_to(host))
+                tunnel.stop_listening()  # (the store client is connected: nobody else on this machine gets in)
+                handshake(sync, bytes.fromhex(spec["store_token"]), spec["session"])
             slot = spec["slot"]
 
             def put(j: int, v: int, ro: Any, stream: dict, seconds: float) -> None:
@@ -200,6 +207,8 @@ class _Session:
             self.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
             server.log(f"session {self.id[:8]} ended: {self.error}")
         finally:
+            if tunnel is not None:
+                tunnel.close()
             self.done.set()
 
     def stop(self, wait: float = 120.0) -> None:
@@ -268,7 +277,7 @@ class WorkerServer:
     def join(self, body: dict[str, Any]) -> dict[str, Any]:
         need = {"protocol": int, "session": str, "env": dict, "model": (str, type(None)), "temperature": (int, float),
                 "workers": int, "worker": int, "slot": int, "k": int, "exact": bool, "start": int,
-                "stream": (dict, type(None)), "seed": int, "store": (list, type(None)), "prefix": str, "manifest": list,
+                "stream": (dict, type(None)), "seed": int, "store": (list, type(None)), "store_token": (str, type(None)), "prefix": str, "manifest": list,
                 "timeout": (int, float), "bf16": bool, "sampler": str}
         for key, tp in need.items():
             if not isinstance(body.get(key), tp) or isinstance(body.get(key), bool) and tp is int:
@@ -276,6 +285,8 @@ class WorkerServer:
         if body["protocol"] != PROTOCOL:
             raise MessageError(f"the learner speaks protocol {body['protocol']}, this worker {PROTOCOL}: install the "
                                "same tokengym on both")
+        if body["store"] is not None and not (isinstance(body["store_token"], str) and len(body["store_token"]) == 64):
+            raise MessageError("a join with a weight store needs its 'store_token' (64 hex digits)")
         if body["sampler"] not in BACKENDS:
             raise MessageError(f"unknown rollout backend sampler={body['sampler']!r}; this worker has: "
                                f"{', '.join(BACKENDS.names())}")
@@ -510,7 +521,8 @@ class RemoteWorkers(WorkerPool):
         self.version = version
         host = sync_host or _route_to(parse_address(addresses[0])[0])
         self.sync_host, self.sync_dir, self.files = host, sync_dir, []
-        self.store = None if sync_dir else WeightSync.serve(len(addresses), timeout, host, sync_port)
+        self.gate = None if sync_dir else StoreGate(len(addresses), timeout, host, sync_port)
+        self.store = None if self.gate is None else self.gate.store
         try:
             self._plan(list(range(len(addresses))), first=True)
             if publish:
@@ -548,7 +560,8 @@ class RemoteWorkers(WorkerPool):
                     "temperature": self.temperature, "workers": len(slots), "worker": pos, "slot": slot, "k": self.k,
                     "exact": exact, "start": start, "stream": stream_state(self.streams[slot]),
                     "seed": self.seed + slot, "prefix": prefix,
-                    "store": None if self.store is None else [self.sync_host, self.store.port],
+                    "store": None if self.gate is None else [self.sync_host, self.gate.port],
+                    "store_token": None if self.gate is None else self.gate.token.hex(),
                     "manifest": self.manifest, "timeout": self.timeout, "bf16": self.bf16, "sampler": self.sampler}
             try:
                 status, reply = call(self.addresses[slot], "/v1/join", body, self.secret, self.CALL_TIMEOUT, self.tls)
@@ -563,6 +576,10 @@ class RemoteWorkers(WorkerPool):
                                   hostname=self.sync_host)
                 sync.names = {1: self._label(slot)}
                 sync.gone = lambda slot=slot, session=session: self.gone.get(session)
+                try:
+                    handshake(sync, self.gate.token, session)
+                except HandshakeError as e:
+                    raise WorkerError(f"{self._label(slot)}: {e}") from None
             self.live[slot] = {"session": session, "sync": sync}
             self.lost.pop(slot, None)
             t = threading.Thread(target=self._fetch, args=(slot, session, self.generation), daemon=True,
@@ -713,3 +730,5 @@ class RemoteWorkers(WorkerPool):
         for path in self.files:
             with contextlib.suppress(OSError):
                 os.remove(path)
+        if self.gate is not None:
+            self.gate.close()
