@@ -34,6 +34,9 @@ _HANDSHAKE = 0x16  # a TLS record's first byte (a ClientHello)
 class CertificateMismatch(ssl.SSLError):
     """The worker's certificate is not the one pinned (``worker_fingerprint``); the message says so in one line."""
 
+    def __str__(self) -> str:  # (ssl.SSLError prints its args tuple when it has no errno/strerror)
+        return str(self.args[0]) if self.args else ""
+
 
 def _read_pem(flag: str, path: str, block: str) -> bytes:
     """The PEM file ``path`` of the setting ``flag``; ``ValueError`` (one line) when it is missing, unreadable, or
