@@ -237,19 +237,29 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     from tokengym.agents.runtime import config_io as R
     from tokengym.agents.engine.remote import PROTOCOL, WorkerServer, parse_address, read_secret
 
+    from tokengym.agents.engine.tls import certificate_fingerprint, server_context
+
+    tls, how = None, ""
     try:
         host, port = parse_address(args.listen)
         secret = read_secret(args.secret_file)
+        if bool(args.tls_cert) != bool(args.tls_key):
+            raise ValueError("--tls-cert and --tls-key go together: give both (a PEM certificate and its private key) "
+                             "or neither")
+        if args.tls_cert:
+            tls = server_context(args.tls_cert, args.tls_key)
+            how = f", TLS, certificate SHA-256 {certificate_fingerprint(args.tls_cert)}"
     except ValueError as e:
         raise R.UsageError(f"tokengym worker: {e}") from None
     if args.threads is not None and args.threads < 1:
         raise R.UsageError(f"--threads must be at least 1, got {args.threads}")
     try:
-        server = WorkerServer(host, port, secret=secret, model=args.model, threads=args.threads)
+        server = WorkerServer(host, port, secret=secret, model=args.model, threads=args.threads, tls=tls)
     except OSError as e:
         raise R.UsageError(f"tokengym worker: cannot listen on {args.listen}: {e.strerror or e}") from None
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    print(f"tokengym worker: listening on {server.address} (protocol {PROTOCOL}); waiting for a learner", flush=True)
+    print(f"tokengym worker: listening on {server.address} (protocol {PROTOCOL}{how}); waiting for a learner",
+          flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
@@ -470,13 +480,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = sub.add_parser("worker", help="serve rollouts to an async learner on another machine (or this one)",
                        description="A rollout worker: it waits for an async learner (tokengym train ... --async-mode "
                        "one-step|bounded --rollout-workers HOST:PORT,...), samples rollouts for it, and goes back to "
-                       "waiting when the learner ends. Every request must carry the shared secret.")
+                       "waiting when the learner ends. Every request must carry the shared secret; with --tls-cert and "
+                       "--tls-key the worker speaks HTTPS.")
     p.add_argument("--listen", default="127.0.0.1:7960", metavar="HOST:PORT",
                    help="where to listen (default: 127.0.0.1:7960, this machine only; 0.0.0.0:PORT for every interface; "
                    "port 0: a free one, printed)")
     p.add_argument("--secret-file", help="a file whose first line is the shared secret (default: $TOKENGYM_SECRET)")
     p.add_argument("--model", help="the model folder or preset to build (default: the one the learner names)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads for sampling (default: torch's)")
+    p.add_argument("--tls-cert", metavar="CERT", help="serve HTTPS (TLS 1.2+) with this PEM certificate (chain); the "
+                   "learner then needs --worker-ca or --worker-fingerprint (printed at start)")
+    p.add_argument("--tls-key", metavar="KEY", help="the certificate's unencrypted PEM private key")
     p.set_defaults(fn=_cmd_worker)
     p = sub.add_parser("serve", help="serve a model over the OpenAI HTTP API (chat and text completions)",
                        description="An OpenAI-compatible endpoint on a model: GET /v1/models, POST /v1/chat/completions "

@@ -61,6 +61,12 @@ class EngineConfig(SeedConfig):
     answers again rejoins (0: every worker; a lost one stops the run in one line)."""
     worker_secret_file: str = resumable("")
     """Async, remote workers: a file whose first line is the workers' shared secret (empty: $TOKENGYM_SECRET)."""
+    worker_ca: str = resumable("")
+    """Async, remote workers: talk HTTPS to the workers (`tokengym worker --tls-cert`), each certificate verified
+    against this PEM file (a CA, or the worker's self-signed certificate; its host name or IP must be in it)."""
+    worker_fingerprint: str = resumable("")
+    """Async, remote workers: talk HTTPS to the workers, each certificate pinned by this SHA-256 fingerprint (64 hex
+    digits, colons allowed; `tokengym worker` prints it), for a self-signed certificate without a CA."""
     sync_host: str = resumable("")
     """Async, remote workers: the address the workers reach this learner's weight store at (empty: this machine's
     address on the route to the first worker)."""
@@ -99,6 +105,13 @@ class EngineConfig(SeedConfig):
                     raise ValueError(f"{type(self).__name__}: remote_workers names {seen[where]} twice; a worker serves "
                                      "one learner slot: name each once (start more `tokengym worker`s for more)")
                 seen[where] = a
+        if self.worker_fingerprint:
+            from tokengym.agents.engine.tls import parse_fingerprint
+
+            try:
+                parse_fingerprint(self.worker_fingerprint)
+            except ValueError as e:
+                raise ValueError(f"{type(self).__name__}: {e}") from None
         if self.async_mode == "one-step" and self.max_staleness != 1:
             raise ValueError(f"{type(self).__name__}: async_mode='one-step' samples each rollout exactly one update "
                              f"behind (max_staleness=1), not max_staleness={self.max_staleness}; use async_mode='bounded'")

@@ -1,16 +1,18 @@
 """Rollout workers anywhere: ``tokengym worker`` servers, and the learner's handle on them.
 
-A worker (:class:`WorkerServer`) listens for one learner at a time on HTTP (loopback by default). Every request
-carries the shared secret (``Authorization: Bearer ...``); control messages are JSON, rollouts come back as typed
+A worker (:class:`WorkerServer`) listens for one learner at a time on HTTP, or HTTPS with a certificate
+(:mod:`~tokengym.agents.engine.tls`; loopback by default). Every request carries the shared secret
+(``Authorization: Bearer ...``); control messages are JSON, rollouts come back as typed
 messages (:mod:`~tokengym.agents.engine.messages`). Paths:
 
 * ``POST /v1/hello``: the worker's protocol, device and whether it serves a learner now; given the learner's env
   (its ``module:Class`` or id and the modules to import), whether this worker can make it.
 * ``POST /v1/join``: serve a learner. The message says how to build the env (its id and JSON arguments) and the model
   (a preset or a folder on the worker's machine; ``tokengym worker --model`` overrides it), the worker's place in the
-  version schedule, its stream, the weight manifest (checked against the model: names, shapes, dtypes) and where
-  the learner's store is. The worker then joins a 2-rank weight group with the learner (gloo on CPU, nccl on CUDA)
-  and runs :class:`~tokengym.agents.engine.worker_loop.WorkerLoop`. A join replaces the session before it.
+  version schedule, its stream, the weight manifest (checked against the model: names, shapes, dtypes), where
+  the learner's store is and the token that opens it (:mod:`~tokengym.agents.runtime.store_gate`). The worker then
+  joins a 2-rank weight group with the learner (gloo on CPU, nccl on CUDA), both prove the token in its first
+  exchange, and it runs :class:`~tokengym.agents.engine.worker_loop.WorkerLoop`. A join replaces the session before it.
 * ``POST /v1/next``: the next finished rollout (waits up to ``wait`` seconds; 204 when none came).
 * ``POST /v1/leave``: end the session; the worker goes back to waiting for a learner.
 
@@ -40,18 +42,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tokengym.envs.json_http import JsonHandler, ThreadedServer
+from tokengym.envs.json_http import JsonHandler
 from tokengym.rewards.common import TokengymWarning, read_secret_file
 from tokengym.agents.engine.backends import BACKENDS
 from tokengym.agents.engine.messages import MessageError, check_manifest, encode_rollout
 from tokengym.agents.engine.worker_pool import WorkerError, WorkerPool, full_named, stream_from_state, stream_state
 from tokengym.agents.engine.worker_loop import WorkerLoop, weight_manifest
+from tokengym.agents.engine.tls import TLS_REFUSAL, ClientTLS, WorkerHTTPServer
+from tokengym.agents.runtime.store_gate import HandshakeError, StoreGate, StoreTunnel, handshake
 from tokengym.agents.runtime.weight_sync import DEFAULT_BUCKET, STOP, WeightSync, WeightSyncError, send, send_stop
 
 __all__ = ["WorkerServer", "RemoteWorkers", "parse_address", "read_secret", "worker_env_spec", "build_env", "PROTOCOL",
            "check_workers_reachable", "check_sync_dir", "check_sync_host"]
 
-PROTOCOL = 1
+PROTOCOL = 2  # 2: the weight store's token (store_token) and the group's handshake
 MAX_BODY = 16 << 20  # a control message's limit (a join's manifest and stream are far smaller)
 
 
@@ -180,12 +184,17 @@ class _Session:
 
     def _run(self, server: "WorkerServer", env: Any, policy: Any) -> None:
         spec = self.spec
+        tunnel = None
         try:
             sync = None  # (no store: versions come as files, /v1/weights)
             if spec["store"] is not None:
                 host, port = spec["store"]
-                store = dist.PrefixStore(spec["prefix"], WeightSync.connect(port, 1, host, timeout=spec["timeout"]))
+                tunnel = StoreTunnel(host, port, bytes.fromhex(spec["store_token"]), spec["timeout"])
+                store = dist.PrefixStore(spec["prefix"], WeightSync.connect(tunnel.port, 1, "127.0.0.1",
+                                                                            timeout=spec["timeout"]))
                 sync = WeightSync(store, 1, 1, WeightSync.WORKER_TIMEOUT, spec["device"], hostname=_route_to(host))
+                tunnel.stop_listening()  # (the store client is connected: nobody else on this machine gets in)
+                handshake(sync, bytes.fromhex(spec["store_token"]), spec["session"])
             slot = spec["slot"]
 
             def put(j: int, v: int, ro: Any, stream: dict, seconds: float) -> None:
@@ -198,6 +207,8 @@ class _Session:
             self.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
             server.log(f"session {self.id[:8]} ended: {self.error}")
         finally:
+            if tunnel is not None:
+                tunnel.close()
             self.done.set()
 
     def stop(self, wait: float = 120.0) -> None:
@@ -214,10 +225,11 @@ class WorkerServer:
         secret: the shared secret every request must carry.
         model: the model folder or preset to build (default: what the learner names).
         threads: torch CPU threads for sampling.
+        tls: serve HTTPS with this context (:func:`~tokengym.agents.engine.tls.server_context`); None: HTTP.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, secret: bytes, model: str | None = None,
-                 threads: int | None = None, quiet: bool = False):
+                 threads: int | None = None, quiet: bool = False, tls: Any = None):
         self.secret, self.model, self.quiet = secret, model, quiet
         if threads:
             torch.set_num_threads(threads)
@@ -229,7 +241,7 @@ class WorkerServer:
         class Handler(_Handler):
             owner = server
 
-        self.httpd = ThreadedServer((host, port), Handler)
+        self.httpd = WorkerHTTPServer((host, port), Handler, tls)
         self.address = f"{host}:{self.httpd.server_address[1]}"
 
     def log(self, text: str) -> None:
@@ -265,7 +277,7 @@ class WorkerServer:
     def join(self, body: dict[str, Any]) -> dict[str, Any]:
         need = {"protocol": int, "session": str, "env": dict, "model": (str, type(None)), "temperature": (int, float),
                 "workers": int, "worker": int, "slot": int, "k": int, "exact": bool, "start": int,
-                "stream": (dict, type(None)), "seed": int, "store": (list, type(None)), "prefix": str, "manifest": list,
+                "stream": (dict, type(None)), "seed": int, "store": (list, type(None)), "store_token": (str, type(None)), "prefix": str, "manifest": list,
                 "timeout": (int, float), "bf16": bool, "sampler": str}
         for key, tp in need.items():
             if not isinstance(body.get(key), tp) or isinstance(body.get(key), bool) and tp is int:
@@ -273,6 +285,8 @@ class WorkerServer:
         if body["protocol"] != PROTOCOL:
             raise MessageError(f"the learner speaks protocol {body['protocol']}, this worker {PROTOCOL}: install the "
                                "same tokengym on both")
+        if body["store"] is not None and not (isinstance(body["store_token"], str) and len(body["store_token"]) == 64):
+            raise MessageError("a join with a weight store needs its 'store_token' (64 hex digits)")
         if body["sampler"] not in BACKENDS:
             raise MessageError(f"unknown rollout backend sampler={body['sampler']!r}; this worker has: "
                                f"{', '.join(BACKENDS.names())}")
@@ -396,10 +410,13 @@ class _Handler(JsonHandler):
 
 
 # ---------------------------------------------------------------------------------------------- the learner
-def call(address: str, path: str, body: dict[str, Any], secret: bytes, timeout: float) -> tuple[int, bytes]:
-    """POST ``body`` to a worker; ``(status, reply)``. Network failures raise ``OSError``."""
+def call(address: str, path: str, body: dict[str, Any], secret: bytes, timeout: float,
+         tls: ClientTLS | None = None) -> tuple[int, bytes]:
+    """POST ``body`` to a worker (over HTTPS with ``tls``, the certificate checked first); ``(status, reply)``.
+    Network and TLS failures raise ``OSError``."""
     host, port = parse_address(address)
-    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    conn = tls.connection(host, port, timeout) if tls is not None else http.client.HTTPConnection(host, port,
+                                                                                                  timeout=timeout)
     try:
         data = json.dumps(body).encode()
         conn.request("POST", path, data, {"Authorization": "Bearer " + secret.decode(),
@@ -410,15 +427,21 @@ def call(address: str, path: str, body: dict[str, Any], secret: bytes, timeout: 
         conn.close()
 
 
-def check_workers_reachable(addresses: list[str], secret: bytes, env: dict[str, Any] | None = None) -> None:
-    """``ValueError`` (one line) for a worker that does not answer, refuses the secret, speaks another protocol or
-    (given ``env``, a :func:`worker_env_spec`) cannot make the env, before anything of a run is made."""
+def check_workers_reachable(addresses: list[str], secret: bytes, env: dict[str, Any] | None = None,
+                            tls: ClientTLS | None = None) -> None:
+    """``ValueError`` (one line) for a worker that does not answer, speaks TLS to a plain learner or the converse,
+    shows another certificate than ``tls`` wants, refuses the secret, speaks another protocol or (given ``env``, a
+    :func:`worker_env_spec`) cannot make the env, before anything of a run is made."""
     for address in addresses:
         try:
-            status, reply = call(address, "/v1/hello", {} if env is None else {"env": env}, secret, 10.0)
+            status, reply = call(address, "/v1/hello", {} if env is None else {"env": env}, secret, 10.0, tls)
         except OSError as e:
+            if tls is not None and (why := tls.explain(address, e)) is not None:
+                raise ValueError(why) from None
             raise ValueError(f"rollout worker {address} cannot be reached ({type(e).__name__}: {e}); is `tokengym "
                              "worker` running there, and is the port open?") from None
+        if status == TLS_REFUSAL:
+            raise ValueError(f"{address} speaks TLS: pass --worker-ca or --worker-fingerprint")
         hello = _json_object(reply)
         if hello is None or ("error" if status != 200 else "protocol") not in hello:  # another server on that port
             raise ValueError(f"{address} answered but is not a tokengym worker (HTTP {status}); is the address right, "
@@ -463,6 +486,7 @@ class RemoteWorkers(WorkerPool):
         sync_dir: a folder the learner and every worker read (a shared filesystem): versions go there as safetensors
             pieces of at most ``bucket`` bytes and a manifest (:mod:`~tokengym.agents.engine.sync_files`) instead
             of over a weight group (where none can be formed).
+        tls: talk HTTPS to the workers, their certificates checked (:class:`~tokengym.agents.engine.tls.ClientTLS`).
         The rest as :class:`~tokengym.agents.engine.workers.RolloutWorkers`.
     """
 
@@ -476,12 +500,14 @@ class RemoteWorkers(WorkerPool):
                  exact: bool, version: int, state: dict[str, Any] | None, seed: int, bf16: bool = False,
                  timeout: float = 300.0, sampler: str = "tokengym", total: int | None = None,
                  rollout_timeout: float = 1800.0, bucket: int = DEFAULT_BUCKET, min_workers: int = 0,
-                 sync_host: str = "", sync_port: int = 0, sync_dir: str = "", publish: bool = True):
+                 sync_host: str = "", sync_port: int = 0, sync_dir: str = "", publish: bool = True,
+                 tls: ClientTLS | None = None):
         for a in addresses:
             parse_address(a)
         super().__init__(max_staleness=max_staleness, exact=exact, state=state, workers=len(addresses), total=total,
                          rollout_timeout=rollout_timeout, rows=rows, width=env.seq_len, device=env.device)
         self.addresses, self.secret, self.timeout, self.bucket = list(addresses), secret, float(timeout), bucket
+        self.tls = tls
         self.min_workers = min_workers or len(addresses)
         self.seed, self.bf16, self.sampler = seed, bf16, sampler
         self.named = lambda: full_named(policy.model)
@@ -498,7 +524,8 @@ class RemoteWorkers(WorkerPool):
         self.version = version
         host = sync_host or _route_to(parse_address(addresses[0])[0])
         self.sync_host, self.sync_dir, self.files = host, sync_dir, []
-        self.store = None if sync_dir else WeightSync.serve(len(addresses), timeout, host, sync_port)
+        self.gate = None if sync_dir else StoreGate(len(addresses), timeout, host, sync_port)
+        self.store = None if self.gate is None else self.gate.store
         try:
             self._plan(list(range(len(addresses))), first=True)
             if publish:
@@ -536,10 +563,11 @@ class RemoteWorkers(WorkerPool):
                     "temperature": self.temperature, "workers": len(slots), "worker": pos, "slot": slot, "k": self.k,
                     "exact": exact, "start": start, "stream": stream_state(self.streams[slot]),
                     "seed": self.seed + slot, "prefix": prefix,
-                    "store": None if self.store is None else [self.sync_host, self.store.port],
+                    "store": None if self.gate is None else [self.sync_host, self.gate.port],
+                    "store_token": None if self.gate is None else self.gate.token.hex(),
                     "manifest": self.manifest, "timeout": self.timeout, "bf16": self.bf16, "sampler": self.sampler}
             try:
-                status, reply = call(self.addresses[slot], "/v1/join", body, self.secret, self.CALL_TIMEOUT)
+                status, reply = call(self.addresses[slot], "/v1/join", body, self.secret, self.CALL_TIMEOUT, self.tls)
             except OSError as e:
                 raise WorkerError(f"{self._label(slot)} cannot be reached ({type(e).__name__}: {e}); is "
                                   "`tokengym worker` running there?") from None
@@ -551,6 +579,10 @@ class RemoteWorkers(WorkerPool):
                                   hostname=self.sync_host)
                 sync.names = {1: self._label(slot)}
                 sync.gone = lambda slot=slot, session=session: self.gone.get(session)
+                try:
+                    handshake(sync, self.gate.token, session)
+                except HandshakeError as e:
+                    raise WorkerError(f"{self._label(slot)}: {e}") from None
             self.live[slot] = {"session": session, "sync": sync}
             self.lost.pop(slot, None)
             t = threading.Thread(target=self._fetch, args=(slot, session, self.generation), daemon=True,
@@ -564,7 +596,7 @@ class RemoteWorkers(WorkerPool):
 
         def leave(slot: int, session: str) -> None:
             with contextlib.suppress(Exception):
-                call(self.addresses[slot], "/v1/leave", {"session": session}, self.secret, self.LEAVE_TIMEOUT)
+                call(self.addresses[slot], "/v1/leave", {"session": session}, self.secret, self.LEAVE_TIMEOUT, self.tls)
 
         threads = [threading.Thread(target=leave, args=(slot, s["session"]), name=f"leave-{slot}", daemon=True)
                    for slot, s in self.live.items()]
@@ -580,7 +612,7 @@ class RemoteWorkers(WorkerPool):
         while self.live.get(slot, {}).get("session") == session:
             try:
                 status, reply = call(self.addresses[slot], "/v1/next", {"session": session, "wait": self.POLL},
-                                     self.secret, self.POLL + self.CALL_TIMEOUT)
+                                     self.secret, self.POLL + self.CALL_TIMEOUT, self.tls)
             except OSError as e:
                 why = f"{type(e).__name__}: {e}"
             else:
@@ -624,7 +656,7 @@ class RemoteWorkers(WorkerPool):
         while slot in self.lost and not getattr(self, "_closed", False):
             time.sleep(self.PROBE_EVERY)
             with contextlib.suppress(OSError, ValueError):
-                status, reply = call(self.addresses[slot], "/v1/hello", {}, self.secret, 5.0)
+                status, reply = call(self.addresses[slot], "/v1/hello", {}, self.secret, 5.0, self.tls)
                 if status == 200 and json.loads(reply).get("protocol") == PROTOCOL:
                     self.back.add(slot)
                     return
@@ -689,7 +721,7 @@ class RemoteWorkers(WorkerPool):
         if session in self.gone:
             return self.gone[session]
         try:
-            status, reply = call(self.addresses[slot], "/v1/hello", {}, self.secret, self.PROBE_TIMEOUT)
+            status, reply = call(self.addresses[slot], "/v1/hello", {}, self.secret, self.PROBE_TIMEOUT, self.tls)
         except TimeoutError:
             return None
         except OSError as e:
@@ -717,7 +749,8 @@ class RemoteWorkers(WorkerPool):
         for slot, s in sorted(self.live.items()):
             try:
                 status, reply = call(self.addresses[slot], "/v1/weights",
-                                     {"session": s["session"], "version": version, "path": path}, self.secret, self.timeout)
+                                     {"session": s["session"], "version": version, "path": path}, self.secret,
+                                     self.timeout, self.tls)
             except OSError as e:
                 lost = f"weights of version {version}: {type(e).__name__}: {e}"
             else:
@@ -747,3 +780,5 @@ class RemoteWorkers(WorkerPool):
         self._end_sessions()
         for paths in self.files:
             self._remove(paths)
+        if self.gate is not None:
+            self.gate.close()

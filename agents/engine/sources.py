@@ -24,7 +24,7 @@ from tokengym.agents.engine.worker_pool import WorkerError, WorkerPool, full_nam
 
 
 __all__ = ["RolloutSource", "InProcess", "WorkerPool", "WorkerError", "DataParallelSource", "full_named",
-           "make_source", "check_source"]
+           "make_source", "check_source", "client_tls"]
 
 
 class RolloutSource(Protocol):
@@ -142,6 +142,15 @@ class DataParallelSource:
 
 
 # ---------------------------------------------------------------------------------------------- choosing one
+def client_tls(cfg: EngineConfig) -> Any:
+    """The learner's TLS to its remote workers (``worker_ca``/``worker_fingerprint``), or None: plain HTTP."""
+    if not (cfg.worker_ca or cfg.worker_fingerprint):
+        return None
+    from tokengym.agents.engine.tls import ClientTLS
+
+    return ClientTLS(cfg.worker_ca, cfg.worker_fingerprint)
+
+
 def check_source(cfg: EngineConfig, env: Any, policy: Any, dp: Any) -> None:
     """``ValueError`` (one line) when the source the engine settings ``cfg`` ask for cannot serve ``env``, before
     anything starts: workers without an async mode, remote workers that do not answer or refuse the secret, an env
@@ -163,7 +172,8 @@ def check_source(cfg: EngineConfig, env: Any, policy: Any, dp: Any) -> None:
         if cfg.sync_host:
             check_sync_host(cfg.sync_host)
         spec = worker_env_spec(env, env.num_envs * dp.world_size)
-        check_workers_reachable(cfg.worker_addresses, read_secret(cfg.worker_secret_file or None), spec)
+        check_workers_reachable(cfg.worker_addresses, read_secret(cfg.worker_secret_file or None), spec,
+                                client_tls(cfg))
         return
     from tokengym.agents.engine.workers import check_crosses, check_workers
 
@@ -216,7 +226,7 @@ def _worker_pool(cfg: Any, env: Any, policy: Any, dp: Any, version: int, total: 
     if cfg.remote_workers:
         return RemoteWorkers(cfg.worker_addresses, read_secret(cfg.worker_secret_file or None), env, policy, rows=rows,
                              min_workers=cfg.min_workers, sync_host=cfg.sync_host, sync_port=cfg.sync_port,
-                             sync_dir=cfg.sync_dir, **common)
+                             sync_dir=cfg.sync_dir, tls=client_tls(cfg), **common)
     if dp.distributed:  # the workers sample the global batch: an env of every row, rebuilt from the env's record
         env = build_env(worker_env_spec(env, rows), policy.tokenizer)
     return RolloutWorkers(env, policy, workers=cfg.rollout_workers, threads=cfg.worker_threads, rebuild=dp.distributed,

@@ -221,7 +221,8 @@ def test_reinforce_pp_beta_goes_to_the_reward_or_to_the_loss(in_reward):
 OLD_RESUMABLE = {"save_every", "keep_checkpoints", "threads", "progress", "device", "sharding", "worker_threads",
                  "sync_timeout", "rollout_timeout", "dist_timeout", "remote_workers", "min_workers", "worker_secret_file",
                  "sync_host", "sync_port", "sync_bucket_mb", "sync_dir"}  # the literal set the field metadata replaced
-NEW_RESUMABLE = {"report_to"}  # trackers may change on --resume (a resumed run logs to a new tracker run)
+NEW_RESUMABLE = {"report_to",  # trackers may change on --resume (a resumed run logs to a new tracker run)
+                 "worker_ca", "worker_fingerprint"}  # how the learner checks its workers' certificates
 
 
 def test_the_resumable_settings_come_from_the_fields_and_are_the_old_set():
