@@ -24,7 +24,7 @@ def bare_pool(workers=1, min_workers=0):
     ``call``) is the test's."""
     pool = object.__new__(R.RemoteWorkers)
     pool.addresses = [f"127.0.0.1:{9 + i}" for i in range(workers)]
-    pool.secret, pool.timeout, pool.bucket, pool.sync_dir = b"s", 300.0, 1 << 20, ""
+    pool.secret, pool.timeout, pool.bucket, pool.sync_dir, pool.tls, pool.gate = b"s", 300.0, 1 << 20, "", None, None
     pool.min_workers, pool.next, pool.generation = min_workers or workers, 5, 1
     pool.live = {i: {"session": f"s{i}", "sync": object()} for i in range(workers)}
     pool.gone, pool.lost, pool.inbox, pool.files = {}, {}, queue.Queue(), []
@@ -48,7 +48,7 @@ def answers(*replies):
     """A ``call`` that gives ``replies`` in turn (an exception is raised), recording each path asked."""
     asked, left = [], list(replies)
 
-    def call(address, path, body, secret, timeout):
+    def call(address, path, body, secret, timeout, tls=None):
         asked.append(path)
         reply = left.pop(0)
         if isinstance(reply, BaseException):
@@ -246,7 +246,7 @@ def test_closing_after_ctrl_c_does_not_wait_for_a_sync_in_flight_and_still_ends_
     asked = []
     monkeypatch.setattr(R, "send", send)
     monkeypatch.setattr(R, "send_stop", lambda syncs: asked.append("stop"))
-    monkeypatch.setattr(R, "call", lambda address, path, body, secret, timeout: asked.append(path) or (200, b"{}"))
+    monkeypatch.setattr(R, "call", lambda address, path, body, secret, timeout, tls=None: asked.append(path) or (200, b"{}"))
     pool.publish(3, wait=False)
     assert stuck.wait(60)
     closing = threading.Thread(target=pool.close, args=(True,), daemon=True)
