@@ -1,0 +1,46 @@
+"""``tokengym train --sampler vllm`` and bad input: what vLLM cannot serve is one line on stderr, exit 2 and no run
+folder, found before the engine starts. None of these tests starts an engine. Skipped where vLLM is not installed."""
+
+import importlib.util
+import os
+
+import pytest
+
+from tokengym.agents.cli import main
+
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                 reason="vLLM is not installed: pip install 'tokengym[vllm]'"),
+              pytest.mark.usefixtures("one_thread")]
+
+V = ["train", "grpo", "--sampler", "vllm", "--steps", "1", "--prompts", "2", "--group-size", "2", "--eval-prompts",
+     "0", "--progress", "false", "--threads", "1"]
+
+
+@pytest.fixture
+def no_engine(monkeypatch):
+    """An engine start fails the test: these refusals come before it."""
+    import vllm
+
+    def start(*args, **kwargs):
+        raise AssertionError("the vLLM engine was started")
+
+    monkeypatch.setattr(vllm, "LLM", start)
+
+
+def one_line_exit_2(capsys, code: int, runs) -> str:
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and err.startswith("tokengym: error: "), err
+    assert not os.path.exists(runs)
+    return err
+
+
+def test_a_head_size_vllm_cannot_serve_is_refused_before_the_engine_starts(tmp_path, capsys, no_engine):
+    """A model whose attention heads are 16 wide (tiny, 8 heads): vLLM's CPU attention serves none that narrow."""
+    from tokengym.agents.engine.models import build_preset
+
+    model, tok = build_preset("tiny", num_attention_heads=8, num_key_value_heads=8)
+    model.save_pretrained(tmp_path / "narrow")
+    tok.save_pretrained(tmp_path / "narrow")
+    code = main([*V, "--model", str(tmp_path / "narrow"), "--runs-dir", str(tmp_path / "runs"), "--name", "x"])
+    err = one_line_exit_2(capsys, code, tmp_path / "runs")
+    assert "its attention heads are 16 wide, and vLLM's CPU attention serves head sizes 32, 64," in err, err
