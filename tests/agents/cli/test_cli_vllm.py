@@ -3,6 +3,7 @@ folder, found before the engine starts. None of these tests starts an engine. Sk
 
 import importlib.util
 import os
+import socket
 
 import pytest
 
@@ -44,3 +45,25 @@ def test_a_head_size_vllm_cannot_serve_is_refused_before_the_engine_starts(tmp_p
     code = main([*V, "--model", str(tmp_path / "narrow"), "--runs-dir", str(tmp_path / "runs"), "--name", "x"])
     err = one_line_exit_2(capsys, code, tmp_path / "runs")
     assert "its attention heads are 16 wide, and vLLM's CPU attention serves head sizes 32, 64," in err, err
+
+
+def test_torchrun_with_the_vllm_sampler_is_refused_before_anything_is_built(tmp_path, capsys, monkeypatch, no_engine):
+    """A 1-process torchrun launch (its environment variables; the rendezvous would succeed): refused before the
+    process group is joined, so no model is loaded and no folder made."""
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for k, v in {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(k, v)
+    try:
+        code = main([*V, "--runs-dir", str(tmp_path / "runs"), "--name", "x"])
+    finally:
+        joined = dist.is_initialized()
+        if joined:
+            dist.destroy_process_group()
+    err = one_line_exit_2(capsys, code, tmp_path / "runs")
+    assert "sampler='vllm' runs one engine in one learner process; data-parallel learners (torchrun)" in err, err
+    assert not joined
