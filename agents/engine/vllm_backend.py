@@ -26,7 +26,9 @@ import contextlib
 import importlib.metadata
 import os
 import shutil
+import signal
 import tempfile
+import threading
 import warnings
 import weakref
 from typing import Any, Iterator, Mapping, Sequence
@@ -115,6 +117,36 @@ def _in_process() -> Iterator[None]:
             os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
         else:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old
+
+
+@contextlib.contextmanager
+def _scratch_folder() -> Iterator[str]:
+    """A temporary folder (the model the engine starts from), removed when the block ends, also when SIGTERM stops the
+    process meanwhile: Python's default SIGTERM ends a process without unwinding it (no ``finally`` runs), so in the
+    main thread the block runs with SIGTERM raising ``SystemExit(143)`` instead. A SIGTERM handler already set (a
+    rollout worker's, the learner's) or an ignored SIGTERM is left as it is."""
+    folder = None
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main else None
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    handled = main and previous == signal.SIG_DFL
+    if handled:
+        signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # none between the mkdir and `folder =`
+        try:
+            folder = tempfile.mkdtemp(prefix="tokengym-vllm-")
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        yield folder
+    finally:
+        if handled:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _reason(e: BaseException) -> str:
@@ -210,8 +242,7 @@ class VLLMGenerator:
         if self.max_model_len > positions:
             raise ValueError(f"max_model_len={self.max_model_len} is more than the {positions} positions of {name}")
         dtype = torch.bfloat16 if bf16 else torch.float32
-        folder = tempfile.mkdtemp(prefix="tokengym-vllm-")
-        try:
+        with _scratch_folder() as folder:
             _export(self.config, policy.tokenizer, weights, folder)
             kw = dict(model=folder, tokenizer=folder, dtype="bfloat16" if bf16 else "float32", seed=0,
                       enforce_eager=True, max_model_len=self.max_model_len, enable_prefix_caching=True,
@@ -238,8 +269,6 @@ class VLLMGenerator:
                     raise ValueError(f"vLLM cannot load model {name}: {_reason(e)}") from None
             if not had_group and torch.distributed.is_initialized():  # vLLM's own 1-process group, not a torchrun's
                 engine_owns_default_group()
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
         _LIVE.add(self)
         missing = self.llm.collective_rpc("tokengym_check")[0] if callable(getattr(self.llm, "collective_rpc", None)) \
             else "LLM has no collective_rpc()"

@@ -1,9 +1,13 @@
 """``tokengym train --sampler vllm`` and bad input: what vLLM cannot serve is one line on stderr, exit 2 and no run
-folder, found before the engine starts. None of these tests starts an engine. Skipped where vLLM is not installed."""
+folder, found before the engine starts; a SIGTERM while the engine starts leaves no temporary folder behind. None of
+these tests starts an engine. Skipped where vLLM is not installed."""
 
 import importlib.util
 import os
 import socket
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -67,3 +71,28 @@ def test_torchrun_with_the_vllm_sampler_is_refused_before_anything_is_built(tmp_
     err = one_line_exit_2(capsys, code, tmp_path / "runs")
     assert "sampler='vllm' runs one engine in one learner process; data-parallel learners (torchrun)" in err, err
     assert not joined
+
+
+def test_sigterm_while_the_engine_starts_leaves_no_temporary_folder(tmp_path):
+    """The engine starts from the policy's weights written to a temporary folder: a SIGTERM sent as soon as the folder
+    appears (the engine is starting) stops the run, and the folder is gone (as is any run folder)."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "tokengym.agents.cli", *V, "--runs-dir", str(tmp_path / "runs"),
+                             "--name", "x"], env={**os.environ, "TMPDIR": str(tmp)},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        folders = []
+        while not folders and proc.poll() is None:
+            folders = [f for f in os.listdir(tmp) if f.startswith("tokengym-vllm-")]
+            time.sleep(0.02)
+        assert folders, f"the run ended before its engine started: {proc.stderr.read()[-2000:]}"
+        proc.terminate()
+        err = proc.communicate(timeout=300)[1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 143, err[-2000:]
+    assert [f for f in os.listdir(tmp) if f.startswith("tokengym-vllm-")] == [], err[-2000:]
+    assert not os.path.exists(tmp_path / "runs" / "x")
