@@ -1,6 +1,6 @@
 """``tokengym train --sampler vllm`` and bad input: what vLLM cannot serve is one line on stderr, exit 2 and no run
-folder, found before the engine starts; a SIGTERM while the engine starts leaves no temporary folder behind. None of
-these tests starts an engine. Skipped where vLLM is not installed."""
+folder, found before the engine starts (these tests start none); a SIGTERM while the engine starts leaves no
+temporary folder behind (that test stops the start it signals). Skipped where vLLM is not installed."""
 
 import importlib.util
 import os
