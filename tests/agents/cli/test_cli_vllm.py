@@ -46,6 +46,7 @@ def test_a_head_size_vllm_cannot_serve_is_refused_before_the_engine_starts(tmp_p
     model, tok = build_preset("tiny", num_attention_heads=8, num_key_value_heads=8)
     model.save_pretrained(tmp_path / "narrow")
     tok.save_pretrained(tmp_path / "narrow")
+    capsys.readouterr()  # save_pretrained's progress bar is the test's, not the command's
     code = main([*V, "--model", str(tmp_path / "narrow"), "--runs-dir", str(tmp_path / "runs"), "--name", "x"])
     err = one_line_exit_2(capsys, code, tmp_path / "runs")
     assert "its attention heads are 16 wide, and vLLM's CPU attention serves head sizes 32, 64," in err, err
