@@ -29,7 +29,6 @@ import shutil
 import signal
 import tempfile
 import threading
-import warnings
 import weakref
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -76,24 +75,12 @@ def check_vllm_build(device: str | torch.device) -> None:
                           f"and torch sees no CUDA device: pip uninstall -y vllm && {CPU_EXTRA}")
 
 
-@contextlib.contextmanager
-def _without_noise() -> Iterator[None]:
-    """vLLM's import and engine start without the warnings that tell a tokengym user nothing and would print before
-    the run's header: torch's ``FutureWarning`` that ``torch.distributed.reduce_op`` is deprecated, which vLLM's
-    Triton kernel dispatcher (``vllm/triton_utils/dispatcher.py``) raises as it scans every loaded module. Its own log
-    below ERROR is off (``VLLM_LOGGING_LEVEL``, set in :func:`import_vllm`; ``VLLM_LOGGING_LEVEL=INFO`` shows it)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r"`torch\.distributed\.reduce_op` is deprecated", category=FutureWarning)
-        yield
-
-
 def import_vllm() -> Any:
     """The ``vllm`` module, or one line saying what to install or mend."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its start-up log is long; VLLM_LOGGING_LEVEL=INFO shows it
     try:
-        with _without_noise():
-            import vllm
-            from vllm import LLM  # noqa: F401 (imports transformers' image utilities, where a mismatched torchvision breaks)
+        import vllm
+        from vllm import LLM  # noqa: F401 (imports transformers' image utilities, where a mismatched torchvision breaks)
     except ImportError as e:
         raise ImportError(f"sampler='vllm' needs vLLM ({e.name or e}): {EXTRA}") from None
     except RuntimeError as e:
@@ -260,7 +247,7 @@ class VLLMGenerator:
                                                       dtype))
             kw.update(engine_kwargs or {})
             had_group = torch.distributed.is_available() and torch.distributed.is_initialized()
-            with _in_process(), _without_noise():
+            with _in_process():
                 try:
                     self.llm = vllm.LLM(**kw)
                 except Exception as e:
