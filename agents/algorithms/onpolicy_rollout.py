@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from tokengym.agents.engine.backends import backend, make_backend
+from tokengym.agents.engine.backends import backend, check_one_process, make_backend
 from tokengym.agents.engine.resources import check_fits
 from tokengym.agents.engine.rollout import Rollout, collect
 from tokengym.agents.engine.sources import RolloutSource, check_source, make_source
@@ -87,10 +87,8 @@ class RolloutMixin:
             raise ValueError(f"minibatches={self.config.minibatches} is more than the {env.num_envs} episodes of a rollout "
                              "batch: every minibatch needs at least one; use fewer minibatches or more prompts")
         check_source(self.config, env, self.policy, self.dp)
+        check_one_process(self.config.sampler, self.dp.distributed)
         if backend(self.config.sampler).engine:
-            if self.dp.distributed:
-                raise ValueError(f"sampler={self.config.sampler!r} runs one engine in one learner process; data-parallel "
-                                 "learners (torchrun) sample with sampler='tokengym'")
             self.rollout_backend(env)
 
     def make_source(self, env) -> RolloutSource:

@@ -105,6 +105,7 @@ def resolve(algo: str, values_file: dict[str, Any], values_flags: dict[str, Any]
         raise R.UsageError(f"eval_k={cfg.eval_k} samples the held-out prompts, and eval_prompts=0 turns held-out "
                            "evaluation off; give eval_prompts >= 1 or drop eval_k")
     _check_sharding(run, algo, cfg, saved, resume_dir)
+    _check_engine_processes(cfg)
     if saved:
         changed = [(k, saved[part][k], v) for part, obj in (("run", run), ("config", cfg))
                    for k, v in _jsonable(dataclasses.asdict(obj)).items()
@@ -177,6 +178,20 @@ def _check_sharding(run: RunConfig, algo: str, cfg: Any = None, saved: dict[str,
     if cfg is not None and getattr(cfg, "share_trunk", False):
         raise R.UsageError(f"--sharding {run.sharding} cannot share the policy's trunk with the critic (share_trunk): "
                            "the two would be sharded twice; drop --share-trunk or --sharding")
+
+
+def _check_engine_processes(cfg: Any) -> None:
+    """An engine backend (``--sampler vllm``) under torchrun (``WORLD_SIZE`` set): one line before the process group is
+    joined, a model loaded or an engine started (the agent's own check runs once the ranks are set up, too late for
+    the run folder)."""
+    from tokengym.agents.engine.backends import check_one_process
+
+    if getattr(cfg, "sampler", None) is None:  # an offline algorithm: no rollout backend
+        return
+    try:
+        check_one_process(cfg.sampler, "WORLD_SIZE" in os.environ)
+    except ValueError as e:
+        raise R.UsageError(str(e)) from None
 
 
 def _worker_addresses(values: dict[str, Any]) -> dict[str, Any]:

@@ -15,7 +15,8 @@ from typing import Any, Callable
 
 from tokengym.agents.engine.registry import Names, Registry
 
-__all__ = ["Backend", "BACKENDS", "SAMPLERS", "backend", "make_backend", "register_backend", "unregister_backend"]
+__all__ = ["Backend", "BACKENDS", "SAMPLERS", "backend", "check_one_process", "make_backend", "register_backend",
+           "unregister_backend"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,14 @@ def unregister_backend(name: str) -> Backend:
 def backend(name: str) -> Backend:
     """Backend ``name``; an unknown one is a one-line ``ValueError`` naming the registered ones."""
     return BACKENDS.get(name)
+
+
+def check_one_process(name: str, data_parallel: bool) -> None:
+    """One-line ``ValueError`` for an engine backend ``name`` in a data-parallel (torchrun) learner: its engine runs in
+    one learner process, and the ranks would each start one and sample apart."""
+    if data_parallel and backend(name).engine:
+        raise ValueError(f"sampler={name!r} runs one engine in one learner process; data-parallel learners (torchrun) "
+                         "sample with sampler='tokengym'")
 
 
 def make_backend(name: str, policy: Any, *, rows: int = 64, row_len: int = 512, bf16: bool = False,

