@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tokengym.envs.json_http import JsonHandler, ThreadedServer
+from tokengym.envs.json_http import BadRequest, JsonHandler, ThreadedServer
 from tokengym.rewards.common import TokengymWarning, read_secret_file
 from tokengym.agents.engine.backends import BACKENDS
 from tokengym.agents.engine.messages import MessageError, check_manifest, encode_rollout
@@ -52,7 +52,11 @@ __all__ = ["WorkerServer", "RemoteWorkers", "parse_address", "read_secret", "wor
            "check_workers_reachable", "check_sync_dir", "check_sync_host"]
 
 PROTOCOL = 1
-MAX_BODY = 16 << 20  # a control message's limit (a join's manifest and stream are far smaller)
+MAX_BODY = 16 << 20
+"""A control message's limit in bytes. The largest is a join: its stream holds a dataset task's shuffled order, about
+8 bytes a row (16 MiB: some 2M rows); the manifest is ~60 bytes a tensor, the env's arguments what the user gave."""
+MAX_DEPTH = 64
+"""How deeply a control message may nest arrays and objects (a join nests 5 levels, plus the env arguments' own)."""
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -348,7 +352,10 @@ class _Gone(Exception):
 
 
 class _Handler(JsonHandler):
+    """The worker's door: the secret, then the message (bounded: :data:`MAX_BODY`, :data:`MAX_DEPTH`), then its route."""
+
     owner: WorkerServer
+    max_body, max_depth = MAX_BODY, MAX_DEPTH
 
     def _refuse(self, code: int, text: str) -> None:
         self.owner.log(f"refused {self.command} {self.path} from {self.client_address[0]}: {text}")
@@ -366,19 +373,13 @@ class _Handler(JsonHandler):
         if self.path not in routes:
             return self._refuse(404, f"unknown message {self.path!r}")
         try:
-            n = int(self.headers.get("Content-Length") or 0)
-        except ValueError:
-            n = -1
-        if n < 0:
-            return self._refuse(400, "a message needs a Content-Length")
-        if n > MAX_BODY:
-            return self._refuse(413, f"a message of {n} bytes is over the limit of {MAX_BODY}")
-        try:
-            body = json.loads(self.rfile.read(n) or b"{}")
+            body = self.read_json()
+            if body is None:
+                body = {}
             if not isinstance(body, dict):
-                raise ValueError("not a JSON object")
-        except ValueError as e:
-            return self._refuse(400, f"the message is not JSON: {e}")
+                raise BadRequest(400, "the message is not JSON: not a JSON object")
+        except BadRequest as e:
+            return self._refuse(e.code, str(e))
         try:
             out = routes[self.path](body)
         except _Gone as e:  # (not logged: a learner's fetcher meets it whenever a session ends)

@@ -1,0 +1,89 @@
+"""The rollout worker's HTTP door (agents/engine/remote.py ``_Handler`` on envs/json_http.py): what a caller on the
+network can send it, with or without the secret, and the worker keeps serving; and one learner at a time.
+
+The worker runs in this process (``WorkerServer``), so each test can set its bounds small and read its log."""
+
+import json
+import os
+import re
+import socket
+import threading
+
+import pytest
+
+from tokengym.agents.engine import remote
+from tokengym.agents.engine.remote import WorkerServer, call
+from tokengym.envs.json_http import too_deep
+
+SECRET = b"door-test-secret"
+AUTH = b"Authorization: Bearer " + SECRET + b"\r\n"
+
+
+@pytest.fixture
+def worker():
+    """A worker on loopback, in this process, logging to this process's stderr."""
+    server = WorkerServer(secret=SECRET)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.close()
+    thread.join(30)
+
+
+def connect(address: str) -> socket.socket:
+    host, port = address.rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=60)
+
+
+def exchange(address: str, request: bytes) -> tuple[int, dict, bool]:
+    """Send raw bytes, read one reply: ``(status, its JSON, whether the worker closes the connection after it)``."""
+    import http.client
+
+    with connect(address) as s:
+        s.sendall(request)
+        reply = http.client.HTTPResponse(s)
+        reply.begin()
+        body = json.loads(reply.read() or b"{}")
+        closes = (reply.getheader("Connection") or "").lower() == "close"
+        assert not closes or s.recv(1) == b""  # (it says so, and does)
+        return reply.status, body, closes
+
+
+def post(body: bytes, headers: bytes = b"", length: bool = True) -> bytes:
+    size = b"Content-Length: %d\r\n" % len(body) if length else b""
+    return b"POST /v1/hello HTTP/1.1\r\nHost: w\r\n" + AUTH + size + headers + b"\r\n" + body
+
+
+def hello_ok(address: str) -> bool:
+    status, reply = call(address, "/v1/hello", {}, SECRET, 30)
+    return status == 200 and json.loads(reply)["protocol"] == remote.PROTOCOL
+
+
+def log_lines(capfd) -> list[str]:
+    return [line for line in capfd.readouterr().err.splitlines() if line.strip()]
+
+
+# ---------------------------------------------------------------------------------------------- the body
+def test_a_body_nested_too_deep_or_too_large_is_refused_in_one_line_and_the_worker_keeps_serving(worker, capfd):
+    deep = b"[" * 100_000 + b"]" * 100_000  # (the parser would recurse 100k levels)
+    assert exchange(worker.address, post(deep)) == (400, {"error": "the message nests more than 64 levels deep"}, False)
+    nest = lambda n: b'{"x": ' + b"[" * (n - 1) + b"]" * (n - 1) + b"}"  # noqa: E731
+    assert exchange(worker.address, post(nest(remote.MAX_DEPTH)))[0] == 200  # the bound itself: served
+    assert exchange(worker.address, post(nest(remote.MAX_DEPTH + 1)))[0] == 400
+    big = b"POST /v1/hello HTTP/1.1\r\n" + AUTH + b"Content-Length: %d\r\n\r\n" % (remote.MAX_BODY + 1)
+    status, reply, closed = exchange(worker.address, big)  # refused before a byte of the body is sent
+    assert (status, closed) == (413, True) and reply["error"] == (f"a message of {remote.MAX_BODY + 1} bytes is over "
+                                                                  f"the limit of {remote.MAX_BODY}")
+    assert hello_ok(worker.address)
+    lines = log_lines(capfd)
+    assert len(lines) == 3 and all(re.search(r": refused POST /v1/hello from 127.0.0.1: ", x) for x in lines), lines
+    # brackets inside strings are text, not nesting; escaped quotes do not end a string
+    assert not too_deep(b'["[[[[", "\\"[[[[", {"a": [1]}]', 3) and too_deep(b'[[["]"]]]', 2)
+    assert too_deep(b"[" * 5, 4) and not too_deep(b"[" * 4, 4) and not too_deep(b"", 0)
+
+
+def test_the_documented_limits_are_the_code_s():
+    with open(os.path.join(os.path.dirname(__file__), "..", "..", "..", "docs", "scaling.md")) as f:
+        page = " ".join(f.read().split())
+    for claim in (f"at most {remote.MAX_BODY >> 20} MiB", f"{remote.MAX_DEPTH} levels of nested"):
+        assert claim in page, claim
