@@ -69,17 +69,26 @@ class JsonHandler(BaseHTTPRequestHandler):
     def log_message(self, fmt: str, *args: Any) -> None:  # each server logs what it refuses itself
         pass
 
+    def body_length(self) -> int:
+        """The body's length from its one ``Content-Length`` (none: 0); :class:`BadRequest` (400) for a chunked body,
+        a length that is not a number, or several that differ (RFC 9112: never guess which one frames the body)."""
+        if self.headers.get("Transfer-Encoding") is not None:
+            raise BadRequest(400, "a body sent with Transfer-Encoding is not read here; send a Content-Length")
+        given = [v.strip() for h in self.headers.get_all("Content-Length") or () for v in h.split(",")]
+        if not given:
+            return 0
+        if len(set(given)) > 1:
+            raise BadRequest(400, f"the request has conflicting Content-Length headers ({', '.join(given)})")
+        if not re.fullmatch(r"[0-9]{1,19}", given[0]):
+            raise BadRequest(400, f"Content-Length {given[0][:40]!r} is not a number of bytes")
+        return int(given[0])
+
     def read_json(self) -> Any:
         """The request's body as JSON (empty: None), within ``max_body`` bytes and ``max_depth`` levels; else
         :class:`BadRequest` (400, or 413 for a body over the limit) and this connection ends with the reply (the
         rest of the body is never read)."""
         try:
-            n = int(self.headers.get("Content-Length") or 0)
-        except ValueError:
-            n = -1
-        try:
-            if n < 0:
-                raise BadRequest(400, "a message needs a Content-Length")
+            n = self.body_length()
             if self.max_body is not None and n > self.max_body:
                 raise BadRequest(413, f"a message of {n} bytes is over the limit of {self.max_body}")
         except BadRequest:

@@ -357,21 +357,23 @@ class _Handler(JsonHandler):
     owner: WorkerServer
     max_body, max_depth = MAX_BODY, MAX_DEPTH
 
-    def _refuse(self, code: int, text: str) -> None:
+    def _refuse(self, code: int, text: str, unread: bool = False) -> None:
+        """Answer ``code`` with one line; ``unread``: the request's body was not read, so the connection ends."""
+        self.close_connection = self.close_connection or unread
         self.owner.log(f"refused {self.command} {self.path} from {self.client_address[0]}: {text}")
         self.send_json(code, {"error": text})
 
     def do_GET(self) -> None:
-        self._refuse(405, "every message is a POST")
+        self._refuse(405, "every message is a POST", unread=True)
 
     def do_POST(self) -> None:
         given = self.headers.get("Authorization", "")
         if not hmac.compare_digest(given.encode(), b"Bearer " + self.owner.secret):
-            return self._refuse(401, "wrong or missing secret")
+            return self._refuse(401, "wrong or missing secret", unread=True)
         routes = {"/v1/hello": self.owner.hello, "/v1/join": self.owner.join, "/v1/next": self.owner.next,
                   "/v1/leave": self.owner.leave, "/v1/weights": self.owner.weights}
         if self.path not in routes:
-            return self._refuse(404, f"unknown message {self.path!r}")
+            return self._refuse(404, f"unknown message {self.path!r}", unread=True)
         try:
             body = self.read_json()
             if body is None:

@@ -82,6 +82,24 @@ def test_a_body_nested_too_deep_or_too_large_is_refused_in_one_line_and_the_work
     assert too_deep(b"[" * 5, 4) and not too_deep(b"[" * 4, 4) and not too_deep(b"", 0)
 
 
+@pytest.mark.parametrize("headers, text", [
+    (b"Content-Length: 2\r\nContent-Length: 40\r\n", "conflicting Content-Length headers (2, 40)"),
+    (b"Content-Length: 2, 40\r\n", "conflicting Content-Length headers (2, 40)"),
+    (b"Content-Length: abc\r\n", "Content-Length 'abc' is not a number of bytes"),
+    (b"Content-Length: -2\r\n", "Content-Length '-2' is not a number of bytes"),
+    (b"Content-Length: +2\r\n", "Content-Length '+2' is not a number of bytes"),
+    (b"Content-Length: \r\n", "Content-Length '' is not a number of bytes"),
+    (b"Transfer-Encoding: chunked\r\n", "a body sent with Transfer-Encoding is not read here; send a Content-Length"),
+])
+def test_a_content_length_that_does_not_frame_the_body_is_refused_and_the_connection_closed(worker, headers, text):
+    status, reply, closed = exchange(worker.address, post(b"{}", headers, length=False))
+    assert (status, reply, closed) == (400, {"error": text}, True)
+
+
+def test_one_content_length_repeated_alike_frames_the_body(worker):
+    assert exchange(worker.address, post(b"{}", b"Content-Length: 2\r\nContent-Length: 2\r\n", length=False))[0] == 200
+
+
 def test_the_documented_limits_are_the_code_s():
     with open(os.path.join(os.path.dirname(__file__), "..", "..", "..", "docs", "scaling.md")) as f:
         page = " ".join(f.read().split())
