@@ -9,6 +9,7 @@ import re
 import socket
 import threading
 
+import gymnasium as gym
 import pytest
 
 from tokengym.agents.engine import remote
@@ -100,8 +101,46 @@ def test_one_content_length_repeated_alike_frames_the_body(worker):
     assert exchange(worker.address, post(b"{}", b"Content-Length: 2\r\nContent-Length: 2\r\n", length=False))[0] == 200
 
 
+# ---------------------------------------------------------------------------------------------- one learner at a time
+def test_a_second_learner_stops_at_once_before_its_run_folder_while_the_worker_serves_another(worker, tmp_path, capsys,
+                                                                                             monkeypatch):
+    from tokengym.agents import GRPOAgent, GRPOConfig, Policy
+    from tokengym.agents.cli import main
+
+    monkeypatch.setenv("TOKENGYM_SECRET", SECRET.decode())
+    env = gym.make_vec("tokengym/Arithmetic-v0", num_envs=8, vectorization_mode="vector_entry_point", group_size=4)
+    first = GRPOAgent(Policy.from_pretrained("tiny-arithmetic"),
+                      GRPOConfig(steps=3, lr=1e-3, mu=1, minibatches=1, seed=3, async_mode="one-step",
+                                 remote_workers=worker.address, sync_timeout=600.0))
+    seen = {}
+
+    def second(record):
+        if record["step"] == 1:  # the first learner is mid-run: a second one names its worker
+            seen["code"] = main(["train", "grpo", "--steps", "2", "--eval-prompts", "0", "--progress", "false",
+                                 "--threads", "1", "--async-mode", "one-step", "--rollout-workers", worker.address,
+                                 "--sync-timeout", "600", "--runs-dir", str(tmp_path / "runs"), "--name", "second"])
+            session = json.loads(call(worker.address, "/v1/hello", {}, SECRET, 30)[1])["session"]
+            body = {"protocol": remote.PROTOCOL, "session": "another-1-0", "env": {}, "model": None, "temperature": 1,
+                    "workers": 1, "worker": 0, "slot": 0, "k": 1, "exact": True, "start": 0, "stream": None, "seed": 0,
+                    "store": None, "prefix": "", "manifest": [], "timeout": 1, "bf16": False, "sampler": "tokengym"}
+            seen["join"] = call(worker.address, "/v1/join", body, SECRET, 30)  # (a learner past the check: refused)
+            seen["session"] = session
+
+    history = first.learn(env, callback=second)
+    assert len(history) == 3  # the first learner was not disturbed
+    err = capsys.readouterr().err.strip().splitlines()
+    assert seen["code"] == 2 and err[-1] == (f"tokengym: error: rollout worker {worker.address} serves another learner "
+                                             f"now (session {seen['session'][:8]}): stop that run, or name another "
+                                             "worker (a learner that died frees its workers within 30 s)"), err
+    assert not (tmp_path / "runs").exists()
+    assert seen["join"][0] == 409 and json.loads(seen["join"][1])["error"] == (
+        f"serves another learner now (session {seen['session'][:8]}): stop that run, or name another worker")
+    assert hello_ok(worker.address) and not json.loads(call(worker.address, "/v1/hello", {}, SECRET, 30)[1])["busy"]
+
+
 def test_the_documented_limits_are_the_code_s():
     with open(os.path.join(os.path.dirname(__file__), "..", "..", "..", "docs", "scaling.md")) as f:
         page = " ".join(f.read().split())
-    for claim in (f"at most {remote.MAX_BODY >> 20} MiB", f"{remote.MAX_DEPTH} levels of nested"):
+    for claim in (f"at most {remote.MAX_BODY >> 20} MiB", f"{remote.MAX_DEPTH} levels of nested",
+                  f"has not asked for {remote.SESSION_IDLE:g} s"):
         assert claim in page, claim
