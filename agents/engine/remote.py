@@ -59,9 +59,15 @@ MAX_BODY = 16 << 20
 8 bytes a row (16 MiB: some 2M rows); the manifest is ~60 bytes a tensor, the env's arguments what the user gave."""
 MAX_DEPTH = 64
 """How deeply a control message may nest arrays and objects (a join nests 5 levels, plus the env arguments' own)."""
+READ_TIMEOUT = 10.0
+"""Seconds for a request's line and headers to arrive (then as long again plus a second per MB for its body); a
+connection that sends nothing, or too slowly, is closed."""
 SESSION_IDLE = 30.0
 """Seconds after its learner last asked (it polls every :attr:`RemoteWorkers.POLL`) that a session counts as
 abandoned: a learner that died without a word (killed, with ``--sync-dir``) frees its workers for the next one."""
+MAX_CONNECTIONS = 64
+"""Connections a worker serves at once, one thread each (a learner holds one per worker, plus a short call now and
+then); more are answered 503 and closed."""
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -380,10 +386,11 @@ class _Busy(Exception):
 
 
 class _Handler(JsonHandler):
-    """The worker's door: the secret, then the message (bounded: :data:`MAX_BODY`, :data:`MAX_DEPTH`), then its route."""
+    """The worker's door: the secret, then the message (bounded: :data:`MAX_BODY`, :data:`MAX_DEPTH`), then its route.
+    At most :data:`MAX_CONNECTIONS` connections are served at once, each request arriving within :data:`READ_TIMEOUT`."""
 
     owner: WorkerServer
-    max_body, max_depth = MAX_BODY, MAX_DEPTH
+    max_connections, read_timeout, max_body, max_depth = MAX_CONNECTIONS, READ_TIMEOUT, MAX_BODY, MAX_DEPTH
 
     def _refuse(self, code: int, text: str, unread: bool = False) -> None:
         """Answer ``code`` with one line; ``unread``: the request's body was not read, so the connection ends."""

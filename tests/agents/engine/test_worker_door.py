@@ -8,6 +8,7 @@ import os
 import re
 import socket
 import threading
+import time
 
 import gymnasium as gym
 import pytest
@@ -101,6 +102,38 @@ def test_one_content_length_repeated_alike_frames_the_body(worker):
     assert exchange(worker.address, post(b"{}", b"Content-Length: 2\r\nContent-Length: 2\r\n", length=False))[0] == 200
 
 
+# ---------------------------------------------------------------------------------------------- connections
+def test_idle_connections_are_bounded_and_timed_out_and_a_learner_still_gets_in(worker):
+    handler = worker.httpd.RequestHandlerClass
+    handler.max_connections, handler.read_timeout = 4, 600.0  # (held for the whole first part)
+    ours = lambda: [t for t in threading.enumerate() if t.name.endswith("(process_request_thread)")]  # noqa: E731
+    before = set(ours())
+    idle = [connect(worker.address) for _ in range(20)]
+    for s in idle[4:]:  # past the bound: answered 503 and closed at once, no thread
+        reply = b"".join(iter(lambda s=s: s.recv(4096), b""))
+        assert reply.startswith(b"HTTP/1.1 503 ") and b"holds 4 connections, its limit" in reply, reply
+    assert len(set(ours()) - before) == 4
+    for s in idle:
+        s.close()
+    handler.read_timeout = 0.5
+    deadline = time.monotonic() + 60
+    while True:  # the idle ones' threads end as the worker sees them closed
+        try:
+            if hello_ok(worker.address):
+                break
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, "the worker never served a learner again"
+        time.sleep(0.1)
+    silent, dripping = connect(worker.address), connect(worker.address)
+    dripping.sendall(b"POST /v1/hello HTTP/1.1\r\n" + AUTH)  # the headers never end
+    for s in (silent, dripping):  # closed by the worker within its read timeout (generous deadline: a loaded machine)
+        s.settimeout(60)
+        assert s.recv(4096) == b""
+        s.close()
+    assert hello_ok(worker.address)
+
+
 # ---------------------------------------------------------------------------------------------- one learner at a time
 def test_a_second_learner_stops_at_once_before_its_run_folder_while_the_worker_serves_another(worker, tmp_path, capsys,
                                                                                              monkeypatch):
@@ -142,5 +175,6 @@ def test_the_documented_limits_are_the_code_s():
     with open(os.path.join(os.path.dirname(__file__), "..", "..", "..", "docs", "scaling.md")) as f:
         page = " ".join(f.read().split())
     for claim in (f"at most {remote.MAX_BODY >> 20} MiB", f"{remote.MAX_DEPTH} levels of nested",
+                  f"within {remote.READ_TIMEOUT:g} s", f"At most {remote.MAX_CONNECTIONS} connections",
                   f"has not asked for {remote.SESSION_IDLE:g} s"):
         assert claim in page, claim
