@@ -165,7 +165,7 @@ class JsonHandler(BaseHTTPRequestHandler):
     def read_json(self) -> Any:
         """The request's body as JSON (empty: None), within ``max_body`` bytes and ``max_depth`` levels; else
         :class:`BadRequest` (400, or 413 for a body over the limit) and this connection ends with the reply (the
-        rest of the body is never read)."""
+        rest of the body is never read). A client gone mid-body raises ``ConnectionError``."""
         try:
             n = self.body_length()
             if self.max_body is not None and n > self.max_body:
@@ -176,6 +176,9 @@ class JsonHandler(BaseHTTPRequestHandler):
         if self.deadline is not None:  # the body's own limit: one more second per MB (a large one on a slow link)
             self.deadline.restart(self.read_timeout + n / 1e6)
         data = self.rfile.read(n) if n else b""
+        if len(data) < n:
+            self.close_connection = True
+            raise ConnectionResetError(f"the client left after {len(data)} of {n} bytes")
         if not data:
             return None
         if self.max_depth is not None and too_deep(data, self.max_depth):

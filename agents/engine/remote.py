@@ -417,6 +417,9 @@ class _Handler(JsonHandler):
                 raise BadRequest(400, "the message is not JSON: not a JSON object")
         except BadRequest as e:
             return self._refuse(e.code, str(e))
+        except (ConnectionError, TimeoutError) as e:  # the client went away (or stalled) mid-body: one line, no reply
+            self.close_connection = True
+            return self.owner.log(f"dropped {self.command} {self.path} from {self.client_address[0]}: {e}")
         try:
             out = routes[self.path](body)
         except _Gone as e:  # (not logged: a learner's fetcher meets it whenever a session ends)

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import socket
+import struct
 import threading
 import time
 
@@ -132,6 +133,25 @@ def test_idle_connections_are_bounded_and_timed_out_and_a_learner_still_gets_in(
         assert s.recv(4096) == b""
         s.close()
     assert hello_ok(worker.address)
+
+
+def test_a_client_gone_mid_body_costs_at_most_one_log_line(worker, capfd):
+    """One client closes after part of its body (FIN), one resets (RST): each costs the worker's log at most one line
+    naming what happened (the first one a line for sure), no traceback, and the worker keeps serving."""
+    for how in ("close", "reset"):
+        s = connect(worker.address)
+        s.sendall(post(b'{"env": ' + b" " * 100)[:-50])  # Content-Length says 108, 58 bytes come
+        if how == "reset":
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        s.close()
+    assert hello_ok(worker.address)
+    lines, deadline = [], time.monotonic() + 60
+    while not any(x.endswith("the client left after 58 of 108 bytes") for x in lines):
+        assert time.monotonic() < deadline, lines
+        lines += log_lines(capfd)
+        time.sleep(0.05)
+    assert len(lines) <= 2 and all(x.startswith(f"tokengym worker {worker.address}: dropped POST /v1/hello from "
+                                                "127.0.0.1: ") for x in lines), lines
 
 
 # ---------------------------------------------------------------------------------------------- one learner at a time
