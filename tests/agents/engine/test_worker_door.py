@@ -10,6 +10,7 @@ import socket
 import struct
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import gymnasium as gym
 import pytest
@@ -133,6 +134,12 @@ def test_idle_connections_are_bounded_and_timed_out_and_a_learner_still_gets_in(
         assert s.recv(4096) == b""
         s.close()
     assert hello_ok(worker.address)
+
+
+def test_fifty_learners_calling_at_once_are_all_answered(worker):
+    with ThreadPoolExecutor(50) as pool:
+        answers = list(pool.map(lambda _: hello_ok(worker.address), range(50)))
+    assert answers == [True] * 50
 
 
 def test_a_client_gone_mid_body_costs_at_most_one_log_line(worker, capfd):
