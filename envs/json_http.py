@@ -157,7 +157,7 @@ class JsonHandler(BaseHTTPRequestHandler):
         if not given:
             return 0
         if len(set(given)) > 1:
-            raise BadRequest(400, f"the request has conflicting Content-Length headers ({', '.join(given)})")
+            raise BadRequest(400, f"conflicting Content-Length headers ({', '.join(given)})")
         if not re.fullmatch(r"[0-9]{1,19}", given[0]):
             raise BadRequest(400, f"Content-Length {given[0][:40]!r} is not a number of bytes")
         return int(given[0])
