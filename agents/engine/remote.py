@@ -12,7 +12,9 @@ messages (:mod:`~tokengym.agents.engine.messages`). Paths:
   version schedule, its stream, the weight manifest (checked against the model: names, shapes, dtypes), where
   the learner's store is and the token that opens it (:mod:`~tokengym.agents.runtime.store_gate`). The worker then
   joins a 2-rank weight group with the learner (gloo on CPU, nccl on CUDA), both prove the token in its first
-  exchange, and it runs :class:`~tokengym.agents.engine.worker_loop.WorkerLoop`. A join replaces the session before it.
+  exchange, and it runs :class:`~tokengym.agents.engine.worker_loop.WorkerLoop`. A join replaces the session before it
+  when that is the same learner's (re-planned) or its learner stopped asking (:data:`SESSION_IDLE`); else it is
+  refused (409: the worker serves another learner).
 * ``POST /v1/next``: the next finished rollout (waits up to ``wait`` seconds; 204 when none came).
 * ``POST /v1/leave``: end the session; the worker goes back to waiting for a learner.
 
@@ -42,7 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tokengym.envs.json_http import JsonHandler
+from tokengym.envs.json_http import BadRequest, JsonHandler
 from tokengym.rewards.common import TokengymWarning, read_secret_file
 from tokengym.agents.engine.backends import BACKENDS
 from tokengym.agents.engine.messages import MessageError, check_manifest, encode_rollout
@@ -56,7 +58,20 @@ __all__ = ["WorkerServer", "RemoteWorkers", "parse_address", "read_secret", "wor
            "check_workers_reachable", "check_sync_dir", "check_sync_host"]
 
 PROTOCOL = 2  # 2: the weight store's token (store_token) and the group's handshake
-MAX_BODY = 16 << 20  # a control message's limit (a join's manifest and stream are far smaller)
+MAX_BODY = 16 << 20
+"""A control message's limit in bytes. The largest is a join: its stream holds a dataset task's shuffled order, about
+8 bytes a row (16 MiB: some 2M rows); the manifest is ~60 bytes a tensor, the env's arguments what the user gave."""
+MAX_DEPTH = 64
+"""How deeply a control message may nest arrays and objects (a join nests 5 levels, plus the env arguments' own)."""
+READ_TIMEOUT = 10.0
+"""Seconds for a request's line and headers to arrive (then as long again plus a second per MB for its body); a
+connection that sends nothing, or too slowly, is closed."""
+SESSION_IDLE = 30.0
+"""Seconds after its learner last asked (it polls every :attr:`RemoteWorkers.POLL`) that a session counts as
+abandoned: a learner that died without a word (killed, with ``--sync-dir``) frees its workers for the next one."""
+MAX_CONNECTIONS = 64
+"""Connections a worker serves at once, one thread each (a learner holds one per worker, plus a short call now and
+then); more are answered 503 and closed."""
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -178,6 +193,7 @@ class _Session:
         self.error: str | None = None
         self.loop: WorkerLoop | None = None
         self.done, self.ready = threading.Event(), threading.Event()
+        self.seen, self.leaving = time.monotonic(), False  # when its learner last asked; whether it left
         self.thread = threading.Thread(target=self._run, args=(server, env, policy), name=f"session-{self.id[:8]}",
                                        daemon=True)
         self.thread.start()
@@ -261,8 +277,8 @@ class WorkerServer:
     def hello(self, body: dict[str, Any]) -> dict[str, Any]:
         """The worker's protocol and whether it is busy; given a learner's ``env`` (a :func:`worker_env_spec`), also
         ``env_error``: why this worker cannot make it (a module of the user's it cannot import), or None."""
-        busy = self.session is not None and not self.session.done.is_set()
-        reply = {"protocol": PROTOCOL, "busy": busy, "session": self.session.id if busy else None}
+        live = self._serving()
+        reply = {"protocol": PROTOCOL, "busy": live is not None, "session": None if live is None else live.id}
         env = body.get("env")
         if isinstance(env, dict) and isinstance(env.get("env"), str):
             from tokengym.envs import resolve_env
@@ -291,7 +307,11 @@ class WorkerServer:
             raise MessageError(f"unknown rollout backend sampler={body['sampler']!r}; this worker has: "
                                f"{', '.join(BACKENDS.names())}")
         with self.lock:
-            if self.session is not None:  # a new learner (or the same one, re-planned) replaces the last session
+            live = self._serving()
+            if live is not None and _learner_of(live.id) != _learner_of(body["session"]):
+                raise _Busy(f"serves another learner now (session {live.id[:8]}): stop that run, or name another "
+                            "worker")
+            if self.session is not None:  # the same learner re-planned, or one gone quiet: its session is replaced
                 self.session.stop()
                 self.session = None
             env, policy = self._build(body)
@@ -343,6 +363,7 @@ class WorkerServer:
 
     def leave(self, body: dict[str, Any]) -> dict[str, Any]:
         session = self._session(body)
+        session.leaving = True  # (free for the next learner at once, while a rollout in progress finishes)
         session.stop(wait=10.0)
         with self.lock:
             if self.session is session:
@@ -354,49 +375,71 @@ class WorkerServer:
         session = self.session
         if session is None or body.get("session") != session.id:
             raise _Gone("no such session (the worker serves another learner now, or was restarted)")
+        session.seen = time.monotonic()
         return session
+
+    def _serving(self) -> _Session | None:
+        """The session of a learner that is here: not ended, not left, and asking (within :data:`SESSION_IDLE`)."""
+        s = self.session
+        if s is None or s.done.is_set() or s.leaving or time.monotonic() - s.seen > SESSION_IDLE:
+            return None
+        return s
+
+
+def _learner_of(session: str) -> str:
+    """The learner a session id belongs to (``<learner>-<generation>-<slot>``)."""
+    return session.split("-", 1)[0]
 
 
 class _Gone(Exception):
     """The session a request names is not this worker's (HTTP 409)."""
 
 
-class _Handler(JsonHandler):
-    owner: WorkerServer
+class _Busy(Exception):
+    """A join while another learner's session is live (HTTP 409, logged)."""
 
-    def _refuse(self, code: int, text: str) -> None:
+
+class _Handler(JsonHandler):
+    """The worker's door: the secret, then the message (bounded: :data:`MAX_BODY`, :data:`MAX_DEPTH`), then its route.
+    At most :data:`MAX_CONNECTIONS` connections are served at once, each request arriving within :data:`READ_TIMEOUT`."""
+
+    owner: WorkerServer
+    max_connections, read_timeout, max_body, max_depth = MAX_CONNECTIONS, READ_TIMEOUT, MAX_BODY, MAX_DEPTH
+
+    def _refuse(self, code: int, text: str, unread: bool = False) -> None:
+        """Answer ``code`` with one line; ``unread``: the request's body was not read, so the connection ends."""
+        self.close_connection = self.close_connection or unread
         self.owner.log(f"refused {self.command} {self.path} from {self.client_address[0]}: {text}")
         self.send_json(code, {"error": text})
 
     def do_GET(self) -> None:
-        self._refuse(405, "every message is a POST")
+        self._refuse(405, "every message is a POST", unread=True)
 
     def do_POST(self) -> None:
         given = self.headers.get("Authorization", "")
         if not hmac.compare_digest(given.encode(), b"Bearer " + self.owner.secret):
-            return self._refuse(401, "wrong or missing secret")
+            return self._refuse(401, "wrong or missing secret", unread=True)
         routes = {"/v1/hello": self.owner.hello, "/v1/join": self.owner.join, "/v1/next": self.owner.next,
                   "/v1/leave": self.owner.leave, "/v1/weights": self.owner.weights}
         if self.path not in routes:
-            return self._refuse(404, f"unknown message {self.path!r}")
+            return self._refuse(404, f"unknown message {self.path!r}", unread=True)
         try:
-            n = int(self.headers.get("Content-Length") or 0)
-        except ValueError:
-            n = -1
-        if n < 0:
-            return self._refuse(400, "a message needs a Content-Length")
-        if n > MAX_BODY:
-            return self._refuse(413, f"a message of {n} bytes is over the limit of {MAX_BODY}")
-        try:
-            body = json.loads(self.rfile.read(n) or b"{}")
+            body = self.read_json()
+            if body is None:
+                body = {}
             if not isinstance(body, dict):
-                raise ValueError("not a JSON object")
-        except ValueError as e:
-            return self._refuse(400, f"the message is not JSON: {e}")
+                raise BadRequest(400, "the message is not JSON: not a JSON object")
+        except BadRequest as e:
+            return self._refuse(e.code, str(e))
+        except (ConnectionError, TimeoutError) as e:  # the client went away (or stalled) mid-body: one line, no reply
+            self.close_connection = True
+            return self.owner.log(f"dropped {self.command} {self.path} from {self.client_address[0]}: {e}")
         try:
             out = routes[self.path](body)
         except _Gone as e:  # (not logged: a learner's fetcher meets it whenever a session ends)
             return self.send_json(409, {"error": str(e)})
+        except _Busy as e:
+            return self._refuse(409, str(e))
         except MessageError as e:
             return self._refuse(400, str(e))
         except Exception as e:  # noqa: BLE001
@@ -452,6 +495,10 @@ def check_workers_reachable(addresses: list[str], secret: bytes, env: dict[str, 
         if theirs != PROTOCOL:
             raise ValueError(f"rollout worker {address} speaks protocol {theirs}, this learner {PROTOCOL}: install the "
                              "same tokengym on both")
+        if hello.get("busy"):
+            raise ValueError(f"rollout worker {address} serves another learner now (session "
+                             f"{str(hello.get('session'))[:8]}): stop that run, or name another worker (a learner that "
+                             f"died frees its workers within {SESSION_IDLE:g} s)")
         why = hello.get("env_error")
         if why:
             raise ValueError(f"rollout worker {address} cannot make this run's env on its machine: {why}")
@@ -571,6 +618,8 @@ class RemoteWorkers(WorkerPool):
             except OSError as e:
                 raise WorkerError(f"{self._label(slot)} cannot be reached ({type(e).__name__}: {e}); is "
                                   "`tokengym worker` running there?") from None
+            if status == 409:  # another learner's: the run stops now, in one line
+                raise WorkerError(f"{self._label(slot)} {_error_text(reply)}")
             if status != 200:
                 raise WorkerError(f"{self._label(slot)} refused to join: {_error_text(reply)}")
             sync = None
@@ -657,7 +706,9 @@ class RemoteWorkers(WorkerPool):
             time.sleep(self.PROBE_EVERY)
             with contextlib.suppress(OSError, ValueError):
                 status, reply = call(self.addresses[slot], "/v1/hello", {}, self.secret, 5.0, self.tls)
-                if status == 200 and json.loads(reply).get("protocol") == PROTOCOL:
+                hello = (_json_object(reply) or {}) if status == 200 else {}
+                mine = not hello.get("busy") or _learner_of(str(hello.get("session"))) == self.learner
+                if hello.get("protocol") == PROTOCOL and mine:  # (not while it serves another learner)
                     self.back.add(slot)
                     return
 
