@@ -292,6 +292,11 @@ class ActionMasker:
                 self._matchers[s] = None if spec is None else self._matcher(spec)
         self._cache = None
 
+    def new_matcher(self, spec: Any):
+        """A fresh llguidance matcher of grammar ``spec`` at its start, on the env's tokenizer (what
+        :func:`~tokengym.envs.grammar_check.check_grammar` walks); ``ValueError`` if it does not compile."""
+        return self._matcher(spec)
+
     def _matcher(self, spec: Any):
         key = json.dumps(spec, sort_keys=True, default=str)
         if key not in self._grammars:

@@ -4,6 +4,7 @@ Everything a run needs (model, env, data, agent, device, memory) is built and ch
 created, so the command with the mistake fixed can reuse the same ``--name``.
 """
 
+import importlib.util
 import json
 import os
 
@@ -154,7 +155,26 @@ CASES = {  # id -> (argv, a piece of the one-line message); {root} is a folder o
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+def _grammar(spec):
+    return ["train", "grpo", *B, "--env-kwargs", json.dumps({"grammar": spec})]
+
+
+GRAMMARS = {  # checked before the run starts: one line naming the env, not a traceback in the first rollout
+    "grammar: a schema of an unknown type": (_grammar({"json_schema": {"type": "strng"}}),
+                                             "env tokengym/Arithmetic-v0: "),
+    "grammar: a schema that allows nothing": (_grammar({"json_schema": {"type": "integer", "minimum": 5, "maximum": 3}}),
+                                              "env tokengym/Arithmetic-v0: "),
+    "grammar: a regex outside the vocabulary": (_grammar({"regex": "\u20ac+"}), "env tokengym/Arithmetic-v0: its "
+                                                "grammar {'regex': '\u20ac+'} allows no token at the start of the answer"),
+    "grammar: a grammar that forbids the end": (_grammar({"lark": 'start: "1" start'}),
+                                                "reaches no accepting state (where EOS is allowed) within max_new_tokens="),
+}
+CASES.update(GRAMMARS)
+NO_LLGUIDANCE = pytest.mark.skipif(importlib.util.find_spec("llguidance") is None,
+                                   reason="grammar masks need llguidance: pip install 'tokengym[grammar]'")
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=NO_LLGUIDANCE if c in GRAMMARS else ()) for c in CASES])
 def test_bad_input_is_one_line_exit_2_and_leaves_no_folder(tmp_path, capsys, case):
     root, runs = tmp_path / "in", tmp_path / "runs"
     root.mkdir()
