@@ -36,6 +36,9 @@ def _files(root):
     jsonl("long_pairs.jsonl", [{"prompt": "1+2" * 1000 + f"{i}\n", "chosen": f"A: {i}", "rejected": f"A: {i + 1}"}
                                for i in range(4)])  # rows of 3,008 tokens, on a model of 512 positions
     jsonl("bad_labels.jsonl", [{"prompt": "1+2\n", "steps": ["1+2=3"], "labels": [2.0]}])
+    jsonl("one_prompt.jsonl", [{"prompt": "1+2\n", "chosen": f"A: 3{'!' * i}", "rejected": f"A: {4 + i}"} for i in range(6)])
+    jsonl("one_prompt_labels.jsonl", [{"prompt": "1+2\n", "steps": ["1+2=3", f"A: {3 + i}"], "labels": [1.0, float(i == 0)]}
+                                      for i in range(6)])
     with open(os.path.join(root, "not_json.json"), "w") as f:
         f.write('{"lr": 1e-4,')
     with open(os.path.join(root, "bad.toml"), "w") as f:
@@ -152,6 +155,12 @@ CASES = {  # id -> (argv, a piece of the one-line message); {root} is a folder o
                                              '{"length": 600}', "--packing", "bins"],
                                             "need 1207 positions, but the model has 512 (max_position_embeddings)"),
     "convert a folder": (["convert", "{root}/a_folder"], "is a folder, not a GGUF file"),
+    # a held-out split of whole prompts needs two prompts
+    "rm pairs all on one prompt": (["train", "rm", *F, "--pairs", "{root}/one_prompt.jsonl"],
+                                   "one_prompt.jsonl: all 6 pairs share one prompt, and the held-out split "
+                                   "(val_fraction=0.1) holds out whole prompts"),
+    "prm labels all on one prompt": (["train", "prm", *F, "--step-labels", "{root}/one_prompt_labels.jsonl"],
+                                     "all 6 examples share one prompt"),
 }
 
 
