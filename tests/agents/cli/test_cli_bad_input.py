@@ -161,6 +161,17 @@ CASES = {  # id -> (argv, a piece of the one-line message); {root} is a folder o
                                    "(val_fraction=0.1) holds out whole prompts"),
     "prm labels all on one prompt": (["train", "prm", *F, "--step-labels", "{root}/one_prompt_labels.jsonl"],
                                      "all 6 examples share one prompt"),
+    # settings only workers read, in a run without them
+    "sync port without remote workers": (["train", "grpo", *B, "--sync-port", "29600"],
+                                         "sync_port=29600 (--sync-port) is only read by remote workers"),
+    "sync host with local workers": (["train", "grpo", *B, "--async-mode", "one-step", "--sync-host", "127.0.0.1"],
+                                     "sync_host='127.0.0.1' (--sync-host) is only read by remote workers"),
+    "sync dir without remote workers": (["train", "grpo", *B, "--sync-dir", "{root}/a_folder"], "(--sync-dir) is only"),
+    "min workers without remote workers": (["train", "grpo", *B, "--min-workers", "1"], "(--min-workers) is only"),
+    "sync timeout without an async mode": (["train", "grpo", *B, "--sync-timeout", "60"],
+                                           "sync_timeout=60.0 (--sync-timeout) is only read by rollout workers, which "
+                                           "need an async mode"),
+    "worker threads without an async mode": (["train", "grpo", *B, "--worker-threads", "2"], "(--worker-threads) is"),
 }
 
 
