@@ -248,7 +248,9 @@ class WorkerServer:
     # ------------------------------------------------------------------ messages
     def hello(self, body: dict[str, Any]) -> dict[str, Any]:
         """The worker's protocol and whether it is busy; given a learner's ``env`` (a :func:`worker_env_spec`), also
-        ``env_error``: why this worker cannot make it (a module of the user's it cannot import), or None."""
+        ``env_error``: why this worker cannot make it, or None: a module of the user's it cannot import, or (given the
+        learner's ``model``, or the worker's own ``--model``) an env its version refuses to build, tried on one
+        group of rows with the model's tokenizer."""
         busy = self.session is not None and not self.session.done.is_set()
         reply = {"protocol": PROTOCOL, "busy": busy, "session": self.session.id if busy else None}
         env = body.get("env")
@@ -260,6 +262,11 @@ class WorkerServer:
                 reply["env_error"] = None
             except ValueError as e:
                 reply["env_error"] = str(e).splitlines()[0][:400]
+                return reply
+            model = self.model or body.get("model")
+            complete = isinstance(env.get("env_kwargs"), dict) and {"group_size", "device"} <= set(env)
+            if isinstance(model, str) and complete:
+                reply["env_error"] = _env_build_error(env, model)
         return reply
 
     def join(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -410,12 +417,32 @@ def call(address: str, path: str, body: dict[str, Any], secret: bytes, timeout: 
         conn.close()
 
 
-def check_workers_reachable(addresses: list[str], secret: bytes, env: dict[str, Any] | None = None) -> None:
+def _env_build_error(spec: dict[str, Any], model: str) -> str | None:
+    """Why this machine cannot build the env of ``spec`` (one group of its rows) with ``model``'s tokenizer, or None."""
+    from tokengym.agents.engine.models import model_tokenizer
+
+    def why(e: Exception) -> str:
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+    try:
+        tok = model_tokenizer(model)
+    except Exception as e:  # (join would fail the same way: say so now)
+        return f"cannot load the tokenizer of model {model!r}: {why(e)}"[:400]
+    try:
+        build_env({**spec, "num_envs": int(spec["group_size"])}, tok)
+    except Exception as e:  # the user's env code, or kwargs this machine's version of it refuses
+        return f"cannot build env {spec['env']!r} with {spec['env_kwargs']}: {why(e)}"[:400]
+    return None
+
+
+def check_workers_reachable(addresses: list[str], secret: bytes, env: dict[str, Any] | None = None,
+                            model: str | None = None) -> None:
     """``ValueError`` (one line) for a worker that does not answer, refuses the secret, speaks another protocol or
-    (given ``env``, a :func:`worker_env_spec`) cannot make the env, before anything of a run is made."""
+    (given ``env``, a :func:`worker_env_spec`, and the ``model`` it will load) cannot make the env, before anything
+    of a run is made."""
     for address in addresses:
         try:
-            status, reply = call(address, "/v1/hello", {} if env is None else {"env": env}, secret, 10.0)
+            status, reply = call(address, "/v1/hello", {} if env is None else {"env": env, "model": model}, secret, 10.0)
         except OSError as e:
             raise ValueError(f"rollout worker {address} cannot be reached ({type(e).__name__}: {e}); is `tokengym "
                              "worker` running there, and is the port open?") from None

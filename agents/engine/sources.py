@@ -156,14 +156,15 @@ def check_source(cfg: EngineConfig, env: Any, policy: Any, dp: Any) -> None:
         return
     if cfg.remote_workers:
         from tokengym.agents.engine.remote import (check_sync_dir, check_sync_host, check_workers_reachable,
-                                                   read_secret, worker_env_spec)
+                                                   model_name, read_secret, worker_env_spec)
 
         if cfg.sync_dir:
             check_sync_dir(cfg.sync_dir)
         if cfg.sync_host:
             check_sync_host(cfg.sync_host)
         spec = worker_env_spec(env, env.num_envs * dp.world_size)
-        check_workers_reachable(cfg.worker_addresses, read_secret(cfg.worker_secret_file or None), spec)
+        check_workers_reachable(cfg.worker_addresses, read_secret(cfg.worker_secret_file or None), spec,
+                                model_name(policy))
         return
     from tokengym.agents.engine.workers import check_crosses, check_workers
 
