@@ -32,14 +32,16 @@ def _allowed(bits: bytes, vocab_size: int) -> np.ndarray:
 
 
 def _fanout(ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """At most ``_FANOUT`` of the allowed ``ids``: the longest tokens (few of them reach far), the shortest (the
-    finest steps) and an even spread of the rest."""
+    """The allowed ``ids`` tried from one state, at most ``_FANOUT`` beyond the one-character tokens: those (up to
+    256, the finest steps, among them whatever closes a string or a bracket), the longest (few of them reach far)
+    and an even spread of the rest."""
     if len(ids) <= _FANOUT:
         return ids
+    single = ids[lengths[ids] <= 1][:256]
     order = ids[np.argsort(-lengths[ids], kind="stable")]
-    third = _FANOUT // 3
-    spread = ids[np.linspace(0, len(ids) - 1, third).astype(int)]
-    return np.unique(np.concatenate([order[:third], order[-third:], spread]))
+    half = _FANOUT // 2
+    spread = ids[np.linspace(0, len(ids) - 1, half).astype(int)]
+    return np.unique(np.concatenate([single, order[:half], spread]))
 
 
 def finish_within(matcher: Any, budget: int, vocab_size: int, eos: int | None, lengths: np.ndarray) -> dict[str, Any]:

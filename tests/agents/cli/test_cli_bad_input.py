@@ -181,12 +181,12 @@ def _grammar(spec):
 
 GRAMMARS = {  # checked before the run starts: one line naming the env, not a traceback in the first rollout
     "grammar: a schema of an unknown type": (_grammar({"json_schema": {"type": "strng"}}),
-                                             "env tokengym/Arithmetic-v0: "),
+                                             "tokengym/Arithmetic-v0"),
     "grammar: a schema that allows nothing": (_grammar({"json_schema": {"type": "integer", "minimum": 5, "maximum": 3}}),
-                                              "env tokengym/Arithmetic-v0: "),
+                                              "tokengym/Arithmetic-v0"),
     "grammar: a regex outside the vocabulary": (_grammar({"regex": "\u20ac+"}), "env tokengym/Arithmetic-v0: its "
                                                 "grammar {'regex': '\u20ac+'} allows no token at the start of the answer"),
-    "grammar: a grammar that forbids the end": (_grammar({"lark": 'start: "1" start'}),
+    "grammar: a grammar that forbids the end": (_grammar({"regex": "[0-9]+\u20ac"}),  # the euro sign: no token
                                                 "reaches no accepting state (where EOS is allowed) within max_new_tokens="),
 }
 CASES.update(GRAMMARS)
