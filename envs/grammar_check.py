@@ -44,22 +44,25 @@ def _fanout(ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.unique(np.concatenate([single, order[:half], spread]))
 
 
-def finish_within(matcher: Any, budget: int, vocab_size: int, eos: int | None, lengths: np.ndarray) -> dict[str, Any]:
+def finish_within(matcher: Any, budget: int, vocab_size: int, skip: Any, lengths: np.ndarray) -> dict[str, Any]:
     """Walk ``matcher`` (an llguidance matcher at the start of a turn) for a token path to an accepting state.
 
     Returns ``{"tokens": n}`` (a path of ``n`` tokens reaches one), ``{"start": True}`` (no token may start),
-    ``{"dead": prefix}`` (every path tried ends where no token may follow, ``prefix`` the longest) or
-    ``{"budget": budget}`` (none within ``budget`` tokens). ``lengths[V]``: each token's text length."""
+    ``{"dead": prefix}`` (every path tried ends where no token may follow, ``prefix`` the longest; with
+    ``"error": (path, message)`` where the engine itself stopped on a token the mask allowed) or
+    ``{"budget": budget}`` (none within ``budget`` tokens). ``lengths[V]``: each token's text length; ``skip``: ids
+    never walked (EOS, and the specials llguidance allows where no real token can go on)."""
     frontier, seen = [(matcher, [], matcher.compute_bitmask())], set()
     longest: list[int] = []
+    error: tuple[list[int], str] | None = None
+    skip = [int(i) for i in skip if i is not None and 0 <= i < vocab_size]
     for depth in range(budget + 1):
         children: dict[bytes, list[tuple[Any, list[int], bytes]]] = {}
         for state, path, bits in frontier:
             if state.is_accepting():
                 return {"tokens": depth}
             allowed = _allowed(bits, vocab_size)
-            if eos is not None and eos < vocab_size:
-                allowed[eos] = False
+            allowed[skip] = False
             ids = np.flatnonzero(allowed)
             if not len(ids):
                 if depth == 0:
@@ -71,13 +74,16 @@ def finish_within(matcher: Any, budget: int, vocab_size: int, eos: int | None, l
             for t in _fanout(ids, lengths).tolist():
                 child = state.deep_copy()
                 if not child.consume_token(t) or child.is_error():
+                    error = error or (path + [t], str(child.get_error() or "").strip())
                     continue
                 child_bits = child.compute_bitmask()
                 key = child_bits + bytes([child.is_accepting()])
                 if len(children.setdefault(key, [])) < _PER_MASK:
                     children[key].append((child, path + [t], child_bits))
         if not children:
-            return {"dead": longest} if depth < budget else {"budget": budget}
+            if depth < budget:
+                return {"dead": longest, "error": error} if error else {"dead": longest}
+            return {"budget": budget}
         new = [k for k in children if k not in seen]
         old = [k for k in children if k in seen]
         seen.update(children)
@@ -112,6 +118,7 @@ def check_grammar(env: Any, prompts: int = 2) -> None:
         return
     tok, V = env.tokenizer, env.vocab_size
     lengths = np.array([len(t or "") for t in tok.convert_ids_to_tokens(list(range(V)))])
+    skip = {tok.eos_token_id, tok.unk_token_id, tok.pad_token_id, tok.bos_token_id} - {None}
     done: set[str] = set()
     for sample in env.task.batch(np.random.default_rng(0), prompts):
         for turn in _turns(env.task):
@@ -121,10 +128,14 @@ def check_grammar(env: Any, prompts: int = 2) -> None:
                 continue
             done.add(key)
             where = f"its grammar {spec!r:.80}" + (f" (agent turn {turn})" if env.task.multi_turn else "")
-            got = finish_within(masker.new_matcher(spec), env.max_new_tokens, V, tok.eos_token_id, lengths)
+            got = finish_within(masker.new_matcher(spec), env.max_new_tokens, V, sorted(skip), lengths)
             if "start" in got:
                 raise ValueError(f"{where} allows no token at the start of the answer: no token of the tokenizer "
                                  f"({V} tokens) begins a match; is it written for characters the vocabulary lacks?")
+            if got.get("error"):
+                path, err = got["error"]
+                raise ValueError(f"{where} stops the grammar engine after {tok.decode(path)!r}: "
+                                 f"{err.splitlines()[0] if err else 'no reason given'}")
             if "dead" in got:
                 raise ValueError(f"{where} reaches a dead end on every path (after {tok.decode(got['dead'])!r}, no token "
                                  "of the tokenizer may follow) and never accepts: fix the grammar")
