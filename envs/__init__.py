@@ -8,6 +8,7 @@ the agent mid-episode (:meth:`Task.respond`, :class:`Reply`; see :mod:`tokengym.
 
 from tokengym.envs.task_check import check_task
 from tokengym.envs.vector_check import check_vector_env
+from tokengym.envs.grammar_check import check_grammar
 from tokengym.envs.masks import TokenMasks, grammar_text
 from tokengym.envs.multiturn import Reply
 from tokengym.envs.registration import ENV_GUIDE, ENV_IDS, register_envs
@@ -42,6 +43,7 @@ __all__ = [
     "TokenMasks",
     "TokenVectorEnv",
     "char_tokenizer",
+    "check_grammar",
     "check_task",
     "check_tokenizer",
     "check_vector_env",

@@ -13,6 +13,7 @@ The trainer then scores pi_old, pi_theta and the reference under the same sets, 
 from __future__ import annotations
 
 import json
+import warnings
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -29,7 +30,10 @@ _KINDS = ("json_schema", "regex", "lark")
 def _llguidance():
     try:
         import llguidance
-        import llguidance.torch  # noqa: F401  (the bitmask helpers)
+
+        with warnings.catch_warnings():  # its torch.compile import warns about torch.jit (torch's own deprecation),
+            warnings.simplefilter("ignore", DeprecationWarning)  # which the CLI's warning hook would print
+            import llguidance.torch  # noqa: F401  (the bitmask helpers)
     except ImportError:
         raise ImportError(f"grammar masks need llguidance, which is not installed: pip install "
                           f"'tokengym[{GRAMMAR_EXTRA}]'") from None
@@ -291,6 +295,11 @@ class ActionMasker:
                 self._specs[s] = spec
                 self._matchers[s] = None if spec is None else self._matcher(spec)
         self._cache = None
+
+    def new_matcher(self, spec: Any):
+        """A fresh llguidance matcher of grammar ``spec`` at its start, on the env's tokenizer (what
+        :func:`~tokengym.envs.grammar_check.check_grammar` walks); ``ValueError`` if it does not compile."""
+        return self._matcher(spec)
 
     def _matcher(self, spec: Any):
         key = json.dumps(spec, sort_keys=True, default=str)

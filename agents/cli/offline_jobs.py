@@ -162,6 +162,7 @@ def build_rm(run: RunConfig, cfg: Any) -> Job:
         check_pairs_fit(target if run.rm_kind == "likelihood" else scorer, pairs)
     except ValueError as e:
         raise R.UsageError(str(e)) from None
+    _check_held_out(pairs, cfg, f"--pairs {run.pairs}" if run.pairs else f"the {len(pairs)} bundled pairs", "pairs")
 
     def fit(callback: Callable) -> list[dict[str, Any]]:
         history = train_reward_model(target, None if run.rm_kind == "likelihood" else tok, pairs, cfg, callback=callback)
@@ -170,6 +171,22 @@ def build_rm(run: RunConfig, cfg: Any) -> Job:
 
     total = cfg.epochs * math.ceil(len(pairs) * (1 - cfg.val_fraction) / cfg.batch_size)
     return _fit_classifier(run, total, fit, scorer, "eval/accuracy", "held-out pairwise accuracy")
+
+
+def _check_held_out(rows: list[dict[str, Any]], cfg: Any, source: str, what: str) -> None:
+    """The held-out split (``val_fraction`` of the prompts, whole prompts only) needs rows of two prompts or more: a
+    :class:`UsageError` naming the data and the way out, before the run folder is made."""
+    from tokengym.rewards.reward_model import split_rows
+
+    if cfg.val_fraction <= 0 or not rows:  # (no rows: refused where they are read)
+        return
+    try:
+        split_rows(rows, cfg.val_fraction, cfg.seed)
+    except ValueError:
+        raise R.UsageError(f"{source}: all {len(rows)} {what} share one prompt, and the held-out split (val_fraction="
+                           f"{cfg.val_fraction:g}) holds out whole prompts, so no prompt is seen in both training and "
+                           f"evaluation: it needs {what} of at least 2 prompts; add {what} of other prompts, or pass "
+                           "--val-fraction 0 (no held-out accuracy)") from None
 
 
 def normalize_on_samples(run: RunConfig, rm: Any, n: int = 256) -> None:
@@ -200,6 +217,8 @@ def build_prm(run: RunConfig, cfg: Any) -> Job:
             examples = task.step_labels(run.num_pairs, seed=cfg.seed, exclude_prompts=heldout_prompts(run, task))
         except NotImplementedError as e:
             raise R.UsageError(str(e)) from None
+    _check_held_out(examples, cfg, f"--step-labels {run.step_labels}" if run.step_labels is not None else
+                    f"the {len(examples)} bundled step labels", "examples")
     total = cfg.epochs * math.ceil(len(examples) * (1 - cfg.val_fraction) / cfg.batch_size)
     return _fit_classifier(run, total, lambda cb: train_prm(model, tok, examples, cfg, callback=cb),
                            LearnedPRM(model, tok, delimiter=cfg.delimiter), "eval/step_accuracy", "held-out step accuracy")

@@ -84,9 +84,31 @@ def make_env(run: RunConfig, num_envs: int, group_size: int = 1, tokenizer: Any 
         env = make(num_envs)
     except theirs as e:
         raise R.UsageError(f"cannot build env {run.env} with {env_kwargs(run)}: {_named(e)}") from None
+    _check_grammar(run, env)
     if own:
         _probe_episode(run, make, group_size)
     return env
+
+
+_GRAMMARS_CHECKED: set[str] = set()
+
+
+def _check_grammar(run: RunConfig, env: Any) -> None:
+    """The env's grammar walked to a finished answer (:func:`tokengym.envs.check_grammar`) before anything is
+    written: a grammar that does not compile, allows nothing or cannot finish is one line naming the env. Once per
+    env, settings and tokenizer."""
+    from tokengym.envs import check_grammar
+
+    if getattr(env, "masker", None) is None:
+        return
+    key = f"{run.env} {env_kwargs(run)} {getattr(env.tokenizer, 'name_or_path', '')} {len(env.tokenizer)}"
+    if key in _GRAMMARS_CHECKED:
+        return
+    try:
+        check_grammar(env)
+    except (ValueError, ImportError) as e:
+        raise R.UsageError(f"env {run.env}: {first_line(e)}") from None
+    _GRAMMARS_CHECKED.add(key)
 
 
 _PROBED: set[str] = set()
@@ -97,8 +119,10 @@ def _probe_episode(run: RunConfig, build: Callable[[int], Any], group_size: int)
     written, so a ``sample()`` or ``reward()`` that raises, returns the wrong thing or a prompt too long for the
     env is one line now, not a traceback after the run folder was made. Once per env and settings."""
     import numpy as np
+    import torch
 
     from tokengym.envs import TokenVectorEnv
+    from tokengym.envs.vector_check import within_masks
 
     key = f"{run.env} {env_kwargs(run)} {group_size}"
     if key in _PROBED:
@@ -109,7 +133,8 @@ def _probe_episode(run: RunConfig, build: Callable[[int], Any], group_size: int)
             rng = np.random.default_rng(0)
             env.reset(seed=0)
             for _ in range(env.seq_len):
-                env.step(rng.integers(0, env.single_action_space.n, size=env.num_envs))
+                acts = torch.as_tensor(rng.integers(0, env.single_action_space.n, size=env.num_envs))
+                env.step(within_masks(env, acts) if env.masker is not None else acts)  # a grammar's own tokens
                 if env.all_done:
                     break
     except Exception as e:

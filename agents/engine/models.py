@@ -24,7 +24,8 @@ from torch import nn
 from tokengym.envs.tokenizer import char_tokenizer, check_tokenizer
 from tokengym.rewards.common import quiet_transformers
 
-__all__ = ["PRESETS", "CHECKPOINTS", "ATTENTION", "preset_config", "build_preset", "load_model", "load_classifier",
+__all__ = ["PRESETS", "CHECKPOINTS", "ATTENTION", "preset_config", "build_preset", "load_model", "model_tokenizer",
+           "load_classifier",
            "frozen_copy", "count_parameters", "use_tokengym_attention", "enable_checkpointing"]
 
 CHECKPOINTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints")
@@ -112,6 +113,14 @@ def _folder_tokenizer(path: str, tokenizer: Any = None) -> Any:
         has_tok = any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False) if has_tok else char_tokenizer()
     return check_tokenizer(tokenizer)
+
+
+def model_tokenizer(name_or_path: str) -> Any:
+    """The tokenizer :func:`load_model` gives ``name_or_path``, without loading its weights (a remote worker builds
+    the learner's env with it before it loads the model)."""
+    if isinstance(name_or_path, str) and name_or_path in PRESETS:
+        return char_tokenizer()
+    return _folder_tokenizer(_model_folder(name_or_path))
 
 
 CLASSIFIER_HEADS = {"sequence": "AutoModelForSequenceClassification", "token": "AutoModelForTokenClassification"}

@@ -276,7 +276,9 @@ class WorkerServer:
     # ------------------------------------------------------------------ messages
     def hello(self, body: dict[str, Any]) -> dict[str, Any]:
         """The worker's protocol and whether it is busy; given a learner's ``env`` (a :func:`worker_env_spec`), also
-        ``env_error``: why this worker cannot make it (a module of the user's it cannot import), or None."""
+        ``env_error``: why this worker cannot make it, or None: a module of the user's it cannot import, or (given the
+        learner's ``model``, or the worker's own ``--model``) an env its version refuses to build, tried on one
+        group of rows with the model's tokenizer."""
         live = self._serving()
         reply = {"protocol": PROTOCOL, "busy": live is not None, "session": None if live is None else live.id}
         env = body.get("env")
@@ -288,6 +290,11 @@ class WorkerServer:
                 reply["env_error"] = None
             except ValueError as e:
                 reply["env_error"] = str(e).splitlines()[0][:400]
+                return reply
+            model = self.model or body.get("model")
+            complete = isinstance(env.get("env_kwargs"), dict) and {"group_size", "device"} <= set(env)
+            if isinstance(model, str) and complete:
+                reply["env_error"] = _env_build_error(env, model)
         return reply
 
     def join(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -470,14 +477,33 @@ def call(address: str, path: str, body: dict[str, Any], secret: bytes, timeout: 
         conn.close()
 
 
+def _env_build_error(spec: dict[str, Any], model: str) -> str | None:
+    """Why this machine cannot build the env of ``spec`` (one group of its rows) with ``model``'s tokenizer, or None."""
+    from tokengym.agents.engine.models import model_tokenizer
+
+    def why(e: Exception) -> str:
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+    try:
+        tok = model_tokenizer(model)
+    except Exception as e:  # (join would fail the same way: say so now)
+        return f"cannot load the tokenizer of model {model!r}: {why(e)}"[:400]
+    try:
+        build_env({**spec, "num_envs": int(spec["group_size"])}, tok)
+    except Exception as e:  # the user's env code, or kwargs this machine's version of it refuses
+        return f"cannot build env {spec['env']!r} with {spec['env_kwargs']}: {why(e)}"[:400]
+    return None
+
+
 def check_workers_reachable(addresses: list[str], secret: bytes, env: dict[str, Any] | None = None,
-                            tls: ClientTLS | None = None) -> None:
+                            model: str | None = None, tls: ClientTLS | None = None) -> None:
     """``ValueError`` (one line) for a worker that does not answer, speaks TLS to a plain learner or the converse,
     shows another certificate than ``tls`` wants, refuses the secret, speaks another protocol or (given ``env``, a
-    :func:`worker_env_spec`) cannot make the env, before anything of a run is made."""
+    :func:`worker_env_spec`, and the ``model`` it will load) cannot make the env, before anything of a run is made."""
     for address in addresses:
         try:
-            status, reply = call(address, "/v1/hello", {} if env is None else {"env": env}, secret, 10.0, tls)
+            status, reply = call(address, "/v1/hello", {} if env is None else {"env": env, "model": model}, secret,
+                                 10.0 if env is None else 60.0, tls)  # (building the env takes a while)
         except OSError as e:
             if tls is not None and (why := tls.explain(address, e)) is not None:
                 raise ValueError(why) from None

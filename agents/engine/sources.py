@@ -24,7 +24,7 @@ from tokengym.agents.engine.worker_pool import WorkerError, WorkerPool, full_nam
 
 
 __all__ = ["RolloutSource", "InProcess", "WorkerPool", "WorkerError", "DataParallelSource", "full_named",
-           "make_source", "check_source", "client_tls"]
+           "make_source", "check_source", "client_tls", "check_unused", "REMOTE_ONLY", "ASYNC_ONLY"]
 
 
 class RolloutSource(Protocol):
@@ -161,11 +161,12 @@ def check_source(cfg: EngineConfig, env: Any, policy: Any, dp: Any) -> None:
         raise ValueError(f"{given} (--rollout-workers) samples in worker processes while the learner updates, which "
                          "needs an async mode: add --async-mode one-step (or bounded); async_mode='off' samples in the "
                          "learner's own process")
+    check_unused(cfg)
     if cfg.async_mode == "off" or not dp.is_main:
         return
     if cfg.remote_workers:
         from tokengym.agents.engine.remote import (check_sync_dir, check_sync_host, check_workers_reachable,
-                                                   read_secret, worker_env_spec)
+                                                   model_name, read_secret, worker_env_spec)
 
         if cfg.sync_dir:
             check_sync_dir(cfg.sync_dir)
@@ -173,13 +174,37 @@ def check_source(cfg: EngineConfig, env: Any, policy: Any, dp: Any) -> None:
             check_sync_host(cfg.sync_host)
         spec = worker_env_spec(env, env.num_envs * dp.world_size)
         check_workers_reachable(cfg.worker_addresses, read_secret(cfg.worker_secret_file or None), spec,
-                                client_tls(cfg))
+                                model_name(policy), client_tls(cfg))
         return
     from tokengym.agents.engine.workers import check_crosses, check_workers
 
     if not dp.distributed:  # (a data-parallel learner's workers get an env rebuilt from its record)
         check_crosses(env)
     check_workers(policy, env, cfg.rollout_workers, cfg.worker_threads)
+
+
+REMOTE_ONLY = ("min_workers", "worker_secret_file", "sync_host", "sync_port", "sync_dir", "worker_ca",
+               "worker_fingerprint")
+"""Settings only remote workers read (``--rollout-workers host:port,...``)."""
+ASYNC_ONLY = ("sync_timeout", "sync_bucket_mb", "rollout_timeout", "worker_threads", "max_staleness")
+"""Settings only rollout workers (an async mode) read."""
+
+
+def check_unused(cfg: EngineConfig) -> None:
+    """``ValueError`` (one line naming the flag) for a setting the run would ignore: one of :data:`REMOTE_ONLY`
+    without remote workers, or of :data:`ASYNC_ONLY` without an async mode. A value equal to the default (as a
+    resumed run's ``config.json`` holds) is no setting."""
+    from dataclasses import fields
+
+    defaults = {f.name: f.default for f in fields(cfg)}
+    for names, given, needs in ((REMOTE_ONLY, bool(cfg.remote_workers), "remote workers: --rollout-workers "
+                                 "host:port,... of `tokengym worker` servers (and an async mode)"),
+                                (ASYNC_ONLY, cfg.async_mode != "off", "rollout workers, which need an async mode: add "
+                                 "--async-mode one-step (or bounded)")):
+        bad = next((k for k in names if getattr(cfg, k) != defaults[k]), None)
+        if bad is not None and not given:
+            raise ValueError(f"{bad}={getattr(cfg, bad)!r} (--{bad.replace('_', '-')}) is only read by {needs}; this "
+                             f"run has none, so it would be ignored: drop it or add them")
 
 
 def make_source(cfg: EngineConfig, env: Any, policy: Any, *, dp: Any, version: int, total: int,

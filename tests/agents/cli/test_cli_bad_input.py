@@ -4,6 +4,7 @@ Everything a run needs (model, env, data, agent, device, memory) is built and ch
 created, so the command with the mistake fixed can reuse the same ``--name``.
 """
 
+import importlib.util
 import json
 import os
 
@@ -35,6 +36,9 @@ def _files(root):
     jsonl("long_pairs.jsonl", [{"prompt": "1+2" * 1000 + f"{i}\n", "chosen": f"A: {i}", "rejected": f"A: {i + 1}"}
                                for i in range(4)])  # rows of 3,008 tokens, on a model of 512 positions
     jsonl("bad_labels.jsonl", [{"prompt": "1+2\n", "steps": ["1+2=3"], "labels": [2.0]}])
+    jsonl("one_prompt.jsonl", [{"prompt": "1+2\n", "chosen": f"A: 3{'!' * i}", "rejected": f"A: {4 + i}"} for i in range(6)])
+    jsonl("one_prompt_labels.jsonl", [{"prompt": "1+2\n", "steps": ["1+2=3", f"A: {3 + i}"], "labels": [1.0, float(i == 0)]}
+                                      for i in range(6)])
     with open(os.path.join(root, "not_json.json"), "w") as f:
         f.write('{"lr": 1e-4,')
     with open(os.path.join(root, "bad.toml"), "w") as f:
@@ -151,10 +155,46 @@ CASES = {  # id -> (argv, a piece of the one-line message); {root} is a folder o
                                              '{"length": 600}', "--packing", "bins"],
                                             "need 1207 positions, but the model has 512 (max_position_embeddings)"),
     "convert a folder": (["convert", "{root}/a_folder"], "is a folder, not a GGUF file"),
+    # a held-out split of whole prompts needs two prompts
+    "rm pairs all on one prompt": (["train", "rm", *F, "--pairs", "{root}/one_prompt.jsonl"],
+                                   "one_prompt.jsonl: all 6 pairs share one prompt, and the held-out split "
+                                   "(val_fraction=0.1) holds out whole prompts"),
+    "prm labels all on one prompt": (["train", "prm", *F, "--step-labels", "{root}/one_prompt_labels.jsonl"],
+                                     "all 6 examples share one prompt"),
+    # settings only workers read, in a run without them
+    "sync port without remote workers": (["train", "grpo", *B, "--sync-port", "29600"],
+                                         "sync_port=29600 (--sync-port) is only read by remote workers"),
+    "sync host with local workers": (["train", "grpo", *B, "--async-mode", "one-step", "--sync-host", "127.0.0.1"],
+                                     "sync_host='127.0.0.1' (--sync-host) is only read by remote workers"),
+    "sync dir without remote workers": (["train", "grpo", *B, "--sync-dir", "{root}/a_folder"], "(--sync-dir) is only"),
+    "min workers without remote workers": (["train", "grpo", *B, "--min-workers", "1"], "(--min-workers) is only"),
+    "sync timeout without an async mode": (["train", "grpo", *B, "--sync-timeout", "60"],
+                                           "sync_timeout=60.0 (--sync-timeout) is only read by rollout workers, which "
+                                           "need an async mode"),
+    "worker threads without an async mode": (["train", "grpo", *B, "--worker-threads", "2"], "(--worker-threads) is"),
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+def _grammar(spec):
+    return ["train", "grpo", *B, "--env-kwargs", json.dumps({"grammar": spec})]
+
+
+GRAMMARS = {  # checked before the run starts: one line naming the env, not a traceback in the first rollout
+    "grammar: a schema of an unknown type": (_grammar({"json_schema": {"type": "strng"}}),
+                                             "tokengym/Arithmetic-v0"),
+    "grammar: a schema that allows nothing": (_grammar({"json_schema": {"type": "integer", "minimum": 5, "maximum": 3}}),
+                                              "tokengym/Arithmetic-v0"),
+    "grammar: a regex outside the vocabulary": (_grammar({"regex": "\u20ac+"}), "env tokengym/Arithmetic-v0: its "
+                                                "grammar {'regex': '\u20ac+'} allows no token at the start of the answer"),
+    "grammar: a grammar that forbids the end": (_grammar({"regex": "[0-9]+\u20ac"}),  # the euro sign: no token
+                                                "reaches no accepting state (where EOS is allowed) within max_new_tokens="),
+}
+CASES.update(GRAMMARS)
+NO_LLGUIDANCE = pytest.mark.skipif(importlib.util.find_spec("llguidance") is None,
+                                   reason="grammar masks need llguidance: pip install 'tokengym[grammar]'")
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=NO_LLGUIDANCE if c in GRAMMARS else ()) for c in CASES])
 def test_bad_input_is_one_line_exit_2_and_leaves_no_folder(tmp_path, capsys, case):
     root, runs = tmp_path / "in", tmp_path / "runs"
     root.mkdir()

@@ -303,8 +303,9 @@ def test_an_own_task_that_breaks_is_one_line_and_exit_2_before_any_folder(user_f
 
 
 def test_learn_resume_takes_the_settings_the_cli_lets_a_resume_change(tmp_path, one_thread):
-    """``learn(run_dir=..., resume=True)`` with another sync_timeout, rollout_timeout or worker_threads resumes, as
-    ``--resume`` with those flags does; another learning rate is still refused."""
+    """``learn(run_dir=..., resume=True)`` with another sync_timeout, rollout_timeout or worker_threads gets past the
+    resume's comparison, as ``--resume`` with those flags does (and this run, without workers, then refuses them as
+    settings it would ignore); another learning rate is refused; the same settings resume."""
     from tokengym.agents.cli.runner import RESUMABLE
 
     run_dir = str(tmp_path / "r")
@@ -317,5 +318,7 @@ def test_learn_resume_takes_the_settings_the_cli_lets_a_resume_change(tmp_path, 
     with pytest.raises(ValueError, match="cannot resume .* with a different config: lr was 0.0001, now 0.001"):
         GRPOAgent(Policy.from_pretrained("tiny"), GRPOConfig(steps=4, seed=3, lr=1e-3)).learn(
             _env(), run_dir=run_dir, resume=True)
-    changed.learn(_env(), run_dir=run_dir, resume=True)
+    with pytest.raises(ValueError, match=r"^sync_timeout=60.0 \(--sync-timeout\) is only read by rollout workers"):
+        changed.learn(_env(), run_dir=run_dir, resume=True)
+    GRPOAgent(Policy.from_pretrained("tiny"), GRPOConfig(steps=4, seed=3)).learn(_env(), run_dir=run_dir, resume=True)
     assert [r["step"] for r in _records(run_dir) if "train/loss" in r] == [1, 2, 3, 4]

@@ -38,6 +38,19 @@ from own_remote_task import SortLetters
 tokengym.envs.register_task("own_remote_sort", SortLetters, env_id="ownremote/Sort-v0")
 '''
 
+VERSIONED = {  # the learner's copy of a task takes `letters`; the worker's older copy does not
+    "learner": TASK + """
+
+class Versioned(SortLetters):
+    def __init__(self, letters=4):
+        self.letters = letters
+""",
+    "worker": TASK + """
+
+class Versioned(SortLetters):
+    pass
+"""}
+
 
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory):
@@ -46,6 +59,7 @@ def worker(tmp_path_factory):
     folder = tmp_path_factory.mktemp("worker_side")
     (folder / "own_remote_task.py").write_text(TASK)
     (folder / "own_remote_reg.py").write_text(REGISTERS)
+    (folder / "own_remote_versioned.py").write_text(VERSIONED["worker"])
     proc = subprocess.Popen([sys.executable, "-m", "tokengym.agents.cli", "worker", "--listen", "127.0.0.1:0",
                              "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             cwd=folder, start_new_session=True, env=dict(os.environ, TOKENGYM_SECRET=SECRET))
@@ -65,6 +79,7 @@ def learner_side(tmp_path, monkeypatch, worker):
     for name in ("own_remote_task.py", "own_remote_reg.py"):
         (tmp_path / name).write_text((worker[1] / name).read_text())
     (tmp_path / "own_remote_absent.py").write_text(TASK)
+    (tmp_path / "own_remote_versioned.py").write_text(VERSIONED["learner"])
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("TOKENGYM_SECRET", SECRET)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -110,6 +125,20 @@ def test_own_task_trains_with_a_remote_worker_and_a_missing_module_is_one_line(l
     assert re.match(rf"tokengym: error: rollout worker {re.escape(worker[0])} cannot make this run's env on its "
                     r"machine: env 'own_remote_absent:SortLetters': cannot import module 'own_remote_absent'", err), err
     assert os.listdir(runs) == ["own"]
+
+
+def test_an_env_the_worker_cannot_build_is_one_line_naming_the_worker_before_the_run(learner_side, worker, capsys):
+    """The worker imports the module, but its copy of the task refuses the run's env kwargs: its hello builds the env
+    (one group, the model's tokenizer) and the learner stops in one line naming the worker and the reason."""
+    runs = learner_side / "runs"
+    assert _train(worker[0], runs, "old", "--env", "own_remote_versioned:Versioned", "--env-kwargs",
+                  '{"letters": 4}') == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert re.match(rf"tokengym: error: rollout worker {re.escape(worker[0])} cannot make this run's env on its "
+                    r"machine: cannot build env 'own_remote_versioned:Versioned' with \{'letters': 4\}: TypeError: "
+                    r"Versioned\(\) takes no arguments$", err), err
+    assert not runs.exists()
 
 
 def test_a_worker_imports_the_modules_the_learner_names(worker):
