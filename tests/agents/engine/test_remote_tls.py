@@ -145,10 +145,10 @@ def test_each_mismatch_of_the_two_sides_or_the_certificate_is_one_line(certs, tl
     ]
     for addresses, tls, text in cases:
         with pytest.raises(ValueError) as caught:
-            check_workers_reachable(addresses, SECRET.encode(), None, tls)
+            check_workers_reachable(addresses, SECRET.encode(), None, tls=tls)
         message = str(caught.value)
         assert "\n" not in message and message.startswith(text), message
-    check_workers_reachable([address], SECRET.encode(), None, ClientTLS(ca=certs["cert"]))  # the right one passes
+    check_workers_reachable([address], SECRET.encode(), None, tls=ClientTLS(ca=certs["cert"]))  # the right one passes
     check_workers_reachable([plain_worker], SECRET.encode())
 
 
