@@ -94,21 +94,23 @@ def _worker(model):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_a_weights_file_is_taken_in_its_own_half_precision(tmp_path, dtype):
-    """A worker whose model is float16 (bfloat16) takes a file of float16 (bfloat16) tensors bit for bit, and refuses
-    one of the other half precision in one line naming both dtypes."""
-    from safetensors.torch import save_file
+    """A worker whose model is float16 (bfloat16) takes a ``sync_dir`` version of float16 (bfloat16) tensors bit for
+    bit, and refuses one of the other half precision in one line naming both dtypes."""
+    from tokengym.agents.engine.sync_files import write_version
 
     model = torch.nn.Linear(4, 3).to(dtype)
     loop = _worker(model)
     g = torch.Generator().manual_seed(1)
     weights = {"weight": torch.randn(3, 4, generator=g).to(dtype), "bias": torch.randn(3, generator=g).to(dtype)}
-    save_file(weights, str(tmp_path / "same.safetensors"))
-    assert loop.offer_file(1, str(tmp_path / "same.safetensors")) is None
+    mine = [list(e) for e in loop.manifest]
+    same = write_version(str(tmp_path), "r", 1, [(n, weights[n]) for n, _, _ in mine], mine, 1 << 20)[-1]
+    assert loop.offer_file(1, same) is None
     for (name, _, _), have in zip(loop.manifest, views(loop.versions[1], loop.manifest)):
         assert have.dtype == dtype and torch.equal(have, weights[name])
     other = torch.bfloat16 if dtype == torch.float16 else torch.float16
-    save_file({k: v.to(other) for k, v in weights.items()}, str(tmp_path / "other.safetensors"))
-    mine, theirs = str(dtype).removeprefix("torch."), str(other).removeprefix("torch.")
-    assert loop.offer_file(2, str(tmp_path / "other.safetensors")) == (
-        f"weights 'weight' are [3, 4] {theirs}, and this worker's model has [3, 4] {mine}")
+    ours, theirs = str(dtype).removeprefix("torch."), str(other).removeprefix("torch.")
+    their_manifest = [[n, shape, theirs] for n, shape, _ in mine]
+    path = write_version(str(tmp_path), "r", 2, [(n, weights[n].to(other)) for n, _, _ in mine], their_manifest,
+                         1 << 20)[-1]
+    assert loop.offer_file(2, path) == f"weights 'weight' are [3, 4] {theirs}, and this worker's model has [3, 4] {ours}"
     assert 2 not in loop.versions
