@@ -15,6 +15,7 @@ it refused), so a sync that fails or times out names the workers that did not ta
 from __future__ import annotations
 
 import datetime
+import threading
 import time
 from typing import Callable, Iterable, Sequence
 
@@ -172,15 +173,16 @@ class WeightSync:
 
     def _answers(self, version: int) -> None:
         keys = [f"ack/{r}/{version}" for r in range(1, self.workers + 1)]
-        deadline, pause = time.monotonic() + self.timeout, 0.001
+        start = time.monotonic()
+        deadline = start + self.timeout
         try:
             while not self.store.check(keys):  # polled: a worker known to be gone ends the wait at once
                 if (why := self.gone()) is not None:
                     raise self._broke(version, why, [r for r, k in enumerate(keys, 1) if not self.store.check([k])])
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                if now > deadline:
                     raise WeightSyncError(self._lagging(version, "no acknowledgement"))
-                time.sleep(pause)
-                pause = min(2 * pause, 0.05)
+                time.sleep(min(0.05, max(0.0002, (now - start) / 20)))  # an answer is seen at most 5% late
         except (RuntimeError, dist.DistStoreError) as e:
             if isinstance(e, WeightSyncError):
                 raise
@@ -278,15 +280,16 @@ def send(syncs: Sequence[WeightSync], version: int, named: Iterable[tuple[str, t
 
 
 def _wait(work, sync: WeightSync, version: int) -> None:
-    """Wait for a broadcast of ``sync``'s group by polling it, not in one blocking call: a worker known to be gone
-    (``sync.gone``) ends the wait at once (a broadcast to a dead peer can otherwise wait out the whole sync timeout),
-    and Ctrl-C is taken between polls. Each pause is a tenth of the time waited so far (at most 50 ms). (An NCCL
-    wait only orders the streams; it never blocks the learner's thread, so it is left as it was.)"""
-    t0 = time.monotonic()
-    while sync.device.type != "cuda" and not work.is_completed():
-        if (why := sync.gone()) is not None:
-            raise sync._broke(version, why)
-        time.sleep(min(0.05, max(1e-5, (time.monotonic() - t0) / 10)))
+    """Wait for a broadcast of ``sync``'s group without one blocking call: a worker known to be gone (``sync.gone``)
+    ends the wait at once (a broadcast to a dead peer can otherwise wait out the whole sync timeout), and Ctrl-C is
+    taken, each at most 50 ms late. The broadcast's completion wakes the wait at once (its future's callback), so
+    a sync costs no polling latency. (An NCCL wait only orders the streams; it never blocks the learner's thread.)"""
+    if sync.device.type != "cuda" and not work.is_completed():
+        done = threading.Event()
+        work.get_future().add_done_callback(lambda _: done.set())
+        while not done.wait(0.05):
+            if (why := sync.gone()) is not None:
+                raise sync._broke(version, why)
     work.wait()
 
 
@@ -294,8 +297,6 @@ def send_stop(syncs: Sequence[WeightSync], limit: float = 5.0) -> bool:
     """Tell the workers of ``syncs`` to stop, waiting at most ``limit`` seconds; whether they all took it. The
     broadcast runs in a daemon thread that keeps the groups alive when it does not finish: a group destroyed with a
     broadcast in flight waits out its timeout first (a stopped or unreachable worker would hold up the exit)."""
-    import threading
-
     if not syncs:
         return True
     done = threading.Event()
