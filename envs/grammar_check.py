@@ -5,7 +5,8 @@ For the grammar of each agent turn of a few of the task's prompts it checks, on 
 grammar compiles (a JSON schema with an unknown type, say), that some token may start the turn (a regex of
 characters outside the vocabulary allows none), and that a token path the mask allows reaches an accepting state
 (where EOS is allowed) within the env's ``max_new_tokens``: a grammar that forbids the end, or whose every path
-runs into a dead end, fails here.
+runs into a dead end, fails here, and so does one with a dead end no deeper than its shortest finished answer (a
+path the vocabulary cannot go on from, which sampling can take; deeper ones stop a run in one line when met).
 
 The walk is a breadth-first beam: each depth keeps a few states per distinct next-token mask (two states with the
 same mask are usually the same place in the grammar), preferring states whose mask is new; so a loop of one mask
@@ -47,27 +48,38 @@ def _fanout(ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 def finish_within(matcher: Any, budget: int, vocab_size: int, skip: Any, lengths: np.ndarray) -> dict[str, Any]:
     """Walk ``matcher`` (an llguidance matcher at the start of a turn) for a token path to an accepting state.
 
-    Returns ``{"tokens": n}`` (a path of ``n`` tokens reaches one), ``{"start": True}`` (no token may start),
-    ``{"dead": prefix}`` (every path tried ends where no token may follow, ``prefix`` the longest; with
+    Returns ``{"tokens": n}`` (a path of ``n`` tokens reaches one; with ``"partial": prefix`` where a state met at
+    most that deep, ``prefix`` in, allows nothing and does not accept: a dead end that sampling can reach),
+    ``{"start": True}`` (no token may start), ``{"dead": prefix}`` (every path tried ends where no token may follow, ``prefix`` the longest; with
     ``"error": (path, message)`` where the engine itself stopped on a token the mask allowed) or
     ``{"budget": budget}`` (none within ``budget`` tokens). ``lengths[V]``: each token's text length; ``skip``: ids
     never walked (EOS, and the specials llguidance allows where no real token can go on)."""
     frontier, seen = [(matcher, [], matcher.compute_bitmask())], set()
     longest: list[int] = []
+    first_dead: list[int] | None = None
     error: tuple[list[int], str] | None = None
     skip = [int(i) for i in skip if i is not None and 0 <= i < vocab_size]
+
+    def real(bits: bytes) -> np.ndarray:  # the tokens a state allows, but for those never walked
+        allowed = _allowed(bits, vocab_size)
+        allowed[skip] = False
+        return allowed
+
     for depth in range(budget + 1):
+        if any(state.is_accepting() for state, _, _ in frontier):
+            # a finished answer at this depth; a state met on the way where nothing may follow is a dead end that
+            # sampling can reach
+            dead = first_dead or next((path for state, path, bits in frontier
+                                       if not state.is_accepting() and not real(bits).any()), None)
+            return {"tokens": depth} if dead is None else {"tokens": depth, "partial": dead}
         children: dict[bytes, list[tuple[Any, list[int], bytes]]] = {}
         for state, path, bits in frontier:
-            if state.is_accepting():
-                return {"tokens": depth}
-            allowed = _allowed(bits, vocab_size)
-            allowed[skip] = False
-            ids = np.flatnonzero(allowed)
+            ids = np.flatnonzero(real(bits))
             if not len(ids):
                 if depth == 0:
                     return {"start": True}
                 longest = path if len(path) > len(longest) else longest
+                first_dead = path if first_dead is None else first_dead
                 continue
             if depth == budget:
                 continue
@@ -139,6 +151,10 @@ def check_grammar(env: Any, prompts: int = 2) -> None:
             if "dead" in got:
                 raise ValueError(f"{where} reaches a dead end on every path (after {tok.decode(got['dead'])!r}, no token "
                                  "of the tokenizer may follow) and never accepts: fix the grammar")
+            if got.get("partial") is not None:
+                raise ValueError(f"{where} can reach a dead end: after {tok.decode(got['partial'])!r} no token of the "
+                                 "tokenizer may follow, though other answers finish (an episode sampled there would stop "
+                                 "the run): fix the grammar")
             if "budget" in got:
                 raise ValueError(f"{where} reaches no accepting state (where EOS is allowed) within max_new_tokens="
                                  f"{env.max_new_tokens}: every episode would be cut off unfinished; does it forbid the "

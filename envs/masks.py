@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-__all__ = ["TokenMasks", "ActionMasker", "grammar_text", "mask_metrics", "pack_bits", "unpack_bits", "GRAMMAR_EXTRA"]
+__all__ = ["TokenMasks", "ActionMasker", "GrammarDeadEnd", "grammar_text", "mask_metrics", "pack_bits", "unpack_bits", "GRAMMAR_EXTRA"]
 
 GRAMMAR_EXTRA = "grammar"
 """The extra that installs the grammar library: ``pip install 'tokengym[grammar]'``."""
@@ -231,6 +231,11 @@ _LL_CACHE: dict[tuple[int, int | None], tuple[Any, Any]] = {}
 """llguidance tokenizers by the tokenizer they were built from (building one takes about a second)."""
 
 
+class GrammarDeadEnd(ValueError):
+    """An episode's grammar (or ``action_mask_fn``) allows no token where the episode must go on: the run stops with
+    this one line. :func:`~tokengym.envs.grammar_check.check_grammar` finds most such grammars before a run starts."""
+
+
 class ActionMasker:
     """The env's per-slot mask state: an llguidance matcher per slot (grammar) or the slot's prefix (callable).
 
@@ -344,15 +349,26 @@ class ActionMasker:
             for s in rows:
                 out[s] = self._from_fn(s)
         self._tail(out)
-        empty = np.flatnonzero(~out[rows].any(1)) if rows else []
+        real = out[rows]
+        if self.spec_for is not None and rows:  # at a dead end llguidance still allows specials no text can follow
+            real = real.copy()
+            for t in self._fillers():
+                real[:, t // 8] &= ~np.uint8(1 << (t % 8))
+        empty = np.flatnonzero(~real.any(1)) if rows else []
         if len(empty):
             s = rows[int(empty[0])]
             prefix = self.tokenizer.decode(self._prefix[s])
             src = "its grammar" if self.spec_for is not None else "action_mask_fn"
-            raise ValueError(f"the action mask of env row {s} allows no token after the prefix {prefix!r} ({src} is at a "
-                             "dead end): fix the grammar, or give the episode more room")
+            raise GrammarDeadEnd(f"the action mask of env row {s} allows no token after the prefix {prefix!r} ({src} is "
+                                 "at a dead end): fix the grammar, or give the episode more room")
         self._host, self._cache = out, torch.from_numpy(out).to(self.device)
         return self._cache
+
+    def _fillers(self) -> list[int]:
+        """The special ids (unk, pad, bos; never EOS) that llguidance allows where no real token can go on."""
+        tok = self.tokenizer
+        ids = {getattr(tok, a, None) for a in ("unk_token_id", "pad_token_id", "bos_token_id")}
+        return sorted(i for i in ids - {None, getattr(tok, "eos_token_id", None)} if 0 <= i < self.V)
 
     def _tail(self, out: np.ndarray) -> None:
         """Clear the bits past the vocabulary (they are not tokens)."""

@@ -531,8 +531,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     failures: tuple[type[BaseException], ...] = (WorkerError, RankTimeout)
     if args.fn is _cmd_train:  # only training meets a non-finite loss (and only it loads the algorithms)
         from tokengym.agents.algorithms.onpolicy import NonFiniteLoss
+        from tokengym.envs.masks import GrammarDeadEnd
 
-        failures += (NonFiniteLoss,)
+        failures += (NonFiniteLoss, GrammarDeadEnd)
     with warnings.catch_warnings():
         warnings.showwarning = _show_warning
         warnings.simplefilter("default", TokengymDeprecationWarning)  # old setting names: one line each
@@ -541,7 +542,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except UsageError as e:
             print(f"tokengym: error: {e}", file=sys.stderr)
             return 2
-        except failures as e:  # a worker died, a weight sync or a rank timed out, a loss went NaN: one line
+        except failures as e:  # a worker died, a weight sync or a rank timed out, a loss went NaN, a grammar hit a dead end: one line
             print(f"tokengym: error: {e}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback (a run's checkpoints stay as they were)

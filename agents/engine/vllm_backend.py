@@ -107,33 +107,110 @@ def _in_process() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _scratch_folder() -> Iterator[str]:
-    """A temporary folder (the model the engine starts from), removed when the block ends, also when SIGTERM stops the
-    process meanwhile: Python's default SIGTERM ends a process without unwinding it (no ``finally`` runs), so in the
-    main thread the block runs with SIGTERM raising ``SystemExit(143)`` instead. A SIGTERM handler already set (a
-    rollout worker's, the learner's) or an ignored SIGTERM is left as it is."""
-    folder = None
+def _sigterm_unwinds() -> Iterator[None]:
+    """In the main thread, SIGTERM raises ``SystemExit(143)`` while the block runs: Python's default SIGTERM ends a
+    process without unwinding it (no ``finally`` runs), which would leave the engine's temporary files behind. A
+    SIGTERM handler already set (a rollout worker's, the learner's, an outer block's) or an ignored SIGTERM is left as
+    it is."""
     main = threading.current_thread() is threading.main_thread()
-    previous = signal.getsignal(signal.SIGTERM) if main else None
+    handled = main and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
 
     def on_sigterm(signum: int, frame: Any) -> None:
         raise SystemExit(128 + signum)
 
-    handled = main and previous == signal.SIG_DFL
     if handled:
         signal.signal(signal.SIGTERM, on_sigterm)
     try:
-        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # none between the mkdir and `folder =`
-        try:
-            folder = tempfile.mkdtemp(prefix="tokengym-vllm-")
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        yield folder
+        yield
     finally:
         if handled:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        if folder is not None:
-            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _made_unsignalled(make: Any) -> Any:
+    """``make()`` with SIGTERM held back, so that none lands between a file's creation and the name that removes it."""
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        return make()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+@contextlib.contextmanager
+def _scratch_folder() -> Iterator[str]:
+    """A temporary folder (the model the engine starts from), removed when the block ends, also when SIGTERM stops the
+    process meanwhile (:func:`_sigterm_unwinds`)."""
+    folder = None
+    with _sigterm_unwinds():
+        try:
+            folder = _made_unsignalled(lambda: tempfile.mkdtemp(prefix="tokengym-vllm-"))
+            yield folder
+        finally:
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _engine_output() -> Iterator[None]:
+    """vLLM's start-up output (its import notices, C++ warnings written straight to the stream, weight-loading bars,
+    log lines) goes to a temporary log file instead of the screen, so a run's first lines are tokengym's own. File
+    descriptors 1 and 2 are redirected, as vLLM writes below Python. A start that succeeds removes the file. One that
+    fails in the engine keeps it: a ``ValueError`` marked ``engine_output`` gets its path appended, any other
+    unexpected error a line naming it on stderr. ``VLLM_LOGGING_LEVEL`` set to INFO or DEBUG (asking for vLLM's log)
+    leaves the screen alone."""
+    if os.environ.get("VLLM_LOGGING_LEVEL", "ERROR").upper() in ("INFO", "DEBUG"):
+        yield
+        return
+    import sys
+
+    def redirect() -> tuple[int, str, list[int]]:
+        fd, path = tempfile.mkstemp(prefix="tokengym-engine-start-", suffix=".log")
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        saved = [os.dup(1), os.dup(2)]
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        return fd, path, saved
+
+    fd, path, saved = _made_unsignalled(redirect)  # nothing lands between the redirection and the block that undoes it
+    keep, note = False, None
+    try:
+        yield
+    except (ValueError, ImportError) as e:  # one line of ours
+        keep = bool(getattr(e, "engine_output", False))
+        if keep:
+            e.args = (f"{e} (vLLM's output: {path})",)
+        raise
+    except Exception:
+        keep, note = True, f"vLLM's output during its start: {path}"
+        raise
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for f in (*saved, fd):
+            os.close(f)
+        if not (keep and os.path.getsize(path)):
+            os.unlink(path)
+        elif note:
+            print(note, file=sys.stderr)
+
+
+def _check_architecture(config: Any, name: str) -> None:
+    """One-line ``ValueError`` for a model vLLM has no implementation of its own for. vLLM would serve it through its
+    Transformers fallback, which patches transformers' model classes in this process (the trainer's own forward of
+    the same class then fails deep inside vLLM's compile wrapper)."""
+    from vllm import ModelRegistry
+
+    archs = list(getattr(config, "architectures", None) or [])
+    native = set(ModelRegistry.get_supported_archs())
+    if archs and not any(a in native and not a.startswith("Transformers") for a in archs):
+        raise ValueError(f"vLLM cannot load model {name}: vLLM has no implementation of {', '.join(archs)} (its "
+                         "Transformers fallback would patch transformers' own classes under the trainer); sample with "
+                         "sampler='tokengym' (the fast decoder, or the generic path for any causal LM)")
 
 
 def _reason(e: BaseException) -> str:
@@ -209,10 +286,7 @@ class VLLMGenerator:
 
     def __init__(self, policy: Any, *, bf16: bool = False, max_model_len: int | None = None, max_rows: int = 64,
                  row_len: int = 512, version: int | None = None, engine_kwargs: dict[str, Any] | None = None):
-        from tokengym.agents.engine.fast_decode import plain_weights
-
         check_vllm_build(policy.device)
-        vllm = import_vllm()
         if _LIVE:
             raise ValueError("another VLLMGenerator is open in this process; close() it first (vLLM's in-process engines "
                              "share global state, so one runs at a time)")
@@ -221,6 +295,18 @@ class VLLMGenerator:
         model = getattr(policy.model, "get_base_model", lambda: policy.model)()
         self.config = model.config  # what resource checks read (positions, vocabulary)
         name = getattr(self.config, "_name_or_path", "") or type(model).__name__
+        with _sigterm_unwinds(), _engine_output():
+            self._start(policy, model, name, bf16, max_model_len, max_rows, row_len, version, engine_kwargs)
+
+    def _start(self, policy: Any, model: Any, name: str, bf16: bool, max_model_len: int | None, max_rows: int,
+               row_len: int, version: int | None, engine_kwargs: dict[str, Any] | None) -> None:
+        """The engine's start, behind :func:`_engine_output` (see :meth:`__init__`)."""
+        from tokengym.agents.engine.fast_decode import plain_weights
+
+        vllm = import_vllm()
+        if getattr(self.config, "architectures", None) is None:
+            self.config.architectures = [type(model).__name__]
+        _check_architecture(self.config, name)
         if policy.device.type == "cpu" and (vllm_build() or ("", ""))[1] == "cpu":
             _check_head_dim(self.config, name)
         weights = plain_weights(policy.model)
@@ -253,7 +339,9 @@ class VLLMGenerator:
                 except Exception as e:
                     if not had_group:  # what the failed engine set up must not make this process look distributed
                         _tear_down_vllm_groups()
-                    raise ValueError(f"vLLM cannot load model {name}: {_reason(e)}") from None
+                    err = ValueError(f"vLLM cannot load model {name}: {_reason(e)}")
+                    err.engine_output = True  # the log of its start says more
+                    raise err from None
             if not had_group and torch.distributed.is_initialized():  # vLLM's own 1-process group, not a torchrun's
                 engine_owns_default_group()
         _LIVE.add(self)
@@ -297,9 +385,15 @@ class VLLMGenerator:
         with torch.autocast(self.policy.device.type, enabled=False):  # the engine's own dtype, not the trainer's autocast
             outs = self.llm.generate(prompts, params, use_tqdm=False)
         result = []
-        for o in outs:
+        for i, (o, r) in enumerate(zip(outs, requests)):
             c = o.outputs[0]
             ids = list(c.token_ids)
+            if c.finish_reason == "error" and r.grammar is not None:  # its matcher refused the special it sampled
+                from tokengym.envs.masks import GrammarDeadEnd
+
+                done, last = self.policy.tokenizer.decode(ids[:-1]), self.policy.tokenizer.decode(ids[-1:])
+                raise GrammarDeadEnd(f"the grammar of request {i} is at a dead end after {done!r} under vLLM (no token "
+                                     f"of the tokenizer may follow; the engine sampled {last!r}): fix the grammar")
             result.append(Generation(ids, [float(d[t].logprob) for d, t in zip(c.logprobs, ids)],
                                      "length" if c.finish_reason == "length" else str(c.finish_reason), self.version))
         return result

@@ -142,7 +142,7 @@ def test_without_vllm_the_command_names_the_extra_and_writes_nothing(tmp_path):
     block = "import sys; sys.modules['vllm'] = None; from tokengym.agents.cli import main; sys.exit(main(sys.argv[1:]))"
     res = _cli("train", "grpo", "--sampler", "vllm", "--steps", "1", "--eval-prompts", "0", "--runs-dir",
                str(tmp_path), "--name", "x", code=block)
-    lines = res.stderr.strip().splitlines()
+    lines = [ln for ln in res.stderr.strip().splitlines() if not ln.startswith("tokengym: warning:")]  # a busy machine
     assert res.returncode == 2 and len(lines) == 1, res.stderr[-2000:]
     assert "pip install 'tokengym[vllm]'" in lines[0] and not os.path.exists(tmp_path / "x")
 

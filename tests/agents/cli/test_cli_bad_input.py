@@ -188,6 +188,8 @@ GRAMMARS = {  # checked before the run starts: one line naming the env, not a tr
                                                 "grammar {'regex': '\u20ac+'} allows no token at the start of the answer"),
     "grammar: a grammar that forbids the end": (_grammar({"regex": "[0-9]+\u20ac"}),  # the euro sign: no token
                                                 "reaches no accepting state (where EOS is allowed) within max_new_tokens="),
+    "grammar: a dead end beside the answers": (_grammar({"regex": "[0-9]+|[a-z]\u20ac"}),  # a letter, then nothing
+                                                "can reach a dead end: after '"),
 }
 CASES.update(GRAMMARS)
 NO_LLGUIDANCE = pytest.mark.skipif(importlib.util.find_spec("llguidance") is None,
@@ -310,3 +312,15 @@ def test_a_secret_file_every_user_may_read_is_refused_as_ssh_does(tmp_path, caps
 
     os.chmod(secret, 0o600)
     assert read_secret(str(secret)) == b"s3cret"
+
+
+@NO_LLGUIDANCE
+def test_a_dead_end_met_in_a_rollout_stops_the_run_in_one_line(tmp_path, capsys):
+    """A dead end deeper than the shortest answer (a digit finishes; three letters lead where no token may follow)
+    passes the check before the run; the untrained model then samples letters, and the run stops with one line
+    naming the prefix (exit 1; the run folder stays, as for any run that stops midway)."""
+    code = main([*_grammar({"regex": "[0-9]|[a-z]{3}\u20ac"}), "--model", "tiny", "--runs-dir", str(tmp_path / "runs"),
+                 "--name", "x"])
+    err = capsys.readouterr().err.strip()
+    assert code == 1 and len(err.splitlines()) == 1, err
+    assert err.startswith("tokengym: error: the action mask of env row ") and "its grammar is at a dead end" in err, err

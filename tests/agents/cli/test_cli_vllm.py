@@ -97,3 +97,71 @@ def test_sigterm_while_the_engine_starts_leaves_no_temporary_folder(tmp_path):
     assert proc.returncode == 143, err[-2000:]
     assert [f for f in os.listdir(tmp) if f.startswith("tokengym-vllm-")] == [], err[-2000:]
     assert not os.path.exists(tmp_path / "runs" / "x")
+
+
+def test_a_model_vllm_has_no_implementation_of_is_refused_before_the_engine_starts(tmp_path, capsys, no_engine):
+    """A tiny BioGpt: vLLM would serve it through its Transformers fallback, which patches transformers' BioGpt
+    classes in this process, and the trainer's own forward then failed inside vLLM's compile wrapper (exit 1, a
+    traceback, the run folder left)."""
+    import torch
+    from transformers import BioGptConfig, BioGptForCausalLM
+
+    from tokengym.agents.engine.models import build_preset
+
+    tok = build_preset("tiny")[1]
+    torch.manual_seed(0)
+    BioGptForCausalLM(BioGptConfig(vocab_size=len(tok), hidden_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                   intermediate_size=64, max_position_embeddings=256)).save_pretrained(tmp_path / "bio")
+    tok.save_pretrained(tmp_path / "bio")
+    capsys.readouterr()
+    code = main([*V, "--model", str(tmp_path / "bio"), "--runs-dir", str(tmp_path / "runs"), "--name", "x"])
+    err = one_line_exit_2(capsys, code, tmp_path / "runs")
+    assert "vLLM has no implementation of BioGptForCausalLM" in err and "sampler='tokengym'" in err, err
+
+
+def test_an_engine_that_fails_to_start_is_one_line_naming_its_output_and_prints_nothing(tmp_path, capfd, monkeypatch):
+    """What vLLM writes while it starts (below Python, on file descriptor 2) goes to a log file, not the screen; a
+    start that fails names the file in its one line, and the file holds that output."""
+    import vllm
+
+    from tokengym.agents import Policy
+    from tokengym.agents.engine.vllm_backend import VLLMGenerator
+
+    def start(*args, **kwargs):
+        os.write(2, b"NUMA binding: a C++ warning\n")
+        os.write(1, b"an INFO line of vLLM's logger\n")  # its logger's stream, sys.stdout, is descriptor 1 outside pytest
+        raise RuntimeError("Engine core initialization failed. See root cause above.")
+
+    monkeypatch.setattr(vllm, "LLM", start)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    with pytest.raises(ValueError) as caught:
+        VLLMGenerator(Policy.from_pretrained("tiny"))
+    out, err = capfd.readouterr()
+    assert "NUMA" not in out + err and "INFO" not in out + err, (out, err)
+    msg = str(caught.value)
+    assert "\n" not in msg and msg.startswith("vLLM cannot load model LlamaForCausalLM: Engine core initialization "
+                                             "failed"), msg
+    log = msg.rsplit("(vLLM's output: ", 1)[1].rstrip(")")
+    with open(log) as f:
+        text = f.read()
+    assert "NUMA binding: a C++ warning" in text and "an INFO line of vLLM's logger" in text, text
+
+
+def test_vllm_prints_nothing_before_the_header_and_a_dead_end_in_a_rollout_is_one_line(tmp_path):
+    """A real engine start: the first line on the screen (stdout and stderr together) is tokengym's header. The
+    grammar's dead end is deeper than its shortest answer, so the check before the run passes it; the untrained
+    model samples letters, vLLM's matcher refuses the special it samples there, and the run stops naming the prefix."""
+    proc = subprocess.run([sys.executable, "-m", "tokengym.agents.cli", *V, "--model", "tiny", "--prompts", "4",
+                           "--group-size", "4", "--env-kwargs", '{"grammar": {"regex": "[0-9]|[a-z]{3}\\u20ac"}}',
+                           "--runs-dir", str(tmp_path / "runs"), "--name", "x"],
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=600)
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0].startswith("tokengym train grpo: tokengym/Arithmetic-v0 from tiny -> "), proc.stdout[-3000:]
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    assert lines[-1].startswith("tokengym: error: the grammar of request ") and "is at a dead end after '" in lines[-1] \
+        and "under vLLM" in lines[-1], proc.stdout[-3000:]
