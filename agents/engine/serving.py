@@ -24,7 +24,7 @@ import uuid
 from typing import Any
 from urllib.parse import unquote
 
-from tokengym.envs.json_http import JsonHandler, ThreadedServer
+from tokengym.envs.json_http import BadRequest, JsonHandler, ThreadedServer
 from tokengym.envs import openai_api as api
 from tokengym.envs.chat import check_chat_template, end_of_turn_ids
 from tokengym.agents.engine.generation import GenerationRequest, PolicyGenerator, SamplingSettings
@@ -220,14 +220,13 @@ class _Handler(JsonHandler):
 
     def do_POST(self) -> None:
         routes = {"/v1/chat/completions": self.owner.chat, "/v1/completions": self.owner.complete}
-        try:
-            n = int(self.headers.get("Content-Length") or 0)
-        except ValueError:
-            n = -1
-        if not 0 <= n <= MAX_BODY:  # the body stays unread: this connection ends with the reply
+        try:  # one plain Content-Length (RFC 9112: conflicting ones, "+5" or "1_0" are refused, not guessed at)
+            n = self.body_length()
+            if n > MAX_BODY:
+                raise BadRequest(413, f"the body needs a Content-Length of at most {MAX_BODY}")
+        except BadRequest as e:  # the body stays unread: this connection ends with the reply
             self.close_connection = True
-            too_long = api.APIError(413 if n > 0 else 400, f"the body needs a Content-Length of at most {MAX_BODY}")
-            return self._answer(routes.get(self.path.split("?")[0]), too_long)
+            return self._answer(routes.get(self.path.split("?")[0]), api.APIError(e.code, str(e)))
         try:
             body: Any = json.loads(self.rfile.read(n) or b"null")
         except ValueError as e:

@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from tokengym.envs.json_http import JsonHandler, ThreadedServer
+from tokengym.envs.json_http import BadRequest, JsonHandler, ThreadedServer
 from tokengym.envs.openai_api import APIError, error_body, model_list
 
 __all__ = ["AgentServer", "InProcess", "AsyncInProcess"]
@@ -87,7 +87,11 @@ class AgentServer:
 
             class Handler(JsonHandler):
                 def _handle(self) -> None:
-                    n = int(self.headers.get("Content-Length") or 0)
+                    try:  # one plain Content-Length (RFC 9112), else a 400 and this connection ends unread
+                        n = self.body_length()
+                    except BadRequest as e:
+                        self.close_connection = True
+                        return self.send_json(e.code, error_body(APIError(e.code, str(e))))
                     status, out = server.dispatch(self.command, self.path, self.headers.get("Authorization"),
                                                   self.rfile.read(n) if n else b"").result()
                     self.send_json(status, out)

@@ -146,6 +146,27 @@ def test_bad_json_and_unknown_paths(tiny):
     assert status == 400 and message == "the request body must be a JSON object"
 
 
+@pytest.mark.parametrize("lengths, says", [
+    (["+2"], "Content-Length '+2' is not a number of bytes"),  # int() took it, and "1_0" too
+    (["1_0"], "Content-Length '1_0' is not a number of bytes"),
+    (["2", "3"], "conflicting Content-Length headers (2, 3)"),  # the first one won
+])
+def test_a_content_length_that_does_not_frame_the_body_is_a_400(tiny, lengths, says):
+    """RFC 9112: a length that is not plain digits, or several that differ, must not be guessed at."""
+    _, server, _ = tiny
+    host, port = server.address.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.putrequest("POST", "/v1/completions")
+    conn.putheader("Authorization", f"Bearer {SECRET}")
+    for n in lengths:
+        conn.putheader("Content-Length", n)
+    conn.endheaders(b"{}")
+    reply = conn.getresponse()
+    status, message = reply.status, json.loads(reply.read())["error"]["message"]
+    conn.close()
+    assert (status, message) == (400, says)
+
+
 # ---------------------------------------------------------------------------------------------- tool calls
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two numbers", "parameters": {
     "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}, "required": ["a", "b"]}}}]
