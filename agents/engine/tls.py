@@ -15,9 +15,11 @@ import hashlib
 import hmac
 import http.client
 import json
+import os
 import re
 import socket
 import ssl
+import stat
 from typing import Any
 
 from tokengym.envs.json_http import ThreadedServer
@@ -57,10 +59,13 @@ def _read_pem(flag: str, path: str, block: str) -> bytes:
 
 def server_context(cert: str, key: str) -> ssl.SSLContext:
     """The worker's TLS context (TLS 1.2+) from a PEM certificate (chain) and its unencrypted PEM private key;
-    ``ValueError`` (one line) for a file that is missing, unreadable or not PEM, an encrypted key, or a key that does
-    not belong to the certificate."""
+    ``ValueError`` (one line) for a file that is missing, unreadable or not PEM, a key every user may read, an
+    encrypted key, or a key that does not belong to the certificate."""
     _read_pem("--tls-cert", cert, "CERTIFICATE")
     _read_pem("--tls-key", key, "PRIVATE KEY")
+    mode = os.stat(key).st_mode
+    if mode & stat.S_IROTH:  # refused as ssh refuses such a private key, and as the secret file is
+        raise ValueError(f"--tls-key {key!r} is readable by every user (mode {stat.S_IMODE(mode):o}); chmod 600 it")
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
 

@@ -42,6 +42,7 @@ def make_cert(folder, name: str, encrypt: bool = False) -> tuple[str, str]:
         if encrypt:
             subprocess.run(["openssl", "pkey", "-in", key, "-out", key, "-aes256", "-passout", "pass:pw"], check=True,
                            capture_output=True)
+        os.chmod(key, 0o600)  # a private key only its owner reads, as the worker requires
         return cert, key
     k = ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
@@ -57,6 +58,7 @@ def make_cert(folder, name: str, encrypt: bool = False) -> tuple[str, str]:
         f.write(c.public_bytes(serialization.Encoding.PEM))
     with open(key, "wb") as f:
         f.write(k.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, crypt))
+    os.chmod(key, 0o600)  # a private key only its owner reads, as the worker requires
     return cert, key
 
 
@@ -67,8 +69,10 @@ def certs(tmp_path_factory):
     _, locked = make_cert(str(root), "locked", encrypt=True)
     with open(root / "not_pem.txt", "w") as f:
         f.write("just text\n")
+    shutil.copy(key, root / "open.key")
+    os.chmod(root / "open.key", 0o644)
     return {"cert": worker, "key": key, "other": other, "other_key": other_key, "locked": locked,
-            "not_pem": str(root / "not_pem.txt"), "root": str(root)}
+            "not_pem": str(root / "not_pem.txt"), "open_key": str(root / "open.key"), "root": str(root)}
 
 
 @pytest.fixture(scope="module")
@@ -164,6 +168,8 @@ BAD = {  # id -> (argv, a piece of the one-line message); {name} is a file of th
     "key of another cert": ([*WORKER, "--tls-cert", "{cert}", "--tls-key", "{other_key}"],
                             "other.key does not match --tls-cert"),
     "encrypted key": ([*WORKER, "--tls-cert", "{cert}", "--tls-key", "{locked}"], "is encrypted with a passphrase"),
+    "key every user may read": ([*WORKER, "--tls-cert", "{cert}", "--tls-key", "{open_key}"],
+                                "--tls-key '{open_key}' is readable by every user (mode 644); chmod 600 it"),
     "cert without key": ([*WORKER, "--tls-cert", "{cert}"], "--tls-cert and --tls-key go together"),
     "fingerprint not hex": ([*TRAIN, "--rollout-workers", "127.0.0.1:9", "--worker-fingerprint", "zz" * 32],
                             "is not a SHA-256 fingerprint (64 hex digits, colons allowed)"),
