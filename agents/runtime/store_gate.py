@@ -84,7 +84,25 @@ class _Listener:
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        """Pipe ``conn`` to the peer :meth:`_open` gives; a connection it refuses is closed and forgotten."""
+        try:
+            peer = self._open(conn)
+        except OSError:
+            self._refused()
+            with contextlib.suppress(ValueError):
+                self.conns.remove(conn)  # (a gate that strangers knock at for days holds none of theirs)
+            with contextlib.suppress(OSError):
+                conn.close()
+            return
+        self.conns.append(peer)
+        _pipe(conn, peer)
+
+    def _open(self, conn: socket.socket) -> socket.socket:
+        """The socket ``conn`` goes to; ``OSError`` refuses it."""
         raise NotImplementedError
+
+    def _refused(self) -> None:
+        """Called for each connection :meth:`_open` refused."""
 
     def stop_listening(self) -> None:
         """Take no more connections (those made stay)."""
@@ -95,7 +113,7 @@ class _Listener:
     def close(self) -> None:
         """Take no more connections and end those made."""
         self.stop_listening()
-        for c in self.conns:
+        for c in list(self.conns):
             with contextlib.suppress(OSError):
                 c.shutdown(socket.SHUT_RDWR)
             c.close()
@@ -120,23 +138,17 @@ class StoreGate(_Listener):
             raise ValueError(f"the weight store cannot listen on {host}:{port} (--sync-host/--sync-port): "
                              f"{e.strerror or e}") from None
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _open(self, conn: socket.socket) -> socket.socket:
         nonce = os.urandom(_NONCE)
-        try:
-            conn.settimeout(HANDSHAKE_SECONDS)
-            conn.sendall(nonce)
-            answer = _recv_exactly(conn, 32)
-            if not hmac.compare_digest(answer, _proof(self.token, nonce)):
-                raise ConnectionRefusedError("no proof of the token")
-            conn.settimeout(None)
-            store = socket.create_connection(("127.0.0.1", self.inner_port))
-        except OSError:
-            self.refused += 1
-            with contextlib.suppress(OSError):
-                conn.close()
-            return
-        self.conns.append(store)
-        _pipe(conn, store)
+        conn.settimeout(HANDSHAKE_SECONDS)
+        conn.sendall(nonce)
+        if not hmac.compare_digest(_recv_exactly(conn, 32), _proof(self.token, nonce)):
+            raise ConnectionRefusedError("no proof of the token")
+        conn.settimeout(None)
+        return socket.create_connection(("127.0.0.1", self.inner_port))
+
+    def _refused(self) -> None:
+        self.refused += 1
 
 
 class StoreTunnel(_Listener):
@@ -148,18 +160,15 @@ class StoreTunnel(_Listener):
         self.target, self.token, self.timeout = (host, port), token, timeout
         super().__init__("127.0.0.1", 0)
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _open(self, conn: socket.socket) -> socket.socket:
+        gate = socket.create_connection(self.target, timeout=self.timeout)
         try:
-            gate = socket.create_connection(self.target, timeout=self.timeout)
-            nonce = _recv_exactly(gate, _NONCE)
-            gate.sendall(_proof(self.token, nonce))
+            gate.sendall(_proof(self.token, _recv_exactly(gate, _NONCE)))
             gate.settimeout(None)
         except OSError:
-            with contextlib.suppress(OSError):
-                conn.close()
-            return
-        self.conns.append(gate)
-        _pipe(conn, gate)
+            gate.close()
+            raise
+        return gate
 
 
 class HandshakeError(PermissionError):

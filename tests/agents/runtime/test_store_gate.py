@@ -46,6 +46,7 @@ def test_only_a_connection_that_proves_the_token_reaches_the_store():
         first, second = knock(gate.port, b"\0" * 32), knock(gate.port, b"\0" * 32)
         assert len(first) == len(second) == 32 and first != second  # a fresh nonce each, then the door shuts
         assert gate.refused == 2  # (counted before the gate closes the connection)
+        assert gate.conns == []  # (and forgotten: strangers knocking for days hold nothing of the gate's)
         tunnel = StoreTunnel("127.0.0.1", gate.port, gate.token)
         client = dist.TCPStore("127.0.0.1", tunnel.port, 2, False, timeout=datetime.timedelta(seconds=30))
         assert client.get("weights/secret") == b"learner-only"  # the proof opens it, both ways
