@@ -259,6 +259,7 @@ class ActionMasker:
         self._cache: torch.Tensor | None = None  # packed [N, W4] of the current step, on the device
         self._host: np.ndarray | None = None  # the same, on the host (what take() keys the sets by)
         self._grammars: dict[str, Any] = {}
+        self._real = self._real_tokens()  # what a step's dead-end check counts (once, not per step)
         if spec_for is not None:
             self._llt = _ll_tokenizer(tokenizer)
             self._executor = _llguidance().LLExecutor()
@@ -349,12 +350,7 @@ class ActionMasker:
             for s in rows:
                 out[s] = self._from_fn(s)
         self._tail(out)
-        real = out[rows]
-        if self.spec_for is not None and rows:  # at a dead end llguidance still allows specials no text can follow
-            real = real.copy()
-            for t in self._fillers():
-                real[:, t // 8] &= ~np.uint8(1 << (t % 8))
-        empty = np.flatnonzero(~real.any(1)) if rows else []
+        empty = np.flatnonzero(~(out[rows] & self._real).any(1)) if rows else []
         if len(empty):
             s = rows[int(empty[0])]
             prefix = self.tokenizer.decode(self._prefix[s])
@@ -364,11 +360,17 @@ class ActionMasker:
         self._host, self._cache = out, torch.from_numpy(out).to(self.device)
         return self._cache
 
-    def _fillers(self) -> list[int]:
-        """The special ids (unk, pad, bos; never EOS) that llguidance allows where no real token can go on."""
-        tok = self.tokenizer
-        ids = {getattr(tok, a, None) for a in ("unk_token_id", "pad_token_id", "bos_token_id")}
-        return sorted(i for i in ids - {None, getattr(tok, "eos_token_id", None)} if 0 <= i < self.V)
+    def _real_tokens(self) -> np.ndarray:
+        """Packed ``[W4]``: the tokens that count as a way on. Under a grammar every one but the specials (unk, pad,
+        bos; never EOS) that llguidance still allows at a dead end, where no real token can go on."""
+        real = np.full(self.W4, 255, dtype=np.uint8)
+        if self.spec_for is not None:
+            tok = self.tokenizer
+            ids = {getattr(tok, a, None) for a in ("unk_token_id", "pad_token_id", "bos_token_id")}
+            for t in ids - {None, getattr(tok, "eos_token_id", None)}:
+                if 0 <= t < self.V:
+                    real[t // 8] &= ~np.uint8(1 << (t % 8))
+        return real
 
     def _tail(self, out: np.ndarray) -> None:
         """Clear the bits past the vocabulary (they are not tokens)."""
