@@ -21,6 +21,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from tokengym.agents.engine.messages import MessageError, check_manifest
+from tokengym.agents.runtime.runs import replace_atomic
 from tokengym.agents.runtime.weight_sync import nbytes, views
 
 __all__ = ["plan", "write_version", "read_version", "FORMAT"]
@@ -53,13 +54,6 @@ def plan(manifest: Sequence[Sequence], bucket: int) -> list[list[int]]:
     return pieces
 
 
-def _write(path: str, data: bytes) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
-
-
 def write_version(folder: str, prefix: str, version: int, named: Iterable[tuple[str, torch.Tensor]],
                   manifest: list, bucket: int) -> list[str]:
     """Write ``named`` (``(name, tensor)`` in ``manifest`` order, taken one at a time) as ``version``: its pieces,
@@ -78,13 +72,13 @@ def write_version(folder: str, prefix: str, version: int, named: Iterable[tuple[
                 tensors[name] = t.detach().to("cpu").contiguous()
             data = save(tensors)
             file = f"{prefix}-v{version}-{i}.safetensors"
-            _write(os.path.join(folder, file), data)
+            replace_atomic(os.path.join(folder, file), data, durable=False)
             written.append(os.path.join(folder, file))
             entries.append({"file": file, "tensors": [manifest[j] for j in piece], "bytes": len(data),
                             "sha256": hashlib.sha256(data).hexdigest()})
             del tensors, data
         head = os.path.join(folder, f"{prefix}-v{version}.json")
-        _write(head, json.dumps({"format": FORMAT, "version": version, "pieces": entries}).encode())
+        replace_atomic(head, json.dumps({"format": FORMAT, "version": version, "pieces": entries}).encode(), durable=False)
         written.append(head)
     except BaseException:
         for path in written:

@@ -56,7 +56,7 @@ from tokengym.agents.runtime.config_io import (UsageError, short_error, apply_ov
                                                parse_value, read_config_file)
 
 __all__ = ["UsageError", "read_run_config", "field_docs", "parse_value", "apply_overrides", "read_config_file", "read_data_file", "is_run_dir",
-           "field_types", "write_json_atomic", "write_folder_atomic", "storage_errors", "run_path", "RunLock",
+           "field_types", "replace_atomic", "write_json_atomic", "write_folder_atomic", "storage_errors", "run_path", "RunLock",
            "clean_stale_tmp", "save_checkpoint", "verify_checkpoint", "latest_intact_checkpoint", "latest_checkpoint",
            "load_checkpoint", "nonfinite_weights", "truncate_metrics", "KeptMetrics", "metrics_damage", "read_metrics", "rng_state",
            "set_rng_state", "kill_during_write"]
@@ -205,19 +205,23 @@ def _rmtree_quiet(path: str) -> None:
         pass
 
 
-def _replace_atomic(path: str, data: bytes) -> None:
-    """Replace the file ``path`` with ``data``: temporary file, fsync, ``os.replace``, fsync the folder."""
+def replace_atomic(path: str, data: bytes, durable: bool = True) -> None:
+    """Replace the file ``path`` with ``data``: temporary file, ``os.replace`` (a reader sees the old file or the new
+    one, never part of one; the temporary file is removed on failure). ``durable``: fsync the file and its folder
+    too, so it survives a crash (a weight version that the next one replaces within a step does not need to)."""
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         _rmtree_quiet(tmp)
         raise
-    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+    if durable:
+        _fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 def write_json_atomic(path: str, obj: Any) -> None:
@@ -225,7 +229,7 @@ def write_json_atomic(path: str, obj: Any) -> None:
     raises a one-line :class:`UsageError`."""
     data = json.dumps(obj, indent=2, sort_keys=True).encode()
     with storage_errors(path, os.path.basename(path)):
-        _replace_atomic(path, data)
+        replace_atomic(path, data)
 
 
 def write_folder_atomic(path: str, write: Callable[[str], None], what: str = "model") -> None:
@@ -498,7 +502,7 @@ def save_checkpoint(run_dir: str, step: int, modules: dict[str, torch.nn.Module]
         except BaseException:
             _rmtree_quiet(tmp)
             raise
-        _replace_atomic(os.path.join(root, "latest"), (name + "\n").encode())
+        replace_atomic(os.path.join(root, "latest"), (name + "\n").encode())
         if keep > 0:  # the new checkpoint and the newest keep-1 older ones; never one newer than this step
             older = sorted(n for n in _step_dirs(root) if n < step)
             for n in older[:max(len(older) - (keep - 1), 0)]:
@@ -778,5 +782,5 @@ def truncate_metrics(run_dir: str, step: int) -> KeptMetrics:
                 if rec.get("step", 0) <= step:
                     lines.append(raw + b"\n")
                     kept.append(rec)
-        _replace_atomic(path, b"".join(lines))
+        replace_atomic(path, b"".join(lines))
     return kept
