@@ -19,10 +19,11 @@ import socket
 import sys
 import threading
 import time
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-__all__ = ["JsonHandler", "ThreadedServer", "BadRequest", "too_deep"]
+__all__ = ["JsonHandler", "ThreadedServer", "BadRequest", "error_reply", "too_deep"]
 
 
 class BadRequest(Exception):
@@ -31,6 +32,14 @@ class BadRequest(Exception):
     def __init__(self, code: int, text: str):
         super().__init__(text)
         self.code = code
+
+
+def error_reply(code: int, text: str) -> bytes:
+    """A whole HTTP/1.1 reply ``{"error": text}`` that closes the connection, for a socket answered before (or
+    instead of) a handler: the connection bound's 503, a TLS worker's refusal of the other protocol."""
+    body = json.dumps({"error": text}).encode()
+    return (f"HTTP/1.1 {code} {HTTPStatus(code).phrase}\r\nContent-Type: application/json\r\nConnection: close\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
 
 
 class ThreadedServer(ThreadingHTTPServer):
@@ -55,11 +64,9 @@ class ThreadedServer(ThreadingHTTPServer):
                 self.open_connections += 1
         if not full:
             return super().process_request(request, client_address)
-        body = json.dumps({"error": f"the server holds {limit} connections, its limit; try again"}).encode()
         try:  # (never blocks the accepting thread: a reply that does not fit at once is dropped with the connection)
             request.settimeout(0)
-            request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close"
-                            b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            request.sendall(error_reply(503, f"the server holds {limit} connections, its limit; try again"))
         except OSError:
             pass
         self.shutdown_request(request)

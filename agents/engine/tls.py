@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import http.client
-import json
 import os
 import re
 import socket
@@ -22,7 +21,7 @@ import ssl
 import stat
 from typing import Any
 
-from tokengym.envs.json_http import ThreadedServer
+from tokengym.envs.json_http import ThreadedServer, error_reply
 
 __all__ = ["WorkerHTTPServer", "ClientTLS", "CertificateMismatch", "server_context", "certificate_fingerprint",
            "parse_fingerprint", "TLS_REFUSAL", "PLAIN_REFUSAL"]
@@ -107,11 +106,8 @@ def parse_fingerprint(text: str) -> bytes:
 def _refuse_and_close(sock: socket.socket, code: int, text: str) -> None:
     """Answer a client of the other protocol in plain HTTP, then read what it sent until it closes (closing with its
     bytes unread would reset the connection before it reads the answer)."""
-    body = json.dumps({"error": text}).encode()
-    head = (f"HTTP/1.1 {code} {'Upgrade Required' if code == TLS_REFUSAL else 'Bad Request'}\r\nContent-Type: "
-            f"application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
     try:
-        sock.sendall(head + body)
+        sock.sendall(error_reply(code, text))
         sock.shutdown(socket.SHUT_WR)
         for _ in range(256):  # at most 16 MiB, each read bounded by the socket's timeout
             if not sock.recv(1 << 16):
