@@ -542,7 +542,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except UsageError as e:
             print(f"tokengym: error: {e}", file=sys.stderr)
             return 2
-        except failures as e:  # a worker died, a weight sync or a rank timed out, a loss went NaN, a grammar hit a dead end: one line
+        except failures as e:  # a worker or rank died or timed out, a loss went NaN, a grammar's dead end: one line
             print(f"tokengym: error: {e}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback (a run's checkpoints stay as they were)

@@ -199,13 +199,12 @@ def _engine_output() -> Iterator[None]:
             print(note, file=sys.stderr)
 
 
-def _check_architecture(config: Any, name: str) -> None:
+def _check_architecture(archs: list[str], name: str) -> None:
     """One-line ``ValueError`` for a model vLLM has no implementation of its own for. vLLM would serve it through its
     Transformers fallback, which patches transformers' model classes in this process (the trainer's own forward of
     the same class then fails deep inside vLLM's compile wrapper)."""
     from vllm import ModelRegistry
 
-    archs = list(getattr(config, "architectures", None) or [])
     native = set(ModelRegistry.get_supported_archs())
     if archs and not any(a in native and not a.startswith("Transformers") for a in archs):
         raise ValueError(f"vLLM cannot load model {name}: vLLM has no implementation of {', '.join(archs)} (its "
@@ -304,9 +303,7 @@ class VLLMGenerator:
         from tokengym.agents.engine.fast_decode import plain_weights
 
         vllm = import_vllm()
-        if getattr(self.config, "architectures", None) is None:
-            self.config.architectures = [type(model).__name__]
-        _check_architecture(self.config, name)
+        _check_architecture(getattr(self.config, "architectures", None) or [type(model).__name__], name)
         if policy.device.type == "cpu" and (vllm_build() or ("", ""))[1] == "cpu":
             _check_head_dim(self.config, name)
         weights = plain_weights(policy.model)
