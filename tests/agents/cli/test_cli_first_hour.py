@@ -109,3 +109,23 @@ def test_sft_shows_progress_with_eval_accuracy_and_where_stop_at_accuracy_stoppe
     assert all(float(ln.split(" loss=")[1]) > 0 for ln in lines)
     assert "stopped at step 8 of 20: held-out greedy accuracy 75.0% reached stop_at_accuracy 70.0%" in out
     assert "held-out greedy accuracy: 25.0% -> 75.0%" in out
+
+
+def test_a_command_does_not_import_scikit_learn_and_main_from_python_leaves_transformers_alone(tmp_path):
+    """transformers imports scikit-learn at start-up wherever it is installed (1.2 s of a command's start); a command
+    that loads a model skips it, and ``main([...])`` called from a script changes nothing in transformers."""
+    import importlib.util
+    import subprocess
+
+    if importlib.util.find_spec("sklearn") is None:
+        pytest.skip("scikit-learn is not installed here: there is nothing to skip")
+    probe = ("import sys; sys.argv = ['tokengym', 'eval', '--model', 'tiny-arithmetic', '--prompts', '2', "
+             "'--samples', '0']; from tokengym.agents.cli.command import main; code = main(); "
+             "print('SKLEARN', 'sklearn' in sys.modules, code)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert "SKLEARN False 0" in out.stdout, out.stdout[-1000:] + out.stderr[-2000:]
+    import transformers.utils
+
+    before = transformers.utils.is_sklearn_available
+    assert main(["eval", "--model", "tiny-arithmetic", "--prompts", "2", "--samples", "0"]) == 0
+    assert transformers.utils.is_sklearn_available is before
