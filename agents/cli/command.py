@@ -529,7 +529,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if extra and args.fn is not _cmd_train:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if own_process and args.fn not in (_cmd_envs, _cmd_plot):  # the commands that load a model
-        _skip_sklearn_in_transformers()
+        from tokengym.agents.engine.models import skip_sklearn_import
+
+        skip_sklearn_import()
     failures: tuple[type[BaseException], ...] = (WorkerError, RankTimeout)
     if args.fn is _cmd_train:  # only training meets a non-finite loss (and only it loads the algorithms)
         from tokengym.agents.algorithms.onpolicy import NonFiniteLoss
@@ -550,19 +552,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback (a run's checkpoints stay as they were)
             print("tokengym: interrupted", file=sys.stderr)
             return 130
-
-
-def _skip_sklearn_in_transformers() -> None:
-    """Spare a command's start-up the 1.2 s import of scikit-learn (with scipy and pandas), which transformers makes
-    wherever scikit-learn is installed (mlflow brings it) for one feature only, assisted generation's adaptive
-    candidate threshold, that no tokengym command runs. Only in the command's own process (``main()`` without
-    arguments): a script that imports tokengym keeps transformers as it is."""
-    try:
-        import transformers.utils
-    except ImportError:
-        return
-    if "transformers.generation.candidate_generator" not in sys.modules:  # it reads the flag when imported
-        transformers.utils.is_sklearn_available = lambda: False
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import functools
 import os
+import sys
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ from torch import nn
 from tokengym.envs.tokenizer import char_tokenizer, check_tokenizer
 from tokengym.rewards.common import quiet_transformers
 
-__all__ = ["PRESETS", "CHECKPOINTS", "ATTENTION", "preset_config", "build_preset", "load_model", "model_tokenizer",
+__all__ = ["PRESETS", "skip_sklearn_import", "CHECKPOINTS", "ATTENTION", "preset_config", "build_preset", "load_model", "model_tokenizer",
            "load_classifier",
            "frozen_copy", "count_parameters", "use_tokengym_attention", "enable_checkpointing"]
 
@@ -36,6 +37,19 @@ PRESETS: dict[str, dict[str, int]] = {
     "tiny": dict(hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4),
     "small": dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8),
 }
+
+
+def skip_sklearn_import() -> None:
+    """Spare a process's start-up the 1.2 s import of scikit-learn (with scipy and pandas), which transformers makes
+    wherever scikit-learn is installed (mlflow brings it) for one feature only, assisted generation's adaptive
+    candidate threshold, that tokengym never runs. For the processes tokengym owns (a command, a rollout worker),
+    before their first model: a script that imports tokengym keeps transformers as it is."""
+    try:
+        import transformers.utils
+    except ImportError:
+        return
+    if "transformers.generation.candidate_generator" not in sys.modules:  # it reads the flag when imported
+        transformers.utils.is_sklearn_available = lambda: False
 
 
 def preset_config(name: str, vocab_size: int, max_position_embeddings: int = 512, **overrides: Any):

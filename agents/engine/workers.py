@@ -42,6 +42,7 @@ import torch
 
 from tokengym.agents.engine.config import ASYNC_MODES
 from tokengym.agents.engine.messages import encode_rollout
+from tokengym.agents.engine.models import skip_sklearn_import
 from tokengym.agents.engine.remote import model_name
 from tokengym.agents.engine.worker_pool import WorkerError, WorkerPool, full_named
 from tokengym.agents.engine.worker_loop import WorkerLoop, weight_manifest
@@ -298,6 +299,7 @@ def _unpack(data: bytes) -> Any:
 def _worker_main(spec_in: Any, results: Any) -> None:
     """A local rollout worker's process: :class:`WorkerLoop` with the learner's queue as its outbox."""
     die_with_parent()  # no worker outlives a killed learner
+    skip_sklearn_import()  # before the spec's policy brings transformers in
     spec = _unpack(spec_in.recv_bytes())
     spec_in.close()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the learner stops us
