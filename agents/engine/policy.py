@@ -129,11 +129,11 @@ def sample_logits(
     if uniform is None:
         tok = torch.multinomial(logp.exp(), 1, generator=generator)[:, 0]
     else:  # the first token whose cumulative probability exceeds u; never one of probability 0
-        probs = logp.exp()
-        cdf = probs.cumsum(-1)
-        tok = torch.searchsorted(cdf, (uniform.to(cdf) * cdf[:, -1])[:, None], right=True)[:, 0]
-        last = probs.shape[-1] - 1 - (probs > 0).flip(-1).long().argmax(-1)
-        tok = torch.minimum(tok, last)
+        cdf = logp.exp().cumsum(-1)
+        total = cdf[:, -1:]
+        tok = torch.searchsorted(cdf, uniform.to(cdf)[:, None] * total, right=True)[:, 0]
+        # u * total can round up to total (past every column): then the column where the cdf reaches its total
+        tok = torch.minimum(tok, torch.searchsorted(cdf, total)[:, 0])
     return tok, logp.gather(-1, tok[:, None])[:, 0]
 
 

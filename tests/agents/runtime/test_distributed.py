@@ -156,6 +156,9 @@ def test_inverse_cdf_sampling_matches_the_distribution():
     assert tok.tolist() == [0, 0, 2, 3, 3]
     tok, _ = sample_logits(torch.tensor([[3.0, 2.0, 1.0, 0.0]]).expand(3, -1), top_k=2, uniform=torch.tensor([0.0, 0.5, 1.0 - 1e-7]))
     assert set(tok.tolist()) <= {0, 1}
+    # u * total rounded up to the total (u = 1 here) lands past every column: the last token of probability > 0
+    tok, _ = sample_logits(torch.tensor([[3.0, 2.0, 1.0, 0.0], [0.0, 1.0, 2.0, 3.0]]), top_k=2, uniform=torch.ones(2))
+    assert tok.tolist() == [1, 3]
 
 
 def test_sharded_task_keeps_the_global_prompt_stream():
