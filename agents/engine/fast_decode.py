@@ -466,7 +466,7 @@ class StaticDecoder:
             qkv = _lin(h, w_qkv, b_qkv).view(*x.shape[:-1], G, rep + 2, hd)
             x = _lin_add(x, attend(li, qkv), w_o, b_o)
             h = F.rms_norm(x, (D,), w_post, eps_post)
-            gu = _lin(h, w_gu, b_gu)
+            gu = _mm(h, w_gu, b_gu)  # the MLP's inside stays in the matrices' dtype, as under autocast
             a = act(gu[..., :I])
             a.mul_(gu[..., I:])
             x = _lin_add(x, a, w_d, b_d)
@@ -488,10 +488,10 @@ class StaticDecoder:
             else:
                 x = x + F.rms_norm(_lin(attend(li, qkv), w_o, b_o), (D,), *attn_out)
             h = x if w_post is None else F.rms_norm(x, (D,), w_post, eps_post)
-            gu = _lin(h, w_gu, b_gu)
+            gu = _mm(h, w_gu, b_gu)  # the MLP's inside stays in the matrices' dtype, as under autocast
             a = act(gu[..., :I])
             a.mul_(gu[..., I:])
-            x = _lin_add(x, a, w_d, b_d) if mlp_out is None else x + F.rms_norm(_lin(a, w_d, b_d), (D,), *mlp_out)
+            x = _lin_add(x, a, w_d, b_d) if mlp_out is None else x + F.rms_norm(_mm(a, w_d, b_d).to(x.dtype), (D,), *mlp_out)
         return x
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
@@ -728,14 +728,17 @@ def kv_cache_dtype(kv_dtype: str, amp: torch.dtype | None, model_dtype: torch.dt
 def _lin(a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """``a @ W^T + b`` for a matrix from ``StaticDecoder._refresh`` (packed, or ``[in, out]``): the product
     is taken in ``w``'s dtype (as autocast would) and returned in ``a``'s dtype."""
+    return _mm(a, w, b).to(a.dtype)
+
+
+def _mm(a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`_lin` returned in ``w``'s dtype (autocast's output dtype)."""
     x = a.to(w.dtype)
     if w.is_mkldnn:
-        y = torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
-    elif b is None:
-        y = x @ w
-    else:
-        y = torch.addmm(b, x, w) if x.dim() == 2 else x @ w + b
-    return y.to(a.dtype)
+        return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+    if b is None:
+        return x @ w
+    return torch.addmm(b, x, w) if x.dim() == 2 else x @ w + b
 
 
 def _lin_add(x: torch.Tensor, a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
