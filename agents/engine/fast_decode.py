@@ -36,7 +36,8 @@ model's own weights, with everything that does not change from step to step prep
   and extend: scores and probabilities in bf16, the softmax computed in fp32 by its kernel (as an eager autocast
   forward does), the output back in the residual dtype. That halves the cache and the bytes a decode step reads from
   it. Where bf16 is emulated the cache and attention stay fp32, where they are faster (``kv_dtype``: :data:`KV_DTYPES`).
-  The residual stream, norms and RoPE stay fp32 either way, and outside autocast nothing changes.
+  The residual stream, norms and RoPE stay fp32 either way; the MLP's hidden activations stay in bf16 between its
+  matrices, as autocast's forward keeps them. Outside autocast nothing changes.
 * **Rows come and go.** :meth:`StaticDecoder.compact` keeps only the live rows (moved to the front of the same
   storage), :meth:`StaticDecoder.refill` encodes a new prompt into a row while the others go on (continuous
   batching), and ``prefill(copies=G)`` encodes a group's shared prompt once for its G rows.
