@@ -25,9 +25,9 @@ from torch import nn
 from tokengym.envs.tokenizer import char_tokenizer, check_tokenizer
 from tokengym.rewards.common import quiet_transformers
 
-__all__ = ["PRESETS", "skip_sklearn_import", "CHECKPOINTS", "ATTENTION", "preset_config", "build_preset", "load_model", "model_tokenizer",
-           "load_classifier",
-           "frozen_copy", "count_parameters", "use_tokengym_attention", "enable_checkpointing"]
+__all__ = ["PRESETS", "CHECKPOINTS", "ATTENTION", "preset_config", "build_preset", "load_model", "model_tokenizer",
+           "load_classifier", "frozen_copy", "count_parameters", "use_tokengym_attention", "enable_checkpointing",
+           "skip_sklearn_import"]
 
 CHECKPOINTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints")
 CHECKPOINTS: tuple[str, ...] = ("tiny-arithmetic", "tiny-calculator")
