@@ -72,6 +72,7 @@ abandoned: a learner that died without a word (killed, with ``--sync-dir``) free
 MAX_CONNECTIONS = 64
 """Connections a worker serves at once, one thread each (a learner holds one per worker, plus a short call now and
 then); more are answered 503 and closed."""
+_LOG_LOCK = threading.Lock()
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -261,8 +262,11 @@ class WorkerServer:
         self.address = f"{host}:{self.httpd.server_address[1]}"
 
     def log(self, text: str) -> None:
+        """One line on stderr, whole: handler threads log at once (``print`` writes the newline apart)."""
         if not self.quiet:
-            print(f"tokengym worker {self.address}: {text}", file=sys.stderr, flush=True)
+            with _LOG_LOCK:
+                sys.stderr.write(f"tokengym worker {self.address}: {text}\n")
+                sys.stderr.flush()
 
     def serve_forever(self) -> None:
         self.httpd.serve_forever(poll_interval=0.5)

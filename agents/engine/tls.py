@@ -28,7 +28,7 @@ __all__ = ["WorkerHTTPServer", "ClientTLS", "CertificateMismatch", "server_conte
 
 TLS_REFUSAL = 426  # a plain-HTTP request at a TLS worker
 PLAIN_REFUSAL = "this worker speaks plain HTTP, not TLS"
-HANDSHAKE_SECONDS = 30.0  # how long a connection may take to send its first byte and finish the handshake
+HANDSHAKE_SECONDS = 30.0  # how long a TLS handshake may take (and the first byte, where no read timeout is shorter)
 _HANDSHAKE = 0x16  # a TLS record's first byte (a ClientHello)
 
 
@@ -124,8 +124,9 @@ class WorkerHTTPServer(ThreadedServer):
         super().__init__(address, handler)
 
     def finish_request(self, request: Any, client_address: Any) -> None:
+        read_timeout = getattr(self.RequestHandlerClass, "read_timeout", None)  # (a silent client waits no longer)
         try:
-            request.settimeout(HANDSHAKE_SECONDS)
+            request.settimeout(HANDSHAKE_SECONDS if read_timeout is None else min(HANDSHAKE_SECONDS, read_timeout))
             first = request.recv(1, socket.MSG_PEEK)
         except OSError:
             return
@@ -143,6 +144,7 @@ class WorkerHTTPServer(ThreadedServer):
             request.settimeout(None)
             return super().finish_request(request, client_address)
         try:
+            request.settimeout(HANDSHAKE_SECONDS)
             conn = self.context.wrap_socket(request, server_side=True)  # (the handshake; closes itself on failure)
         except (OSError, ValueError):
             return

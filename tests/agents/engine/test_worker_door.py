@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import gymnasium as gym
 import pytest
 
-from tokengym.agents.engine import remote
+from tokengym.agents.engine import remote, tls
 from tokengym.agents.engine.remote import WorkerServer, call
 from tokengym.envs.json_http import too_deep
 
@@ -105,7 +105,8 @@ def test_one_content_length_repeated_alike_frames_the_body(worker):
 
 
 # ---------------------------------------------------------------------------------------------- connections
-def test_idle_connections_are_bounded_and_timed_out_and_a_learner_still_gets_in(worker):
+def test_idle_connections_are_bounded_and_timed_out_and_a_learner_still_gets_in(worker, monkeypatch):
+    monkeypatch.setattr(tls, "HANDSHAKE_SECONDS", 600.0)  # a silent client waits the read timeout, not the handshake's
     handler = worker.httpd.RequestHandlerClass
     handler.max_connections, handler.read_timeout = 4, 600.0  # (held for the whole first part)
     ours = lambda: [t for t in threading.enumerate() if t.name.endswith("(process_request_thread)")]  # noqa: E731
@@ -206,3 +207,14 @@ def test_the_documented_limits_are_the_code_s():
                   f"within {remote.READ_TIMEOUT:g} s", f"At most {remote.MAX_CONNECTIONS} connections",
                   f"has not asked for {remote.SESSION_IDLE:g} s"):
         assert claim in page, claim
+
+
+def test_lines_logged_by_many_handler_threads_at_once_stay_whole(worker, capfd):
+    capfd.readouterr()
+    threads = [threading.Thread(target=lambda i=i: [worker.log(f"line {i}.{j}") for j in range(300)]) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    lines = capfd.readouterr().err.splitlines()
+    assert len(lines) == 8 * 300 and all(re.fullmatch(rf"tokengym worker {worker.address}: line \d\.\d+", x) for x in lines)
