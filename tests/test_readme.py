@@ -157,6 +157,7 @@ def check_printed_claims(code: str, stdout: str) -> None:
 
 
 def check_first_run_vllm(out: str) -> None:
+    assert re.search(r"GRPOConfig: sampler=vllm\b", out), out[-2000:]  # (the config the run took)
     (start, end), = _percent_pair(out)
     assert start == 64.5 and end >= 70.0, (start, end)  # the page: 64.5% -> 73.4% through vLLM
 
