@@ -130,7 +130,7 @@ def sample_logits(
         tok = torch.multinomial(logp.exp(), 1, generator=generator)[:, 0]
     else:  # the first token whose cumulative probability exceeds u; never one of probability 0
         cdf = logp.exp().cumsum(-1)
-        total = cdf[:, -1:]
+        total = cdf[:, -1:].contiguous()  # (searchsorted warns once, on screen, about a strided value tensor)
         tok = torch.searchsorted(cdf, uniform.to(cdf)[:, None] * total, right=True)[:, 0]
         # u * total can round up to total (past every column): then the column where the cdf reaches its total
         tok = torch.minimum(tok, torch.searchsorted(cdf, total)[:, 0])

@@ -17,6 +17,8 @@ import importlib.util
 import json
 import os
 import pathlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -159,6 +161,14 @@ def test_inverse_cdf_sampling_matches_the_distribution():
     # u * total rounded up to the total (u = 1 here) lands past every column: the last token of probability > 0
     tok, _ = sample_logits(torch.tensor([[3.0, 2.0, 1.0, 0.0], [0.0, 1.0, 2.0, 3.0]]), top_k=2, uniform=torch.ones(2))
     assert tok.tolist() == [1, 3]
+
+
+def test_inverse_cdf_sampling_prints_no_warning():
+    """torch warns once per process, on stderr, about strided arguments of searchsorted: a fresh process, then."""
+    code = ("import torch; from tokengym.agents.engine.policy import sample_logits; "
+            "print(sample_logits(torch.randn(4, 50), uniform=torch.rand(4))[0].shape)")
+    out = subprocess.run([sys.executable, "-W", "always", "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "torch.Size([4])" and out.stderr == "", out.stderr
 
 
 def test_sharded_task_keeps_the_global_prompt_stream():
