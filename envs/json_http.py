@@ -23,7 +23,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-__all__ = ["JsonHandler", "ThreadedServer", "BadRequest", "error_reply", "too_deep"]
+__all__ = ["JsonHandler", "ThreadedServer", "BadRequest", "error_reply", "too_deep", "log_line"]
 
 
 class BadRequest(Exception):
@@ -40,6 +40,17 @@ def error_reply(code: int, text: str) -> bytes:
     body = json.dumps({"error": text}).encode()
     return (f"HTTP/1.1 {code} {HTTPStatus(code).phrase}\r\nContent-Type: application/json\r\nConnection: close\r\n"
             f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+_LOG_LOCK = threading.Lock()
+
+
+def log_line(text: str) -> None:
+    """``text`` as one whole line on stderr: a server's handler threads log at once, and ``print`` writes the
+    newline apart, so two lines could be glued together."""
+    with _LOG_LOCK:
+        sys.stderr.write(f"{text}\n")
+        sys.stderr.flush()
 
 
 class ThreadedServer(ThreadingHTTPServer):

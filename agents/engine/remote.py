@@ -34,7 +34,6 @@ import json
 import os
 import queue as queue_mod
 import socket
-import sys
 import threading
 import time
 import uuid
@@ -44,7 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tokengym.envs.json_http import BadRequest, JsonHandler
+from tokengym.envs.json_http import BadRequest, JsonHandler, log_line
 from tokengym.rewards.common import TokengymWarning, read_secret_file
 from tokengym.agents.engine.backends import BACKENDS
 from tokengym.agents.engine.messages import MessageError, check_manifest, encode_rollout
@@ -72,7 +71,6 @@ abandoned: a learner that died without a word (killed, with ``--sync-dir``) free
 MAX_CONNECTIONS = 64
 """Connections a worker serves at once, one thread each (a learner holds one per worker, plus a short call now and
 then); more are answered 503 and closed."""
-_LOG_LOCK = threading.Lock()
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -262,11 +260,8 @@ class WorkerServer:
         self.address = f"{host}:{self.httpd.server_address[1]}"
 
     def log(self, text: str) -> None:
-        """One line on stderr, whole: handler threads log at once (``print`` writes the newline apart)."""
         if not self.quiet:
-            with _LOG_LOCK:
-                sys.stderr.write(f"tokengym worker {self.address}: {text}\n")
-                sys.stderr.flush()
+            log_line(f"tokengym worker {self.address}: {text}")
 
     def serve_forever(self) -> None:
         self.httpd.serve_forever(poll_interval=0.5)

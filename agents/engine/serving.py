@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import hmac
 import json
-import sys
 import threading
 import time
 import uuid
 from typing import Any
 from urllib.parse import unquote
 
-from tokengym.envs.json_http import BadRequest, JsonHandler, ThreadedServer
+from tokengym.envs.json_http import BadRequest, JsonHandler, ThreadedServer, log_line
 from tokengym.envs import openai_api as api
 from tokengym.envs.chat import check_chat_template, end_of_turn_ids
 from tokengym.agents.engine.generation import GenerationRequest, PolicyGenerator, SamplingSettings
@@ -95,7 +94,7 @@ class PolicyServer:
 
     def log(self, text: str) -> None:
         if not self.quiet:
-            print(f"tokengym serve: {text}", file=sys.stderr, flush=True)
+            log_line(f"tokengym serve: {text}")
 
     def serve_forever(self) -> None:
         self.httpd.serve_forever(poll_interval=0.5)
