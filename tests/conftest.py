@@ -66,7 +66,7 @@ def pytest_testnodedown(node, error):
 
 
 # The longest files after the README's (measured with --durations=0), longest first: --dist loadfile hands out whole
-# files in this order (--no-loadscopereorder), so the last to start are short and both workers end together. A file
+# files in this order (--no-loadscope-reorder), so the last to start are short and both workers end together. A file
 # missing from the list only runs later; a name that is gone matches nothing.
 LONGEST_FIRST = ("test_readme", "test_async", "test_cli_train", "test_remote_workers", "test_vllm_agents",
                  "test_sharding", "test_algorithms", "test_ppo", "test_real_model", "test_dpo_learner", "test_cli_damage",
