@@ -48,7 +48,7 @@ from tokengym.agents.runtime.sharding import unwrapped_class
 from tokengym.rewards.common import quiet_transformers
 from tokengym.rewards.packing import Bins, check_packing, head_logits, place, plan
 
-__all__ = ["Policy", "AdapterDisabledReference", "make_reference", "position_ids", "row_uniforms", "sample_logits",
+__all__ = ["Policy", "AdapterDisabledReference", "inverse_cdf", "make_reference", "position_ids", "row_uniforms", "sample_logits",
            "lm_logprobs"]
 
 _MASK64 = (1 << 64) - 1
@@ -125,16 +125,46 @@ def sample_logits(
         cum = sorted_logits.softmax(-1).cumsum(-1)
         drop = (cum - sorted_logits.softmax(-1)) >= top_p  # keep the smallest prefix whose mass reaches top_p
         logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    if uniform is not None:  # one softmax pass, no log-softmax of the whole vocabulary (the draw's log-prob is one log)
+        probs = torch.softmax(logits, -1)
+        tok = inverse_cdf(probs, uniform)
+        return tok, probs.gather(-1, tok[:, None])[:, 0].log()
     logp = torch.log_softmax(logits, -1)
-    if uniform is None:
-        tok = torch.multinomial(logp.exp(), 1, generator=generator)[:, 0]
-    else:  # the first token whose cumulative probability exceeds u; never one of probability 0
-        cdf = logp.exp().cumsum(-1)
-        total = cdf[:, -1:].contiguous()  # (searchsorted warns once, on screen, about a strided value tensor)
-        tok = torch.searchsorted(cdf, uniform.to(cdf)[:, None] * total, right=True)[:, 0]
-        # u * total can round up to total (past every column): then the column where the cdf reaches its total
-        tok = torch.minimum(tok, torch.searchsorted(cdf, total)[:, 0])
+    tok = torch.multinomial(logp.exp(), 1, generator=generator)[:, 0]
     return tok, logp.gather(-1, tok[:, None])[:, 0]
+
+
+def _first_above(cdf: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per row of the cumulative sums ``cdf[N, K]``, the first column whose sum exceeds ``target[N, 1]``; where rounding
+    puts the target at or past the row's total, the column where the row reaches its total (whose mass is > 0)."""
+    total = cdf[:, -1:].contiguous()  # (searchsorted warns once, on screen, about a strided value tensor)
+    return torch.minimum(torch.searchsorted(cdf, target, right=True), torch.searchsorted(cdf, total))
+
+
+def inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    """Inverse-CDF sampling: per row of ``probs[N, V]`` (non-negative, any total), the first token whose cumulative
+    probability exceeds ``uniform[N]`` times the row's total; never a token of probability 0.
+
+    Two levels, for speed: the blocks of ``block`` tokens by their sums, then the tokens of the one block each row
+    lands in. A cumulative sum over the whole vocabulary runs serially (as long as a softmax of it); this costs one
+    vectorised sum. The result is the one-level search's except where rounding puts ``u`` at a token's boundary.
+
+    Example:
+        >>> inverse_cdf(torch.tensor([[0.1, 0.0, 0.6, 0.3]]).expand(4, -1), torch.tensor([0.0, 0.1, 0.69, 0.99]), block=2).tolist()
+        [0, 2, 2, 3]
+    """
+    N, V = probs.shape
+    whole = V - V % block
+    sums = probs[:, :whole].reshape(N, -1, block).sum(-1)
+    if whole < V:
+        sums = torch.cat([sums, probs[:, whole:].sum(-1, keepdim=True)], 1)
+    cdf = sums.cumsum(-1)
+    target = uniform.to(cdf)[:, None] * cdf[:, -1:]
+    b = _first_above(cdf, target)  # [N, 1]: the block, of mass > 0
+    rest = (target - (cdf.gather(1, b) - sums.gather(1, b))).clamp_(min=0)  # the target's offset inside the block
+    cols = b * block + torch.arange(block, device=probs.device)
+    inside = probs.gather(1, cols.clamp(max=V - 1)).masked_fill_(cols >= V, 0).cumsum(-1)
+    return (b * block + _first_above(inside, rest))[:, 0]
 
 
 def lm_logprobs(model: nn.Module, bins: Bins, tokens: torch.Tensor, mask: torch.Tensor, prompt_len: int,
