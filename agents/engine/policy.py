@@ -48,8 +48,8 @@ from tokengym.agents.runtime.sharding import unwrapped_class
 from tokengym.rewards.common import quiet_transformers
 from tokengym.rewards.packing import Bins, check_packing, head_logits, place, plan
 
-__all__ = ["Policy", "AdapterDisabledReference", "inverse_cdf", "make_reference", "position_ids", "row_uniforms", "sample_logits",
-           "lm_logprobs"]
+__all__ = ["Policy", "AdapterDisabledReference", "inverse_cdf", "make_reference", "position_ids", "row_uniforms",
+           "sample_logits", "lm_logprobs"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -146,16 +146,18 @@ def inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor, block: int = 1024) -
     probability exceeds ``uniform[N]`` times the row's total; never a token of probability 0.
 
     Two levels, for speed: the blocks of ``block`` tokens by their sums, then the tokens of the one block each row
-    lands in. A cumulative sum over the whole vocabulary runs serially (as long as a softmax of it); this costs one
-    vectorised sum. The result is the one-level search's except where rounding puts ``u`` at a token's boundary.
+    lands in. A cumulative sum over the whole vocabulary is a serial pass that costs about as much as the softmax
+    before it; the block sums are one vectorised pass. The result is the one-level search's except where rounding puts
+    ``u`` at a token's boundary.
 
     Example:
-        >>> inverse_cdf(torch.tensor([[0.1, 0.0, 0.6, 0.3]]).expand(4, -1), torch.tensor([0.0, 0.1, 0.69, 0.99]), block=2).tolist()
+        >>> probs = torch.tensor([[0.1, 0.0, 0.6, 0.3]]).expand(4, -1)  # blocks of 2: sums 0.1 and 0.9
+        >>> inverse_cdf(probs, torch.tensor([0.0, 0.1, 0.69, 0.99]), block=2).tolist()
         [0, 2, 2, 3]
     """
     N, V = probs.shape
     whole = V - V % block
-    sums = probs[:, :whole].reshape(N, -1, block).sum(-1)
+    sums = probs.unfold(1, block, block).sum(-1) if whole else probs.new_zeros(N, 0)  # a view: no copy of the rows
     if whole < V:
         sums = torch.cat([sums, probs[:, whole:].sum(-1, keepdim=True)], 1)
     cdf = sums.cumsum(-1)
