@@ -6,6 +6,7 @@ import os
 import pathlib
 import random
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -99,6 +100,23 @@ def _seed_everything():
     np.random.seed(0)
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture
+def lines_logged_at_once(capfd):
+    """``run(log)``: ``log`` called by 8 threads at once, 300 lines each (``"line {thread}.{n}"``); returns the lines that
+    reached stderr (a threaded server's handlers log like this)."""
+
+    def run(log) -> list[str]:
+        capfd.readouterr()
+        threads = [threading.Thread(target=lambda i=i: [log(f"line {i}.{j}") for j in range(300)]) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return capfd.readouterr().err.splitlines()
+
+    return run
 
 
 @pytest.fixture

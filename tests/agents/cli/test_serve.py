@@ -318,14 +318,8 @@ def test_the_command_serves_a_run_folders_final_model(tmp_path):
     assert code == 0 and "tokengym serve: stopped" in proc.stderr.read()
 
 
-def test_lines_logged_by_many_handler_threads_at_once_stay_whole(tiny, capfd, monkeypatch):
+def test_lines_logged_by_many_handler_threads_at_once_stay_whole(tiny, lines_logged_at_once, monkeypatch):
     _, server, _ = tiny
     monkeypatch.setattr(server, "quiet", False)
-    capfd.readouterr()
-    threads = [threading.Thread(target=lambda i=i: [server.log(f"line {i}.{j}") for j in range(300)]) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    lines = capfd.readouterr().err.splitlines()
+    lines = lines_logged_at_once(server.log)
     assert len(lines) == 8 * 300 and all(re.fullmatch(r"tokengym serve: line \d\.\d+", x) for x in lines)

@@ -209,12 +209,6 @@ def test_the_documented_limits_are_the_code_s():
         assert claim in page, claim
 
 
-def test_lines_logged_by_many_handler_threads_at_once_stay_whole(worker, capfd):
-    capfd.readouterr()
-    threads = [threading.Thread(target=lambda i=i: [worker.log(f"line {i}.{j}") for j in range(300)]) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    lines = capfd.readouterr().err.splitlines()
+def test_lines_logged_by_many_handler_threads_at_once_stay_whole(worker, lines_logged_at_once):
+    lines = lines_logged_at_once(worker.log)
     assert len(lines) == 8 * 300 and all(re.fullmatch(rf"tokengym worker {worker.address}: line \d\.\d+", x) for x in lines)
